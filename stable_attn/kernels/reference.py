@@ -1,0 +1,292 @@
+"""FlashAttention-2 with the dynamic-max fix, in PyTorch: the CPU path and the readable spec.
+
+This file follows docs/ALGORITHM.md line by line, with the same key-block partition and the same
+per-(row, block) decisions as the Triton kernel (``triton_attention.py``). It is vectorized over
+batch, heads and query rows; Python loops run only over query chunks and key blocks, so memory is
+bounded: one score tile ``[B, Hq, chunk, block_n]`` (about ``TILE_ELEMENTS`` fp32 values) plus a few
+same-sized temporaries, on top of the fp32 output accumulator (forward) or the fp32 gradient
+accumulators (backward).
+
+Layouts: q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nk, D]``. Internally q is viewed as
+``[B, Hkv, G, Nq, D]`` (``G = Hq // Hkv``) so grouped-query attention never repeats k or v.
+Scores live in base-2 units (``s2 = s * log2(e)``, see rules.py); ``lse`` is saved in base 2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..stats import RowStats
+from . import rules
+from .philox import keep_mask
+
+BLOCK_N = 64  # default key-block size; the Triton kernel uses the same partition by default
+TILE_ELEMENTS = 1 << 20  # fp32 elements in one score tile (4 MiB)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything that selects the computation, shared by the forward and the backward."""
+
+    causal: bool = False
+    scale: float = 1.0
+    window: int | None = None  # left sliding window: query at position p sees keys p-W < j <= p
+    softcap: float | None = None
+    dropout_p: float = 0.0
+    seed: int = 0
+    mode: int = rules.MODE_EXACT
+    beta: float = 2.0
+    block_n: int = 0  # key-block size; 0 = the backend's default (BLOCK_N here)
+
+    @property
+    def key_block(self) -> int:
+        return self.block_n or BLOCK_N
+
+
+class _Problem:
+    """Shapes and masks of one call, and the tile geometry derived from them."""
+
+    def __init__(self, q, k, key_padding_mask, attn_mask, opts: Options):
+        self.B, self.Hq, self.Nq, self.D = q.shape
+        self.Hkv, self.Nk = k.shape[1], k.shape[2]
+        self.G = self.Hq // self.Hkv
+        self.opts = opts
+        self.offset = self.Nk - self.Nq  # bottom-right alignment of causal / window
+        self.kpm = None if key_padding_mask is None else key_padding_mask[:, None, None, None, :]
+        self.attn_mask = None
+        if attn_mask is not None:
+            m = attn_mask
+            while m.dim() < 4:
+                m = m.unsqueeze(0)
+            hm = m.shape[1]
+            m = m.expand(m.shape[0], hm, self.Nq, self.Nk)
+            # [B|1, Hq|1, Nq, Nk] -> [B|1, Hkv|1, G|1, Nq, Nk] without copying
+            self.attn_mask = m.view(m.shape[0], self.Hkv, self.G, self.Nq, self.Nk) if hm != 1 else m[:, :, None]
+        per_row = self.B * self.Hq * opts.key_block
+        self.chunk = max(16, min(self.Nq, TILE_ELEMENTS // max(per_row, 1)))
+        self.qk_scale2 = opts.scale * rules.LOG2E
+
+    def key_blocks(self, q0: int, q1: int):
+        """Key blocks that hold a key visible to some query in [q0, q1) (others are fully masked)."""
+        bn = self.opts.key_block
+        lo, hi = 0, self.Nk
+        if self.opts.causal:
+            hi = min(hi, q1 - 1 + self.offset + 1)
+        if self.opts.window is not None:
+            lo = max(lo, q0 + self.offset - self.opts.window + 1)
+        for j0 in range((max(lo, 0) // bn) * bn, max(hi, 0), bn):
+            yield j0, min(j0 + bn, self.Nk)
+
+    def scores(self, q_c, k_b, q0, q1, j0, j1):
+        """Base-2 scores of a tile, ``[B, Hkv, G, cq, bn]``, fp32, masked entries ``-inf``.
+
+        Also returns ``tanh`` of the capped scores (for the softcap backward) or None.
+        """
+        B, Hkv, G = self.B, self.Hkv, self.G
+        x = torch.matmul(q_c, k_b.transpose(-1, -2)).view(B, Hkv, G, q1 - q0, j1 - j0)
+        t = None
+        if self.opts.softcap is not None:
+            cap = self.opts.softcap
+            t = torch.tanh(x * (self.opts.scale / cap))
+            s2 = t * (cap * rules.LOG2E)
+        else:
+            s2 = x * self.qk_scale2
+        if self.attn_mask is not None:
+            am = self.attn_mask[..., q0:q1, j0:j1]
+            if am.dtype == torch.bool:
+                s2 = s2.masked_fill(~am, -math.inf)
+            else:
+                s2 = s2 + am.float() * rules.LOG2E
+        visible = self.visible(q0, q1, j0, j1, s2.device)
+        if visible is not None:
+            s2 = s2.masked_fill(~visible, -math.inf)
+        return s2, t
+
+    def visible(self, q0, q1, j0, j1, device):
+        """Structural visibility (padding, causal, window) of a tile, or None if all visible."""
+        vis = None
+        if self.kpm is not None:
+            vis = self.kpm[..., j0:j1]
+        opts = self.opts
+        pos = None
+        if opts.causal or opts.window is not None:
+            pos = torch.arange(q0, q1, device=device)[:, None] + self.offset
+            key = torch.arange(j0, j1, device=device)[None, :]
+        if opts.causal and j1 - 1 > q0 + self.offset:
+            c = key <= pos
+            vis = c if vis is None else vis & c
+        if opts.window is not None and j0 <= q1 - 1 + self.offset - opts.window:
+            w = key > pos - opts.window
+            vis = w if vis is None else vis & w
+        return vis
+
+    def dropout_keep(self, q0, q1, j0, j1, device):
+        """Keep mask of a tile, ``[B, Hkv, G, cq, bn]``, from the counter-based generator."""
+        B, Hkv, G = self.B, self.Hkv, self.G
+        b = torch.arange(B, device=device).view(B, 1, 1, 1, 1)
+        h = (torch.arange(Hkv, device=device).view(1, Hkv, 1, 1, 1) * G
+             + torch.arange(G, device=device).view(1, 1, G, 1, 1))
+        i = torch.arange(q0, q1, device=device).view(1, 1, 1, -1, 1)
+        j = torch.arange(j0, j1, device=device).view(1, 1, 1, 1, -1)
+        offset = ((b * self.Hq + h) * self.Nq + i) * self.Nk + j
+        return keep_mask(self.opts.seed, offset, self.opts.dropout_p)
+
+
+def _grouped(x: torch.Tensor, p: _Problem) -> torch.Tensor:
+    return x.view(p.B, p.Hkv, p.G, p.Nq, x.shape[-1])
+
+
+def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Options = Options(),
+                      with_stats: bool = False):
+    """Forward pass. Returns ``(out, lse2, row_stats)``; ``row_stats`` is None unless requested."""
+    p = _Problem(q, k, key_padding_mask, attn_mask, opts)
+    B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
+    dtype = q.dtype
+    tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
+    sat_tol2 = rules.sat_tolerance2(dtype)
+    keep_scale = 1.0 / (1.0 - opts.dropout_p) if opts.dropout_p > 0 else 1.0
+    neg_inf = -math.inf
+
+    qg = _grouped(q, p)
+    out = torch.empty_like(q)
+    outg = _grouped(out, p)
+    lse2 = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
+    if with_stats:
+        st_sat = torch.empty(B, Hkv, G, Nq, dtype=torch.bool, device=q.device)
+        st_fixed = torch.empty(B, Hkv, G, Nq, dtype=torch.int32, device=q.device)
+        st_max = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
+        st_p0 = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
+    kf, vf = k.float(), v.float()
+
+    for q0 in range(0, Nq, p.chunk):
+        q1 = min(q0 + p.chunk, Nq)
+        cq = q1 - q0
+        q_c = qg[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
+        row = (B, Hkv, G, cq)
+        m = torch.full(row, neg_inf, device=q.device)  # true running max
+        r = torch.full(row, neg_inf, device=q.device)  # offset subtracted before exp2
+        l = torch.zeros(row, device=q.device)
+        acc = torch.zeros(B, Hkv, G * cq, D, device=q.device)
+        fixed = torch.zeros(row, dtype=torch.int32, device=q.device) if with_stats else None
+        near_max = torch.zeros(row, dtype=torch.int32, device=q.device) if with_stats else None
+        s_first = torch.full(row, neg_inf, device=q.device)
+
+        for j0, j1 in p.key_blocks(q0, q1):
+            s2, _ = p.scores(q_c, kf[:, :, j0:j1], q0, q1, j0, j1)
+            if j0 == 0:
+                s_first = s2[..., 0]
+            m_blk = s2.amax(dim=-1)
+            m_new = torch.maximum(m, m_blk)
+            has_key = m_blk > neg_inf
+
+            if opts.mode == rules.MODE_EXACT:
+                r_cand = torch.maximum(r, m_blk)
+                # P-bar would be exactly 1.0 at two or more keys of this block
+                fire = ((s2 >= (r_cand - tie2)[..., None]).sum(-1) >= 2) & has_key
+                r_new = torch.where(fire, rules.shifted_offset(m_new, opts.beta, min_shift2, max_shift2),
+                                    r_cand)
+            elif opts.mode == rules.MODE_PAPER:
+                fire = ((s2 >= (m_blk - tie2)[..., None]).sum(-1) > 1) & has_key
+                m_adj = torch.where(fire & (m_blk > 0), opts.beta * m_blk,
+                                    torch.where(fire & (m_blk < 0), torch.zeros_like(m_blk), m_blk))
+                fire = fire & (m_blk != 0)
+                r_new = torch.maximum(r, m_adj)
+            else:
+                fire = None
+                r_new = torch.maximum(r, m_blk)
+
+            if with_stats:
+                # keys within the tie tolerance of the true max, saturating at 2 (exact, see ALGORITHM.md)
+                in_blk = (s2 >= (m_new - sat_tol2)[..., None]).sum(-1, dtype=torch.int32)
+                carried = torch.where(m_new == m, near_max,
+                                      (m >= m_new - sat_tol2).to(torch.int32))
+                near_max = torch.clamp(carried + in_blk, max=2)
+                if fire is not None:
+                    fixed += fire.to(torch.int32)
+
+            r_safe = torch.where(r_new == neg_inf, torch.zeros_like(r_new), r_new)
+            alpha = torch.exp2(r - r_safe)  # 0 while no key was seen (r = -inf)
+            p_bar = torch.exp2(s2 - r_safe[..., None])
+            l = l * alpha + p_bar.sum(-1)
+            if opts.dropout_p > 0:
+                keep = p.dropout_keep(q0, q1, j0, j1, q.device)
+                p_bar = torch.where(keep, p_bar * keep_scale, torch.zeros_like(p_bar))
+            # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
+            p_cast = p_bar.to(dtype).float().view(B, Hkv, G * cq, j1 - j0)
+            acc = acc * alpha.view(B, Hkv, G * cq, 1) + torch.matmul(p_cast, vf[:, :, j0:j1])
+            m, r = m_new, r_new
+
+        seen = m > neg_inf
+        o = acc.view(B, Hkv, G, cq, D) / l[..., None]
+        # a row that sees no key outputs zeros; an underflowed row sum (paper mode) stays NaN
+        o = torch.where(seen[..., None], o, torch.zeros_like(o))
+        outg[:, :, :, q0:q1] = o.to(dtype)
+        lse = r + torch.log2(l)
+        lse2[..., q0:q1] = torch.where(seen, lse, torch.full_like(lse, math.inf))
+        if with_stats:
+            st_sat[..., q0:q1] = near_max >= 2
+            st_fixed[..., q0:q1] = fixed
+            st_max[..., q0:q1] = m / rules.LOG2E
+            st_p0[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])
+
+    lse2 = lse2.view(B, p.Hq, Nq)
+    row_stats = None
+    if with_stats:
+        shape = (B, p.Hq, Nq)
+        row_stats = RowStats(st_sat.view(shape), st_fixed.view(shape), st_max.view(shape), st_p0.view(shape))
+    return out, lse2, row_stats
+
+
+def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=None,
+                       opts: Options = Options()):
+    """FlashAttention-2 backward: recompute ``P = exp2(s2 - lse2)`` per tile; returns dq, dk, dv.
+
+    ``delta = rowsum(dO * O)`` replaces the softmax Jacobian's row term. ``P`` (for dV) and ``dS``
+    (for dQ and dK) are cast to the input dtype before their products, as FA2 does; accumulation is
+    fp32. The stabilization does not appear here: it changed only the offset, not ``O`` or ``lse``.
+    """
+    p = _Problem(q, k, key_padding_mask, attn_mask, opts)
+    B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
+    dtype = q.dtype
+    keep_scale = 1.0 / (1.0 - opts.dropout_p) if opts.dropout_p > 0 else 1.0
+
+    qg, dog, og = _grouped(q, p), _grouped(do, p), _grouped(out, p)
+    lse2g = lse2.view(B, Hkv, G, Nq)
+    kf, vf = k.float(), v.float()
+    dq = torch.zeros(B, Hkv, G, Nq, D, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    delta = (dog.float() * og.float()).sum(-1)  # [B, Hkv, G, Nq]
+
+    for q0 in range(0, Nq, p.chunk):
+        q1 = min(q0 + p.chunk, Nq)
+        cq = q1 - q0
+        q_c = qg[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
+        do_c = dog[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
+        lse_c = lse2g[..., q0:q1, None]
+        delta_c = delta[..., q0:q1, None]
+        dq_c = torch.zeros(B, Hkv, G * cq, D, device=q.device)
+        for j0, j1 in p.key_blocks(q0, q1):
+            bn = j1 - j0
+            s2, t = p.scores(q_c, kf[:, :, j0:j1], q0, q1, j0, j1)
+            prob = torch.exp2(s2 - lse_c)  # [B, Hkv, G, cq, bn]
+            dp = torch.matmul(do_c, vf[:, :, j0:j1].transpose(-1, -2)).view(B, Hkv, G, cq, bn)
+            if opts.dropout_p > 0:
+                keep = p.dropout_keep(q0, q1, j0, j1, q.device)
+                prob_d = torch.where(keep, prob * keep_scale, torch.zeros_like(prob))
+                dp = torch.where(keep, dp * keep_scale, torch.zeros_like(dp))
+            else:
+                prob_d = prob
+            p_cast = prob_d.to(dtype).float().view(B, Hkv, G * cq, bn)
+            dv[:, :, j0:j1] += torch.matmul(p_cast.transpose(-1, -2), do_c)
+            ds = prob * (dp - delta_c)
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            ds_cast = (ds * opts.scale).to(dtype).float().view(B, Hkv, G * cq, bn)
+            dq_c += torch.matmul(ds_cast, kf[:, :, j0:j1])
+            dk[:, :, j0:j1] += torch.matmul(ds_cast.transpose(-1, -2), q_c)
+        dq[:, :, :, q0:q1] = dq_c.view(B, Hkv, G, cq, D)
+    return dq.view(q.shape).to(dtype), dk.to(dtype), dv.to(dtype)

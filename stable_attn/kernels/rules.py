@@ -1,0 +1,78 @@
+"""The constants of the stabilization rule, in one place.
+
+The PyTorch reference (``reference.py``) and the Triton kernels (``triton_attention.py``) both
+implement docs/ALGORITHM.md with these numbers. Everything here is in *base-2 units*: the kernels
+work with ``s2 = s * log2(e)`` and ``exp2``, the instruction GPUs execute, so every threshold below
+is a natural-log quantity multiplied by ``LOG2E``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG2E = 1.4426950408889634
+
+# Stabilization modes, as integers so they can be compile-time constants of a kernel.
+MODE_OFF = 0  # plain FlashAttention-2: subtract the running max
+MODE_EXACT = 1  # our rule: exact trigger, minimum shift, capped shift
+MODE_PAPER = 2  # the published rule, verbatim (scores within 1e-3 of the block max; beta*m or 0)
+
+# The published code's tie window, in natural units of the scaled score.
+PAPER_TIE_WINDOW = 1e-3
+
+# Minimum shift (nats) when the rule fires: the paper's rule moves nothing when m == 0 and almost
+# nothing for tiny m. exp(-0.5) = 0.607 is far from 1.0 and from any power of two in every dtype.
+MIN_SHIFT = 0.5
+
+# Largest shift (nats). After the shift the row's largest P-bar is exp(-cap). bf16 and fp32 keep
+# 8 exponent bits (smallest normal 2^-126 = e^-87.3): with cap 64 every entry within e^-23 of the
+# row max is still a normal number, far below what fp32 accumulation can see (2^-24 = e^-16.6).
+# fp16's smallest normal is 2^-14 = e^-9.7: with cap 2 every entry that can still matter at fp16
+# precision (within 2^-11 = e^-7.6 of the max) stays normal.
+MAX_SHIFT = {torch.bfloat16: 64.0, torch.float16: 2.0, torch.float32: 64.0}
+
+# Significand bits (stored) of the dtype P-bar is cast to before the P-bar V product.
+_STORED_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+SUPPORTED_DTYPES = tuple(_STORED_BITS)
+
+
+def tie_tolerance(dtype: torch.dtype) -> float:
+    """Largest ``x >= 0`` (nats) such that ``exp(-x)`` rounds to 1.0 when cast to ``dtype``.
+
+    The representable number just below 1.0 is ``1 - 2^-(bits+1)``; the midpoint between it and 1.0
+    is ``1 - 2^-(bits+2)``, and round-to-nearest-even sends the midpoint to 1.0 (even significand).
+    So ``P-bar = exp(s - r)`` becomes exactly 1.0 iff ``s - r >= log(1 - 2^-(bits+2))``.
+    For bf16 that is 1.955e-3 nats: the paper's heuristic 1e-3 is about half of it.
+    """
+    bits = _STORED_BITS[dtype]
+    return -math.log1p(-(2.0 ** -(bits + 2)))
+
+
+def rule_constants(dtype: torch.dtype, mode: int) -> tuple[float, float, float]:
+    """``(tie_tol2, min_shift2, max_shift2)`` in base-2 units for ``dtype`` and ``mode``.
+
+    In paper mode the tie window is the published 1e-3 and the shift is neither floored nor capped
+    (min 0, max +inf), so the caller reproduces the published rule exactly.
+    """
+    if mode == MODE_PAPER:
+        return PAPER_TIE_WINDOW * LOG2E, 0.0, math.inf
+    return tie_tolerance(dtype) * LOG2E, MIN_SHIFT * LOG2E, MAX_SHIFT[dtype] * LOG2E
+
+
+def sat_tolerance2(dtype: torch.dtype) -> float:
+    """The saturation statistic's window (base 2): ``P-bar`` of the row max would round to 1.0."""
+    return tie_tolerance(dtype) * LOG2E
+
+
+def shifted_offset(m2: torch.Tensor, beta: float, min_shift2: float, max_shift2: float) -> torch.Tensor:
+    """The offset subtracted when the rule fires, for a row whose true running max is ``m2``.
+
+    The published rule subtracts ``beta*m`` (m > 0) or ``0`` (m < 0), i.e. shifts the offset above
+    the max by ``(beta-1)*m`` or ``-m``. We clamp that shift to ``[min_shift, max_shift]``. The
+    result is non-decreasing in ``m``, which keeps the running offset monotone (see ALGORITHM.md).
+    """
+    paper_shift = torch.where(m2 > 0, (beta - 1.0) * m2, -m2)
+    return m2 + paper_shift.clamp(min=min_shift2, max=max_shift2)

@@ -1,0 +1,151 @@
+"""AttentionStats: what the kernels measure about attention rows, per query head.
+
+The kernels write one value per query row as a side output of the forward pass (no second pass
+over the scores); :meth:`AttentionStats.update` reduces them per head and accumulates over batch
+and calls until :meth:`reset`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RowStats:
+    """Per-row side outputs of one attention forward, each shaped ``[B, Hq, Nq]``.
+
+    - ``saturated``: bool, two or more keys lie within the dtype's tie tolerance of the row max
+      (their ``P-bar`` would round to 1.0 against the true max; independent of block size);
+    - ``fixed_blocks``: int32, key blocks of this row where the stabilization shifted the offset;
+    - ``max_logit``: float32, the row's max scaled score (``-inf`` when no key is visible);
+    - ``first_key_prob``: float32, softmax probability on key 0 (0 when key 0 is masked).
+    """
+
+    saturated: torch.Tensor
+    fixed_blocks: torch.Tensor
+    max_logit: torch.Tensor
+    first_key_prob: torch.Tensor
+
+
+class AttentionStats:
+    """Accumulated attention-row statistics, per query head.
+
+    Pass one as ``stats=`` to :func:`stable_attn.attention` (or attach one per layer with
+    :func:`stable_attn.integrations.transformers.attach_stats`). Tensors are created lazily on the
+    device of the first update and accumulate over batch and calls until :meth:`reset`:
+
+    - ``rows``: query rows seen (int64 ``[H]``);
+    - ``saturated_rows``: rows with two or more keys whose ``P-bar`` would round to 1.0 against the
+      row max in the dtype ``P-bar`` is cast to (int64 ``[H]``);
+    - ``fixed_blocks``: (row, key block) pairs where the stabilization shifted the offset (int64 ``[H]``);
+    - ``max_logit``: max scaled attention score (float32 ``[H]``, ``-inf`` before any update);
+    - ``sink_mass``: mean softmax probability on key 0 (float32 ``[H]``).
+
+    ``enabled`` lets a training loop switch collection off on steps it does not log; integrations
+    only pass an instance to the op while it is True.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.reset()
+
+    def reset(self) -> None:
+        self.rows: torch.Tensor | None = None
+        self.saturated_rows: torch.Tensor | None = None
+        self.fixed_blocks: torch.Tensor | None = None
+        self.max_logit: torch.Tensor | None = None
+        self._first_key_prob_sum: torch.Tensor | None = None
+        self.calls = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.rows is None
+
+    @torch.no_grad()
+    def update(self, row_stats: RowStats) -> None:
+        """Fold one forward's per-row outputs into the per-head totals."""
+        sat = row_stats.saturated
+        batch, heads, n_rows = sat.shape
+        rows = torch.full((heads,), batch * n_rows, dtype=torch.int64, device=sat.device)
+        saturated = sat.sum(dim=(0, 2), dtype=torch.int64)
+        fixed = row_stats.fixed_blocks.sum(dim=(0, 2), dtype=torch.int64)
+        max_logit = row_stats.max_logit.float().amax(dim=(0, 2))
+        prob_sum = row_stats.first_key_prob.float().sum(dim=(0, 2))
+        if self.rows is None or self.rows.shape != rows.shape:
+            if self.rows is not None:
+                raise ValueError(
+                    f"stats: this AttentionStats holds {self.rows.shape[0]} heads but the update has "
+                    f"{heads}; use one AttentionStats per attention layer or call reset()"
+                )
+            self.rows, self.saturated_rows, self.fixed_blocks = rows, saturated, fixed
+            self.max_logit, self._first_key_prob_sum = max_logit, prob_sum
+        else:
+            self.rows += rows
+            self.saturated_rows += saturated
+            self.fixed_blocks += fixed
+            torch.maximum(self.max_logit, max_logit, out=self.max_logit)
+            self._first_key_prob_sum += prob_sum
+        self.calls += 1
+
+    @property
+    def sink_mass(self) -> torch.Tensor | None:
+        """Mean softmax probability on key 0, per head."""
+        if self.rows is None:
+            return None
+        return self._first_key_prob_sum / self.rows.clamp(min=1)
+
+    @property
+    def saturation(self) -> torch.Tensor | None:
+        """Fraction of query rows that were saturated, per head."""
+        if self.rows is None:
+            return None
+        return self.saturated_rows.double() / self.rows.clamp(min=1)
+
+    @property
+    def fixed_rate(self) -> torch.Tensor | None:
+        """Stabilization shifts per query row (a row contributes one per key block that fired)."""
+        if self.rows is None:
+            return None
+        return self.fixed_blocks.double() / self.rows.clamp(min=1)
+
+    def summary(self) -> dict[str, float]:
+        """Scalars over all heads (for logging): saturation, fixed_rate, max_logit, sink_mass."""
+        if self.rows is None:
+            return {}
+        rows = self.rows.sum().clamp(min=1).double()
+        return {
+            "saturation": (self.saturated_rows.sum().double() / rows).item(),
+            "fixed_rate": (self.fixed_blocks.sum().double() / rows).item(),
+            "max_logit": self.max_logit.max().item(),
+            "sink_mass": (self._first_key_prob_sum.sum().double() / rows).item(),
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "rows": self.rows,
+            "saturated_rows": self.saturated_rows,
+            "fixed_blocks": self.fixed_blocks,
+            "max_logit": self.max_logit,
+            "first_key_prob_sum": self._first_key_prob_sum,
+            "calls": self.calls,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows = state["rows"]
+        self.saturated_rows = state["saturated_rows"]
+        self.fixed_blocks = state["fixed_blocks"]
+        self.max_logit = state["max_logit"]
+        self._first_key_prob_sum = state["first_key_prob_sum"]
+        self.calls = state["calls"]
+
+    def __repr__(self) -> str:
+        if self.rows is None:
+            return "AttentionStats(empty)"
+        s = self.summary()
+        return (
+            f"AttentionStats(heads={self.rows.shape[0]}, rows={int(self.rows.sum())}, "
+            f"saturation={s['saturation']:.4f}, fixed_rate={s['fixed_rate']:.4f}, "
+            f"max_logit={s['max_logit']:.3f}, sink_mass={s['sink_mass']:.4f})"
+        )
