@@ -1,0 +1,234 @@
+"""Launchers for the Triton FlashAttention-2 kernels with the dynamic-max fix.
+
+``forward`` and ``backward`` are what ``stable_attn.attention`` calls for ``backend="triton"``; they
+take ``reference.Options`` and return exactly what ``reference.attention_forward`` /
+``attention_backward`` return, computed by the kernels in ``triton_forward.py`` and
+``triton_backward.py`` (no autograd anywhere on this path).
+
+Block sizes. The forward's key block ``BLOCK_N`` *is* the partition the stabilization rule sees, so
+it is never tuned: ``opts.block_n`` or ``reference.BLOCK_N`` (64). Everything else (query block,
+warps, pipeline stages, and all backward tiles, which make no per-block decision) comes from the
+small table in :func:`fwd_config` / :func:`bwd_config`, chosen by head dim and GPU generation so the
+kernels fit in shared memory and do not spill (see benchmarks/kernel_resources.py).
+
+fp32 inputs run the same kernels with IEEE-exact fp32 dots (``input_precision="ieee"``, no TF32):
+correct and memory-efficient, but without tensor cores, so slower than the 16-bit paths.
+
+Under ``TRITON_INTERPRET=1`` (CPU tensors, the tests) the kernels get ``UPCAST=True``: the
+interpreter cannot do bf16 arithmetic or bf16 ``tl.dot``, so operands are widened to fp32 after
+loading while every rounding point stays an explicit cast to the input dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..stats import RowStats
+from . import reference, rules
+from .triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess
+from .triton_forward import attn_fwd_kernel
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Forward tiling: ``block_m`` query rows per program (``block_n`` comes from the partition)."""
+
+    block_m: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Backward tiling: dK/dV programs hold ``n1`` keys and step over ``m1`` queries; dQ programs
+    hold ``m2`` queries and step over ``n2`` keys."""
+
+    m1: int
+    n1: int
+    m2: int
+    n2: int
+    num_warps: int
+    num_stages: int
+
+
+def head_block(d: int) -> int:
+    """Head dim padded to a power of two >= 16 (tl.dot's minimum); the padding is masked on load."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int) -> FwdConfig:
+    """Forward tiling by padded head dim and compute capability (major*10+minor).
+
+    The query tile and the fp32 accumulator live in registers; K and V tiles are pipelined through
+    shared memory (``num_stages`` copies). D=256 halves the query tile and the pipeline depth to
+    fit A100's 163 KiB; fp32 halves again.
+    """
+    wide = 2 if dtype == torch.float32 else 1  # fp32 tiles take twice the bytes
+    if block_d <= 64:
+        cfg = FwdConfig(128, 4, 3)
+    elif block_d <= 128:
+        cfg = FwdConfig(128, 8, 3 if cc >= 90 else 2)
+    else:
+        cfg = FwdConfig(64, 8 if cc >= 90 else 4, 2)
+    if wide > 1 or block_n > 64:
+        cfg = FwdConfig(max(32, cfg.block_m // 2), cfg.num_warps, max(1, cfg.num_stages - 1))
+    return cfg
+
+
+def bwd_config(block_d: int, dtype: torch.dtype, cc: int) -> BwdConfig:
+    """Backward tiling by padded head dim and compute capability (no partition constraint here)."""
+    if block_d <= 64:
+        cfg = BwdConfig(64, 64, 64, 64, 4, 3)
+    elif block_d <= 128:
+        cfg = BwdConfig(32, 64, 64, 32, 4, 2 if cc < 90 else 3)
+    else:
+        cfg = BwdConfig(16, 32, 32, 16, 4, 1 if cc < 90 else 2)
+    if dtype == torch.float32:
+        cfg = BwdConfig(max(16, cfg.m1 // 2), cfg.n1, cfg.m2, max(16, cfg.n2 // 2), cfg.num_warps,
+                        max(1, cfg.num_stages - 1))
+    return cfg
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _capability(device: torch.device) -> int:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return major * 10 + minor
+    return 90  # interpreter: tile like Hopper so the tests exercise the GPU tiling
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError(f"the Triton kernels need CUDA tensors (got device={q.device}) or TRITON_INTERPRET=1 "
+                         "set before triton is imported; use backend='torch' for the CPU path")
+
+
+def _dense_last(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index the head dim with stride 1; other strides may be anything."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _precision(dtype: torch.dtype, upcast: bool) -> str:
+    # fp32 operands (fp32 inputs, or 16-bit inputs widened for the interpreter) must not go through
+    # TF32; 16-bit operands ignore the setting.
+    return "ieee" if upcast or dtype == torch.float32 else "tf32"
+
+
+def _scalars(opts: reference.Options, dtype: torch.dtype) -> dict:
+    """Kernel scalars, computed with the same Python expressions as reference.py (same fp32 values)."""
+    cap = opts.softcap
+    return dict(
+        window=opts.window if opts.window is not None else 0,
+        qk_scale2=opts.scale * rules.LOG2E,
+        cap_scale=opts.scale / cap if cap is not None else 1.0,
+        cap_log2e=cap * rules.LOG2E if cap is not None else 1.0,
+        seed=opts.seed,
+        drop_p=opts.dropout_p,
+        keep_scale=1.0 / (1.0 - opts.dropout_p) if opts.dropout_p > 0 else 1.0,
+    )
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+            opts: reference.Options, with_stats: bool, *, config: FwdConfig | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
+    """Attention forward on the GPU (or the interpreter): ``(out, lse2, row_stats)`` like the reference.
+
+    ``lse2`` is the base-2 log-sum-exp ``[B, Hq, Nq]`` (fp32, ``+inf`` for rows that see no key).
+    ``config`` overrides the tiling (tests use it to exercise several query-block sizes).
+    """
+    _check_device(q)
+    q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    upcast = interpreting()
+    block_n = opts.block_n or reference.BLOCK_N
+    block_d = head_block(D)
+    cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device))
+
+    out = torch.empty_like(q)
+    lse2 = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    if with_stats:
+        sat = torch.empty(B, Hq, Nq, dtype=torch.int8, device=q.device)
+        fixed = torch.empty(B, Hq, Nq, dtype=torch.int32, device=q.device)
+        max_logit = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+        p0 = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    else:
+        sat = fixed = max_logit = p0 = lse2  # never touched: STATS is a compile-time False
+    kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
+    kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
+    tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
+    sc = _scalars(opts, dtype)
+
+    grid = (triton.cdiv(Nq, cfg.block_m), Hq, B)
+    attn_fwd_kernel[grid](
+        q, k, v, kpm, out, lse2, sat, fixed, max_logit, p0,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
+        Hq, Hq // Hkv, Nq, Nk, sc["window"],
+        sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, rules.sat_tolerance2(dtype), min_shift2,
+        max_shift2, opts.beta, opts.beta - 1.0, sc["seed"], sc["drop_p"], sc["keep_scale"],
+        CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None,
+        HAS_KPM=key_padding_mask is not None, MODE=opts.mode, STATS=with_stats, DROPOUT=opts.dropout_p > 0,
+        HEAD_D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+        DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    row_stats = RowStats(sat.view(torch.bool), fixed, max_logit, p0) if with_stats else None
+    return out, lse2, row_stats
+
+
+def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse2: torch.Tensor, key_padding_mask: torch.Tensor | None, opts: reference.Options, *,
+             config: BwdConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention-2 backward from the saved ``out`` and base-2 ``lse2``: ``(dq, dk, dv)``."""
+    _check_device(q)
+    q, k, v, out, do = (_dense_last(x) for x in (q, k, v, out, do))
+    lse2 = lse2.contiguous()
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    dtype = q.dtype
+    upcast = interpreting()
+    block_d = head_block(D)
+    cfg = config or bwd_config(block_d, dtype, _capability(q.device))
+
+    delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, B)](
+        out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        Hq, Nq, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=64,
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
+    kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
+    sc = _scalars(opts, dtype)
+    common = dict(
+        CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None,
+        HAS_KPM=key_padding_mask is not None, DROPOUT=opts.dropout_p > 0, HEAD_D=D, BLOCK_D=block_d,
+        DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    scalars = (kpm_stride, Hq, G, Nq, Nk, sc["window"], sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"],
+               opts.scale, sc["seed"], sc["drop_p"], sc["keep_scale"])
+    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    attn_bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.n1), Hkv, B)](
+        q, k, v, kpm, do, lse2, delta, dk, dv, *qkv_strides,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *scalars,
+        BLOCK_M=cfg.m1, BLOCK_N=cfg.n1, **common,
+    )
+    attn_bwd_dq_kernel[(triton.cdiv(Nq, cfg.m2), Hq, B)](
+        q, k, v, kpm, do, lse2, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2), *scalars,
+        BLOCK_M=cfg.m2, BLOCK_N=cfg.n2, **common,
+    )
+    return dq, dk, dv

@@ -1,0 +1,286 @@
+"""Triton backward kernels: FlashAttention-2 backward, the same arithmetic as ``reference.attention_backward``.
+
+Three launches, no atomics, so the gradients are deterministic:
+
+1. ``attn_bwd_preprocess``: ``delta = rowsum(dO * O)`` in fp32, one value per query row;
+2. ``attn_bwd_dkdv_kernel``: one program per (key block, batch, kv head). It loops over the ``G``
+   query heads that share the kv head (GQA without repeating k/v and without partial buffers) and,
+   for each, over the query blocks that see the key block, accumulating dK and dV in fp32;
+3. ``attn_bwd_dq_kernel``: one program per (query block, batch, query head), looping over the key
+   blocks like the forward and accumulating dQ in fp32.
+
+Both gradient kernels recompute ``P = exp2(s2 - lse2)`` from the saved base-2 log-sum-exp. The
+stabilization does not appear here: it changed only the offset, not ``O`` or ``lse``. Rounding
+points as in the reference: ``P`` (after dropout scaling) is cast to the input dtype before
+``P^T dO``; ``dS * scale`` is cast to the input dtype before ``dS K`` and ``dS^T Q``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_forward import key_range, scores_tile, tanh_f32
+
+
+@triton.jit
+def attn_bwd_preprocess(Out, DO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+                        Hq, Nq, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    start_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_D)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    tl.store(Delta + (b * Hq + h) * Nq + offs_m, tl.sum(o * do, 1), mask=offs_m < Nq)
+
+
+@triton.jit
+def dkdv_block(dk, dv, k, v, kp, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n, offs_d,
+               stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
+               seed, drop_p, keep_scale, drop_head,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+               HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+               DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One query block's contribution to dK, dV of a key block, in transposed ``[BLOCK_N, BLOCK_M]`` tiles."""
+    offs_m = start_m + offs_m0
+    row_ok = offs_m < Nq
+    q_mask = row_ok[:, None]
+    if HEAD_D != BLOCK_D:
+        q_mask = q_mask & (offs_d[None, :] < HEAD_D)
+    q = tl.load(q_ptrs + start_m * stride_qn, mask=q_mask, other=0.0)
+    do = tl.load(do_ptrs + start_m * stride_don, mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    # rows past Nq get lse = +inf, hence P = 0 and no contribution
+    lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
+
+    x = tl.dot(k, tl.trans(q), input_precision=PREC)
+    if SOFTCAP:
+        t = tanh_f32(x * cap_scale)
+        s2 = t * cap_log2e
+    else:
+        s2 = x * qk_scale2
+    if HAS_KPM:
+        s2 = tl.where(kp[:, None], s2, float("-inf"))
+    if MASK:
+        vis = offs_n[:, None] < Nk
+        pos = offs_m[None, :] + pos_offset
+        if CAUSAL:
+            vis = vis & (offs_n[:, None] <= pos)
+        if WINDOW:
+            vis = vis & (offs_n[:, None] > pos - window)
+        s2 = tl.where(vis, s2, float("-inf"))
+    p = tl.exp2(s2 - lse[None, :])
+    dp = tl.dot(v, tl.trans(do), input_precision=PREC)
+    if DROPOUT:
+        keep = tl.rand(seed, drop_head + offs_m[None, :].to(tl.int64) * Nk + offs_n[:, None]) >= drop_p
+        p_drop = tl.where(keep, p * keep_scale, 0.0)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    else:
+        p_drop = p
+    p_cast = p_drop.to(DTYPE)
+    if UPCAST:
+        p_cast = p_cast.to(tl.float32)
+    dv = tl.dot(p_cast, do, dv, input_precision=PREC)
+    ds = p * (dp - delta[None, :])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    ds_cast = (ds * scale).to(DTYPE)
+    if UPCAST:
+        ds_cast = ds_cast.to(tl.float32)
+    dk = tl.dot(ds_cast, q, dk, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
+def attn_bwd_dkdv_kernel(
+    Q, K, V, KPM, DO, Lse, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    stride_kpmb, Hq, G, Nq, Nk, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    hkv = tl.program_id(1)
+    b64 = tl.program_id(2).to(tl.int64)
+    pos_offset = Nk - Nq
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = offs_n[:, None] < Nk
+    if HEAD_D != BLOCK_D:
+        kv_mask = kv_mask & (offs_d[None, :] < HEAD_D)
+    k = tl.load(K + b64 * stride_kb + hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * stride_vb + hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    kp = offs_n < 0  # placeholder, only read when HAS_KPM
+    if HAS_KPM:
+        kp = tl.load(KPM + b64 * stride_kpmb + offs_n, mask=offs_n < Nk, other=0) != 0
+
+    # query blocks [q_lo, q_hi) that see some key of this block; [mid_lo, mid_hi) see all of it
+    q_lo = 0
+    q_hi = Nq
+    full_lo = 0
+    full_hi = Nq + BLOCK_M
+    if CAUSAL:
+        q_lo = (tl.maximum(start_n - pos_offset, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - pos_offset, 0), BLOCK_M) * BLOCK_M
+    if WINDOW:
+        q_hi = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - pos_offset + window, 0), Nq)
+        full_hi = (tl.maximum(start_n + window - pos_offset, 0) // BLOCK_M) * BLOCK_M
+    q_hi = tl.cdiv(q_hi, BLOCK_M) * BLOCK_M
+    q_lo = tl.minimum(q_lo, q_hi)
+    mid_lo = tl.minimum(tl.maximum(full_lo, q_lo), q_hi)
+    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), q_hi)
+    if start_n + BLOCK_N > Nk:  # a partial key block is masked everywhere
+        mid_hi = mid_lo
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in range(0, G):
+        h = hkv * G + g
+        q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m0[:, None] * stride_qn + offs_d[None, :]
+        do_ptrs = DO + b64 * stride_dob + h * stride_doh + offs_m0[:, None] * stride_don + offs_d[None, :]
+        row0 = (b64 * Hq + h) * Nq
+        lse_ptr = Lse + row0
+        delta_ptr = Delta + row0
+        drop_head = row0 * Nk
+        for start_m in range(q_lo, mid_lo, BLOCK_M):
+            dk, dv = dkdv_block(dk, dv, k, v, kp, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
+                                offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale,
+                                cap_log2e, scale, seed, drop_p, keep_scale, drop_head, True, CAUSAL, WINDOW,
+                                SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC)
+        for start_m in range(mid_lo, mid_hi, BLOCK_M):
+            dk, dv = dkdv_block(dk, dv, k, v, kp, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
+                                offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale,
+                                cap_log2e, scale, seed, drop_p, keep_scale, drop_head, False, CAUSAL, WINDOW,
+                                SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC)
+        for start_m in range(mid_hi, q_hi, BLOCK_M):
+            dk, dv = dkdv_block(dk, dv, k, v, kp, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
+                                offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale,
+                                cap_log2e, scale, seed, drop_p, keep_scale, drop_head, True, CAUSAL, WINDOW,
+                                SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC)
+
+    tl.store(DK + b64 * stride_dkb + hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+             dk.to(DTYPE), mask=kv_mask)
+    tl.store(DV + b64 * stride_dvb + hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
+             dv.to(DTYPE), mask=kv_mask)
+
+
+@triton.jit
+def dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
+             stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
+             drop_row, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+             HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+             DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One key block's contribution to dQ of a query block."""
+    offs_n = start_n + offs_n0
+    if MASK:
+        kv_mask = offs_n[:, None] < Nk
+        if HEAD_D != BLOCK_D:
+            kv_mask = kv_mask & (offs_d[None, :] < HEAD_D)
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
+    elif HEAD_D != BLOCK_D:
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_D, other=0.0)
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_d[None, :] < HEAD_D, other=0.0)
+    else:
+        k = tl.load(k_ptrs + start_n * stride_kn)
+        v = tl.load(v_ptrs + start_n * stride_vn)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    kp = offs_n0 < 0  # placeholder, only read when HAS_KPM
+    if HAS_KPM:
+        if MASK:
+            kp = tl.load(kpm_ptrs + start_n, mask=offs_n < Nk, other=0) != 0
+        else:
+            kp = tl.load(kpm_ptrs + start_n) != 0
+    s2, t = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+                        MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
+    p = tl.exp2(s2 - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    if DROPOUT:
+        keep = tl.rand(seed, drop_row[:, None] + offs_n[None, :].to(tl.int64)) >= drop_p
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    ds_cast = (ds * scale).to(DTYPE)
+    if UPCAST:
+        ds_cast = ds_cast.to(tl.float32)
+    return tl.dot(ds_cast, k, dq, input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
+def attn_bwd_dq_kernel(
+    Q, K, V, KPM, DO, Lse, Delta, DQ,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+    stride_kpmb, Hq, G, Nq, Nk, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b64 = tl.program_id(2).to(tl.int64)
+    hkv = h // G
+    pos_offset = Nk - Nq
+
+    q_lo = start_m * BLOCK_M
+    offs_m = q_lo + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Nq
+    q_mask = row_ok[:, None]
+    if HEAD_D != BLOCK_D:
+        q_mask = q_mask & (offs_d[None, :] < HEAD_D)
+    q = tl.load(Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
+                 mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    row_ptr = (b64 * Hq + h) * Nq + offs_m
+    lse = tl.load(Lse + row_ptr, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + row_ptr, mask=row_ok, other=0.0)
+    k_ptrs = K + b64 * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + b64 * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
+    drop_row = row_ptr * Nk
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, mid_lo, mid_hi, hi = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, mid_lo, BLOCK_N):
+        dq = dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
+                      stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p,
+                      keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D,
+                      DTYPE, UPCAST, PREC)
+    for start_n in range(mid_lo, mid_hi, BLOCK_N):
+        dq = dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
+                      stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p,
+                      keep_scale, drop_row, False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D,
+                      DTYPE, UPCAST, PREC)
+    for start_n in range(mid_hi, hi, BLOCK_N):
+        dq = dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
+                      stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p,
+                      keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D,
+                      DTYPE, UPCAST, PREC)
+    tl.store(DQ + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
+             dq.to(DTYPE), mask=q_mask)

@@ -1,0 +1,258 @@
+"""Triton forward kernel: FlashAttention-2 online softmax with the dynamic-max fix.
+
+One program owns ``BLOCK_M`` query rows of one (batch, query head) and walks the key blocks of the
+partition (multiples of ``BLOCK_N`` from key 0) in increasing order, exactly as
+``reference.attention_forward`` does; every per-(row, block) decision (block max, tie count, the
+offset ``r`` subtracted before ``exp2``) is the reference's, line for line. The walk has three
+stretches: blocks cut by the sliding window's left edge (masked), blocks every row sees in full
+(no structural mask), blocks cut by the causal diagonal or the end of the keys (masked). They are
+visited in increasing key order, so the running state sees the same sequence as the reference.
+
+Compile-time flags select every variant (mode, causal, window, softcap, dropout, padding mask,
+statistics), so a variant pays only for what it uses. ``UPCAST`` is set only under
+``TRITON_INTERPRET=1``: the interpreter cannot do bf16 arithmetic or bf16 ``tl.dot``, so operands
+are widened to fp32 right after loading, and every rounding point stays an explicit cast to
+``DTYPE`` (bf16 x bf16 products are exact in fp32, so CPU and GPU round ``P-bar`` at the same place).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Stabilization modes (rules.MODE_*), repeated as literals: a jit function can only read globals
+# that are constexpr or plain literals.
+MODE_OFF: tl.constexpr = 0
+MODE_EXACT: tl.constexpr = 1
+MODE_PAPER: tl.constexpr = 2
+LOG2E: tl.constexpr = 1.4426950408889634  # rules.LOG2E
+TWO_LOG2E: tl.constexpr = 2.8853900817779268
+
+
+@triton.jit
+def tanh_f32(y):
+    """tanh from one exp2, identical on the interpreter and the GPU (libdevice is GPU-only)."""
+    e = tl.exp2(-TWO_LOG2E * tl.abs(y))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -t, t)
+
+
+@triton.jit
+def scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                HAS_KPM: tl.constexpr, PREC: tl.constexpr):
+    """Base-2 scores ``[BLOCK_M, BLOCK_N]`` of a tile (fp32, invisible entries ``-inf``) and tanh or None.
+
+    ``kp`` is the key padding mask of the block (bool ``[BLOCK_N]``) when ``HAS_KPM``.
+    """
+    x = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if SOFTCAP:
+        t = tanh_f32(x * cap_scale)
+        s2 = t * cap_log2e
+    else:
+        t = x
+        s2 = x * qk_scale2
+    if HAS_KPM:
+        s2 = tl.where(kp[None, :], s2, float("-inf"))
+    if MASK:
+        vis = offs_n[None, :] < Nk
+        pos = offs_m[:, None] + pos_offset
+        if CAUSAL:
+            vis = vis & (offs_n[None, :] <= pos)
+        if WINDOW:
+            vis = vis & (offs_n[None, :] > pos - window)
+        s2 = tl.where(vis, s2, float("-inf"))
+    return s2, t
+
+
+@triton.jit
+def key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks for query rows ``[q_lo, q_lo + BLOCK_M)``: ``(lo, mid_lo, mid_hi, hi)``, all block-aligned.
+
+    ``[lo, hi)`` holds every block with a key visible to some row (the others are fully masked and
+    would leave the row state unchanged); ``[mid_lo, mid_hi)`` holds the blocks every row sees in
+    full, which need no structural mask.
+    """
+    q_last = tl.minimum(q_lo + BLOCK_M, Nq) - 1
+    hi = Nk
+    full_hi = (Nk // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Nk, q_last + pos_offset + 1), 0)
+        full_hi = tl.minimum(full_hi, (tl.maximum(q_lo + pos_offset + 1, 0) // BLOCK_N) * BLOCK_N)
+    hi_al = tl.cdiv(hi, BLOCK_N) * BLOCK_N
+    lo = hi_al * 0
+    mid_lo = lo
+    if WINDOW:
+        lo = tl.minimum((tl.maximum(q_lo + pos_offset - window + 1, 0) // BLOCK_N) * BLOCK_N, hi_al)
+        full_lo = tl.maximum(q_lo + BLOCK_M - 1 + pos_offset - window + 1, 0)
+        mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi_al)
+    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), hi_al)
+    return lo, mid_lo, mid_hi, hi_al
+
+
+@triton.jit
+def fwd_block(acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
+              offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+              tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, keep_scale, drop_row,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+              HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
+              HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+              PREC: tl.constexpr):
+    """One key block of the online softmax for ``BLOCK_M`` rows; returns the updated row state."""
+    offs_n = start_n + offs_n0
+    if MASK:
+        kv_mask = offs_n[:, None] < Nk
+        if HEAD_D != BLOCK_D:
+            kv_mask = kv_mask & (offs_d[None, :] < HEAD_D)
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
+    elif HEAD_D != BLOCK_D:
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_D, other=0.0)
+    else:
+        k = tl.load(k_ptrs + start_n * stride_kn)
+    if UPCAST:
+        k = k.to(tl.float32)
+    kp = offs_n0 < 0  # placeholder, only read when HAS_KPM
+    if HAS_KPM:
+        if MASK:
+            kp = tl.load(kpm_ptrs + start_n, mask=offs_n < Nk, other=0) != 0
+        else:
+            kp = tl.load(kpm_ptrs + start_n) != 0
+    s2, _ = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+                        MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
+
+    m_blk = tl.max(s2, 1)
+    m_new = tl.maximum(m_i, m_blk)
+    if MODE == MODE_EXACT:
+        r_cand = tl.maximum(r_i, m_blk)
+        # P-bar would round to exactly 1.0 at two or more keys of this block: shift the offset
+        ties = tl.sum((s2 >= (r_cand - tie2)[:, None]).to(tl.int32), 1)
+        fire = (ties >= 2) & (m_blk > float("-inf"))
+        shift = tl.where(m_new > 0, beta_m1 * m_new, -m_new)
+        shift = tl.minimum(tl.maximum(shift, min_shift2), max_shift2)
+        r_new = tl.where(fire, m_new + shift, r_cand)
+    elif MODE == MODE_PAPER:
+        ties = tl.sum((s2 >= (m_blk - tie2)[:, None]).to(tl.int32), 1)
+        fire = (ties > 1) & (m_blk > float("-inf"))
+        m_adj = tl.where(fire & (m_blk > 0), beta * m_blk, tl.where(fire & (m_blk < 0), 0.0, m_blk))
+        fire = fire & (m_blk != 0)
+        r_new = tl.maximum(r_i, m_adj)
+    else:
+        fire = m_blk < float("-inf")  # all False; only read by the statistics
+        r_new = m_new
+
+    if STATS:
+        # keys within the tie tolerance of the true max, saturating at 2 (reference.py, same carry)
+        in_blk = tl.sum((s2 >= (m_new - sat2)[:, None]).to(tl.int32), 1)
+        carried = tl.where(m_new == m_i, near, (m_i >= m_new - sat2).to(tl.int32))
+        near = tl.minimum(carried + in_blk, 2)
+        fixed += fire.to(tl.int32)
+        if start_n == 0:
+            s_first = tl.max(tl.where(offs_n[None, :] == 0, s2, float("-inf")), 1)
+
+    r_safe = tl.where(r_new == float("-inf"), 0.0, r_new)
+    alpha = tl.exp2(r_i - r_safe)  # 0 while the row has seen no key (r = -inf)
+    p = tl.exp2(s2 - r_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        keep = tl.rand(seed, drop_row[:, None] + offs_n[None, :].to(tl.int64)) >= drop_p
+        p = tl.where(keep, p * keep_scale, 0.0)
+    # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
+    p_cast = p.to(DTYPE)
+    if UPCAST:
+        p_cast = p_cast.to(tl.float32)
+    if MASK:
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
+    elif HEAD_D != BLOCK_D:
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_d[None, :] < HEAD_D, other=0.0)
+    else:
+        v = tl.load(v_ptrs + start_n * stride_vn)
+    if UPCAST:
+        v = v.to(tl.float32)
+    acc = tl.dot(p_cast, v, acc * alpha[:, None], input_precision=PREC)
+    return acc, l_i, m_new, r_new, near, fixed, s_first
+
+
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
+def attn_fwd_kernel(
+    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on, stride_kpmb,
+    Hq, G, Nq, Nk, window,
+    qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, beta_m1,
+    seed, drop_p, keep_scale,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
+    MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hkv = h // G
+    pos_offset = Nk - Nq  # causal and window are aligned bottom-right
+
+    q_lo = start_m * BLOCK_M
+    offs_m = q_lo + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Nq
+    q_mask = row_ok[:, None]
+    if HEAD_D != BLOCK_D:
+        q_mask = q_mask & (offs_d[None, :] < HEAD_D)
+    b64 = b.to(tl.int64)
+    q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_ptrs = K + b64 * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + b64 * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
+    drop_row = ((b64 * Hq + h) * Nq + offs_m) * Nk  # dropout counter of (b, h, i, 0), as reference.dropout_keep
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # true running max
+    r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # offset subtracted before exp2
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    near = tl.zeros([BLOCK_M], tl.int32)
+    fixed = tl.zeros([BLOCK_M], tl.int32)
+    s_first = tl.full([BLOCK_M], float("-inf"), tl.float32)
+
+    lo, mid_lo, mid_hi, hi_al = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    if WINDOW:
+        for start_n in range(lo, mid_lo, BLOCK_N):
+            acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
+                acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+                offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+                window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, keep_scale, drop_row,
+                True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+                UPCAST, PREC)
+    for start_n in range(mid_lo, mid_hi, BLOCK_N):
+        acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
+            acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+            window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, keep_scale, drop_row,
+            False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+            UPCAST, PREC)
+    for start_n in range(mid_hi, hi_al, BLOCK_N):
+        acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
+            acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+            window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, keep_scale, drop_row,
+            True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+            UPCAST, PREC)
+
+    seen = m_i > float("-inf")
+    # a row that sees no key outputs zeros; an underflowed row sum (paper mode) stays NaN
+    o = acc / l_i[:, None]
+    o = tl.where(seen[:, None], o, 0.0)
+    o_ptrs = Out + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+    tl.store(o_ptrs, o.to(DTYPE), mask=q_mask)
+    lse = tl.where(seen, r_i + tl.log2(l_i), float("inf"))
+    row_ptr = (b64 * Hq + h) * Nq + offs_m
+    tl.store(Lse + row_ptr, lse, mask=row_ok)
+    if STATS:
+        tl.store(StSat + row_ptr, ((near >= 2) & seen).to(tl.int8), mask=row_ok)
+        tl.store(StFixed + row_ptr, fixed, mask=row_ok)
+        tl.store(StMax + row_ptr, m_i / LOG2E, mask=row_ok)
+        tl.store(StP0 + row_ptr, tl.exp2(s_first - lse), mask=row_ok)
