@@ -1,0 +1,177 @@
+"""Controlled study: is the rounding error of ``O = softmax(s) V`` biased, and does the fix remove it?
+
+Inputs (one query row per trial, ``N`` keys, head dim ``D``; scores are the scaled softmax input):
+
+- ``tied-k{1,2,4,8}``: the paper's trigger. ``k`` keys (the first ones, like an attention sink) tie
+  exactly at the row max ``m ~ U(-4, 4)``; every other key sits ``3 + Exp(mean 2)`` below it; values
+  mostly negative, ``v ~ N(-2, 1)`` (2.3% positive). ``k = 1`` is the no-tie control.
+- ``tied-k4-m0``: as ``tied-k4`` with ``m = 0`` exactly, the case the published rule leaves alone.
+- ``tied-k4-sym``: as ``tied-k4`` with symmetric values ``v ~ N(0, 1)``.
+- ``random``: control, scores ``N(0, 2^2)``, values ``N(0, 1)``, no planted ties.
+
+Each input runs through the arithmetic models of :mod:`stable_attn.numerics.arithmetic` with the fix
+off, ours and the paper's, on the same trials (paired), plus the exact answer rounded once to bf16
+(the best any bf16 output can do), and a variant a' of our kernel whose row sum is taken over the
+bf16-rounded ``P-bar`` (see arithmetic.rounded_rowsum_model). Errors are against the float64 oracle, in units of
+``2^-8 * rms(O_row)`` (one bf16 rounding at the row's scale); ``t`` is the t-statistic of the mean
+over trials; ``|t| >= 3`` counts as biased.
+
+    python benchmarks/bias_study.py                   # CPU, 1 thread, 1000 trials a cell
+    python benchmarks/bias_study.py --device cuda     # GPU: Triton kernel and bf16 tensor-core matmuls
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from stable_attn.numerics import arithmetic
+from stable_attn.numerics.bias import ErrorStats, error_stats, row_unit
+
+INPUTS = ("tied-k1", "tied-k2", "tied-k4", "tied-k8", "tied-k4-m0", "tied-k4-sym", "random")
+
+
+def make_inputs(kind: str, trials: int, n: int, d: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores ``[T, N]`` (float32 holding bf16 values) and values ``[T, N, D]`` bf16 for ``kind``."""
+    bf16 = torch.bfloat16
+    if kind == "random":
+        scores = (2.0 * torch.randn(trials, n, generator=gen)).to(bf16).float()
+        values = torch.randn(trials, n, d, generator=gen).to(bf16)
+        return scores, values
+    parts = kind.split("-")
+    k = int(parts[1][1:])
+    if kind.endswith("-m0"):
+        m = torch.zeros(trials, 1)
+    else:
+        m = (8.0 * torch.rand(trials, 1, generator=gen) - 4.0).to(bf16).float()
+    gap = 3.0 + 2.0 * torch.empty(trials, n).exponential_(generator=gen)
+    scores = (m - gap).to(bf16).float()
+    scores[:, :k] = m  # exact ties at the row max
+    mean = 0.0 if kind.endswith("-sym") else -2.0
+    values = (mean + torch.randn(trials, n, d, generator=gen)).to(bf16)
+    return scores, values
+
+
+def models_for(device: str) -> dict[str, object]:
+    """Model name -> ``f(scores, values, fix) -> ModelOutput`` for the device."""
+    if device == "cpu":
+        return {
+            "a_kernel": lambda s, v, fix: arithmetic.kernel_model(s, v, fix, backend="torch"),
+            "b_blockwise_bf16": lambda s, v, fix: arithmetic.blockwise_bf16_model(s, v, fix),
+            "c_sequential_bf16": arithmetic.sequential_bf16_model,
+            "a'_rounded_rowsum": arithmetic.rounded_rowsum_model,
+        }
+    # on a GPU: our Triton kernel (bf16 tl.dot on tensor cores), the PyTorch path for comparison,
+    # and the published arithmetic with the device's own bf16 matmul (cuBLAS, tensor cores)
+    return {
+        "a_kernel_triton": lambda s, v, fix: arithmetic.kernel_model(s, v, fix, backend="triton"),
+        "a_kernel_torch": lambda s, v, fix: arithmetic.kernel_model(s, v, fix, backend="torch"),
+        "b_blockwise_bf16_native": lambda s, v, fix: arithmetic.blockwise_bf16_model(s, v, fix, native_matmul=True),
+        "c_sequential_bf16": arithmetic.sequential_bf16_model,
+    }
+
+
+def verdict(off: ErrorStats, on: ErrorStats) -> str:
+    if not off.biased:
+        return "no bias to remove"
+    return "removed" if not on.biased else "NOT removed"
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    threads = torch.get_num_threads()
+    return f"CPU ({cpu}), {os.cpu_count()} cores visible, {threads} thread(s), torch {torch.__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=1000, help="independent rows per cell (default 1000)")
+    ap.add_argument("--keys", type=int, default=256, help="keys per row N (default 256: 4 blocks of 64)")
+    ap.add_argument("--head-dim", type=int, default=64, help="value dimension D (default 64)")
+    ap.add_argument("--inputs", default=",".join(INPUTS), help=f"comma-separated subset of {','.join(INPUTS)}")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bias_study.json", help="where to write the results (default bias_study.json)")
+    args = ap.parse_args(argv)
+    inputs = [x for x in args.inputs.split(",") if x]
+    for x in inputs:
+        if x not in INPUTS:
+            ap.error(f"--inputs: {x!r} is not one of {INPUTS}")
+    if args.trials < 2 or args.keys < 8 or args.head_dim < 1:
+        ap.error(f"need --trials >= 2, --keys >= 8, --head-dim >= 1; got {args.trials}, {args.keys}, {args.head_dim}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available")
+    torch.set_num_threads(args.threads)
+    models = models_for(args.device)
+    t_start = time.perf_counter()
+    cells, verdicts = [], []
+    header = (f"{'input':<12} {'model':<24} {'fix':<6} {'mean':>8} {'t':>8} {'rms':>7} {'max':>7} "
+              f"{'P=1 rows':>8} {'fired':>6} biased")
+    print(f"bias study: {args.trials} trials/cell, N={args.keys}, D={args.head_dim}, device={args.device}")
+    print("errors vs float64 oracle in units of 2^-8 * rms(O_row); t = mean / s.e.; biased = |t| >= 3")
+    print(header)
+    print("-" * len(header))
+    for i, kind in enumerate(inputs):
+        gen = torch.Generator().manual_seed(args.seed * 1000 + i)
+        scores, values = make_inputs(kind, args.trials, args.keys, args.head_dim, gen)
+        exact = arithmetic.oracle(scores, values)
+        unit = row_unit(exact)
+        base = error_stats(exact.to(torch.bfloat16).double(), exact, unit)
+        cells.append({"input": kind, "model": "exact_rounded_bf16", "fix": "-", **base.as_dict()})
+        print(f"{kind:<12} {'exact_rounded_bf16':<24} {'-':<6} {base.mean:8.4f} {base.t:8.2f} {base.rms:7.3f} "
+              f"{base.max_abs:7.2f} {'':>8} {'':>6} {'yes' if base.biased else 'no'}")
+        s_dev, v_dev = scores.to(args.device), values.to(args.device)
+        for name, fn in models.items():
+            by_fix = {}
+            for fix in arithmetic.FIXES:
+                res = fn(s_dev, v_dev, fix)
+                st = error_stats(res.out.cpu(), exact, unit)
+                by_fix[fix] = st
+                ones = None if res.pbar_ones is None else (res.pbar_ones >= 2).double().mean().item()
+                cells.append({"input": kind, "model": name, "fix": fix, **st.as_dict(),
+                              "rows_with_two_pbar_ones": ones, "fired_per_row": res.fired_rate})
+                ones_s = "-" if ones is None else f"{100 * ones:7.1f}%"
+                print(f"{kind:<12} {name:<24} {fix:<6} {st.mean:8.4f} {st.t:8.2f} {st.rms:7.3f} {st.max_abs:7.2f} "
+                      f"{ones_s:>8} {res.fired_rate:6.2f} {'YES' if st.biased else 'no'}")
+            for fix in ("ours", "paper"):
+                verdicts.append({"input": kind, "model": name, "fix": fix,
+                                 "verdict": verdict(by_fix["off"], by_fix[fix]),
+                                 "t_off": by_fix["off"].t, "t_on": by_fix[fix].t})
+    elapsed = time.perf_counter() - t_start
+    print()
+    print("does the fix remove the bias? (off biased and on not)")
+    for v in verdicts:
+        print(f"  {v['input']:<12} {v['model']:<24} {v['fix']:<6} t_off={v['t_off']:8.2f} t_on={v['t_on']:8.2f}  "
+              f"{v['verdict']}")
+    print(f"\n{len(cells)} cells in {elapsed:.1f} s on {machine(args.device)}")
+    result = {
+        "command": " ".join(["python", "benchmarks/bias_study.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine(args.device),
+        "config": {"trials": args.trials, "keys": args.keys, "head_dim": args.head_dim, "device": args.device,
+                   "seed": args.seed, "threads": args.threads, "unit": "2^-8 * rms(O_row)", "bias_t": 3.0},
+        "seconds": elapsed,
+        "cells": cells,
+        "verdicts": verdicts,
+    }
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Three arithmetic models of ``O = softmax(s) V`` for one query row, and the fp64 oracle.
+
+Each model takes bf16-representable scores ``s`` ``[T, N]`` (already scaled: the softmax input) and
+bf16 values ``v`` ``[T, N, D]``, one independent row per trial ``t``, and returns the bf16 output
+``[T, D]`` (as float64) plus how many ``P-bar`` entries were exactly 1.0 (the paper's trigger).
+
+- (a) :func:`kernel_model`: what our kernel computes. It calls :func:`stable_attn.attention`
+  itself: ``P-bar`` in fp32, cast to bf16, ``P-bar V`` accumulated in fp32, ``O`` stored in bf16.
+- (b) :func:`blockwise_bf16_model`: the published reference implementation's arithmetic with bf16
+  inputs (ucker/why-low-precision-training-fails, ``attention.py``): every tensor is bf16, so
+  scores, ``exp``, the block row sums, the running max, ``O`` and the row sums are rounded to bf16
+  after every operation, across key blocks. Its ``einsum`` for ``P-bar V`` is a bf16 matrix product:
+  fp32 accumulation rounded to bf16 on output (``native_matmul=True`` calls the device's own bf16
+  matmul instead, e.g. tensor cores on a GPU).
+- (c) :func:`sequential_bf16_model`: ``P-bar`` as in (a), but ``P-bar V`` summed key by key with
+  every product and every addition rounded to bf16 (round-to-nearest-even), in key order, over the
+  whole row (one block). The row sum is float64 and the final division is rounded once to bf16,
+  so the only bf16 roundings besides ``P-bar`` and the output are those of the ``P-bar V`` sum.
+
+``fix`` is ``"off"`` (plain safe softmax), ``"ours"`` (stable_attn's rule: exact trigger, minimum and
+capped shift, rules.py) or ``"paper"`` (the published rule: 1e-3 window, ``beta*m`` or 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import attention
+from ..kernels import rules
+from ..stats import AttentionStats
+
+FIXES = ("off", "ours", "paper")
+_STABILIZE = {"off": False, "ours": True, "paper": "paper"}
+_BF16 = torch.bfloat16
+
+
+@dataclass
+class ModelOutput:
+    """The bf16 output of one model as float64 ``[T, D]``, and its trigger diagnostics."""
+
+    out: torch.Tensor
+    # per row: the largest number of P-bar entries equal to 1.0 within one key block (None for (a),
+    # whose P-bar is internal to the kernel)
+    pbar_ones: torch.Tensor | None
+    # key blocks per row where the stabilization shifted the offset (mean over rows)
+    fired_rate: float
+
+
+def _check(scores: torch.Tensor, values: torch.Tensor, fix: str) -> None:
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [T, N], got shape {tuple(scores.shape)}")
+    if values.dim() != 3 or values.shape[:2] != scores.shape:
+        raise ValueError(f"values must be [T, N, D] with [T, N] = {tuple(scores.shape)}, got {tuple(values.shape)}")
+    if values.dtype != _BF16:
+        raise TypeError(f"values.dtype={values.dtype}: the models take bfloat16 values")
+    if fix not in FIXES:
+        raise ValueError(f"fix={fix!r} is not supported; use one of {FIXES}")
+
+
+def oracle(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``softmax(s) V`` in float64 from the same (bf16) inputs: the exact answer, ``[T, D]``."""
+    p = torch.softmax(scores.double(), dim=-1)
+    return torch.einsum("tn,tnd->td", p, values.double())
+
+
+def kernel_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = 64,
+                 backend: str = "torch") -> ModelOutput:
+    """(a) Our kernel, called through :func:`stable_attn.attention`.
+
+    The scores are planted exactly: ``q = e_0`` and ``k_j = s_j e_0`` with ``scale=1`` make
+    ``q . k_j = s_j`` with no rounding (one non-zero product of two bf16 numbers).
+    """
+    _check(scores, values, fix)
+    T, N, D = values.shape
+    dev = values.device
+    q = torch.zeros(T, 1, 1, D, dtype=_BF16, device=dev)
+    q[..., 0] = 1.0
+    k = torch.zeros(T, 1, N, D, dtype=_BF16, device=dev)
+    k[:, 0, :, 0] = scores.to(_BF16)
+    stats = AttentionStats()
+    out = attention(q, k, values[:, None], scale=1.0, stabilize=_STABILIZE[fix], stats=stats, backend=backend,
+                    block_n=block_n)
+    return ModelOutput(out[:, 0, 0].double(), None, float(stats.fixed_rate.sum()))
+
+
+def _ours_offset(m_new: torch.Tensor) -> torch.Tensor:
+    """Our rule's shifted offset in natural units (rules.py works in base 2; the rule is linear)."""
+    _, min2, max2 = rules.rule_constants(_BF16, rules.MODE_EXACT)
+    return rules.shifted_offset(m_new * rules.LOG2E, 2.0, min2, max2) / rules.LOG2E
+
+
+def _bf16_matmul(p: torch.Tensor, v: torch.Tensor, native: bool) -> torch.Tensor:
+    """``[T, n] @ [T, n, D]`` -> ``[T, D]`` bf16: a bf16 GEMM (fp32 accumulator, bf16 output)."""
+    if native:
+        return torch.einsum("tn,tnd->td", p, v)
+    return torch.einsum("tn,tnd->td", p.float(), v.float()).to(_BF16)
+
+
+def blockwise_bf16_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = 64,
+                         native_matmul: bool = False) -> ModelOutput:
+    """(b) The published implementation's all-bf16 FlashAttention-2 forward (our own emulation).
+
+    State kept in bf16 across key blocks, as there: the output ``o``, the row sums ``l`` and the
+    running offset ``r`` (their "row max", which the published rule replaces by ``2m`` or 0). For
+    ``fix="ours"`` the same bf16 arithmetic runs with stable_attn's offset (decided in fp32 on the
+    bf16 scores, the offset itself then stored in bf16 like any other state).
+    """
+    _check(scores, values, fix)
+    T, N, D = values.shape
+    dev = values.device
+    s_all = scores.to(_BF16)
+    big = torch.finfo(_BF16).max
+    r = torch.full((T, 1), -big, dtype=_BF16, device=dev)  # their initial "max" is -finfo.max, not -inf
+    m_true = torch.full((T, 1), -float("inf"), device=dev)  # only our rule needs the true max
+    l = torch.zeros(T, 1, dtype=_BF16, device=dev)
+    o = torch.zeros(T, D, dtype=_BF16, device=dev)
+    ones = torch.zeros(T, dtype=torch.int64, device=dev)
+    fired = torch.zeros(T, device=dev)
+    tie_ours = rules.tie_tolerance(_BF16)
+    for j0 in range(0, N, block_n):
+        s = s_all[:, j0:j0 + block_n]
+        m_blk = s.amax(dim=-1, keepdim=True)
+        if fix == "paper":
+            # bf16 arithmetic as published: the window m - 1e-3 is itself rounded to bf16
+            ties = (s >= m_blk - 1e-3).sum(dim=-1, keepdim=True) > 1
+            m_adj = torch.where(ties & (m_blk > 0), 2.0 * m_blk, m_blk)
+            m_adj = torch.where(ties & (m_adj < 0), torch.zeros_like(m_adj), m_adj)
+            fired += (ties & (m_blk != 0)).squeeze(-1).double()
+            r_new = torch.maximum(m_adj, r)
+        elif fix == "ours":
+            sf, rf = s.float(), r.float()
+            m_true = torch.maximum(m_true, m_blk.float())
+            r_cand = torch.maximum(rf, m_blk.float())
+            fire = (sf >= r_cand - tie_ours).sum(dim=-1, keepdim=True) >= 2
+            r_new = torch.where(fire, _ours_offset(m_true), r_cand).to(_BF16)
+            fired += fire.squeeze(-1).double()
+        else:
+            r_new = torch.maximum(m_blk, r)
+        p = torch.exp(s - r_new)  # bf16 subtraction, bf16 exp
+        ones = torch.maximum(ones, (p == 1.0).sum(dim=-1))
+        l_blk = p.float().sum(dim=-1, keepdim=True).to(_BF16).clamp(min=1e-10)
+        pv = _bf16_matmul(p, values[:, j0:j0 + block_n], native_matmul)
+        alpha = torch.exp(r - r_new)
+        l = alpha * l + l_blk  # two bf16 roundings, as in the published update
+        o = o * alpha + pv  # likewise: O lives in bf16 between blocks
+        r = r_new
+    o = o / l
+    return ModelOutput(o.double(), ones, fired.mean().item())
+
+
+def _row_offset(s: torch.Tensor, fix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The offset a single-block kernel subtracts under ``fix``, and whether the rule fired."""
+    m = s.amax(dim=-1, keepdim=True)
+    if fix == "off":
+        return m, torch.zeros_like(m, dtype=torch.bool)
+    if fix == "paper":
+        fire = (s >= m - rules.PAPER_TIE_WINDOW).sum(dim=-1, keepdim=True) > 1
+        shifted = torch.where(m > 0, 2.0 * m, torch.zeros_like(m))
+        fire = fire & (m != 0)
+        return torch.where(fire, shifted, m), fire
+    fire = (s >= m - rules.tie_tolerance(_BF16)).sum(dim=-1, keepdim=True) >= 2
+    return torch.where(fire, _ours_offset(m), m), fire
+
+
+def sequential_bf16_model(scores: torch.Tensor, values: torch.Tensor, fix: str) -> ModelOutput:
+    """(c) ``P-bar V`` with every product and every addition rounded to bf16, key by key."""
+    _check(scores, values, fix)
+    T, N, D = values.shape
+    s = scores.float()
+    r, fire = _row_offset(s, fix)
+    p32 = torch.exp(s - r)
+    p = p32.to(_BF16)  # the same rounding point as our kernel
+    acc = torch.zeros(T, D, dtype=_BF16, device=values.device)
+    for j in range(N):
+        # bf16 x bf16 is exact in fp32 and bf16 + bf16 never double-rounds through fp32, so each
+        # torch bf16 op here is one correctly rounded (nearest-even) bf16 operation
+        acc = acc + p[:, j:j + 1] * values[:, j]
+    o = (acc.double() / p32.double().sum(dim=-1, keepdim=True)).to(_BF16)
+    return ModelOutput(o.double(), (p == 1.0).sum(dim=-1), fire.double().mean().item())
+
+
+def rounded_rowsum_model(scores: torch.Tensor, values: torch.Tensor, fix: str) -> ModelOutput:
+    """(a') Model (a) with the row sum taken over the bf16-rounded ``P-bar`` (one key block).
+
+    Not what the kernel does today: our kernel (like FlashAttention-2) sums the fp32 ``P-bar`` into
+    ``l`` but multiplies ``V`` by the bf16-rounded ``P-bar``, so the weights it applies do not sum to
+    exactly 1. This variant measures what normalising by the rounded weights would change.
+    ``P-bar V`` is accumulated in fp32 (float64 here: the order of fp32 sums is not what matters).
+    """
+    _check(scores, values, fix)
+    s = scores.float()
+    r, fire = _row_offset(s, fix)
+    p = torch.exp(s - r).to(_BF16)
+    num = torch.einsum("tn,tnd->td", p.double(), values.double())
+    o = (num / p.double().sum(dim=-1, keepdim=True)).to(_BF16)
+    return ModelOutput(o.double(), (p == 1.0).sum(dim=-1), fire.double().mean().item())
+
+
+MODELS = {
+    "a_kernel": kernel_model,
+    "b_blockwise_bf16": blockwise_bf16_model,
+    "c_sequential_bf16": sequential_bf16_model,
+    "a_rounded_rowsum": rounded_rowsum_model,
+}
