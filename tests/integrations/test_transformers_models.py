@@ -1,0 +1,313 @@
+"""attn_implementation="stable_attn" on tiny random transformers models, against "eager" / "sdpa".
+
+Every family is built from its config class (no downloads), 2 layers, width 32, sequences of 20
+tokens, and checked for: fp32 logits and every parameter gradient (no padding, right padding, left
+padding, ragged lengths in one batch); bf16 logits and gradients within bf16 error of the fp32 model;
+greedy ``generate()`` with a KV cache (left-padded ragged prompts) identical to the reference; and a
+switch to ``"stable_attn"`` and back at run time. Tests run on the PyTorch backend (CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    BertConfig,
+    BertForMaskedLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import stable_attn.integrations.transformers as st
+
+VOCAB = 96
+SEQ = 20
+WINDOW = 6  # Mistral / Gemma 2 sliding window, well below SEQ so that it matters
+LENGTHS = (SEQ, SEQ - 7, SEQ - 3)  # a ragged batch
+
+st.register()
+
+
+@dataclass
+class Family:
+    name: str
+    model_cls: type
+    config: object
+    decoder: bool = True
+    reference: str = "sdpa"  # for generate(); "eager" where the model does not support sdpa
+    extra: dict = field(default_factory=dict)
+
+
+def _families() -> list[Family]:
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=64)
+    return [
+        # GPT-2's defaults keep attention dropout 0.1: eval for equality, training tested separately
+        Family("gpt2", GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
+        Family("llama", LlamaForCausalLM, LlamaConfig(**small, num_key_value_heads=2)),
+        Family("qwen3", Qwen3ForCausalLM, Qwen3Config(**small, num_key_value_heads=2, head_dim=8)),
+        Family("mistral", MistralForCausalLM, MistralConfig(**small, num_key_value_heads=2, sliding_window=WINDOW)),
+        # layers alternate sliding / global; a small softcap and scale so that capping really bites
+        Family("gemma2", Gemma2ForCausalLM,
+               Gemma2Config(**small, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
+                            attn_logit_softcapping=0.5, query_pre_attn_scalar=2, initializer_range=0.2),
+               reference="eager"),
+        Family("bert", BertForMaskedLM, BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=2, num_attention_heads=4,
+                                                   max_position_embeddings=64), decoder=False),
+        Family("phi3", Phi3ForCausalLM, Phi3Config(**small, num_key_value_heads=2, pad_token_id=0)),
+        Family("gpt_neox", GPTNeoXForCausalLM, GPTNeoXConfig(**small)),
+        Family("opt", OPTForCausalLM, OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                num_attention_heads=4, max_position_embeddings=64,
+                                                word_embed_proj_dim=32)),
+    ]
+
+
+FAMILIES = {f.name: f for f in _families()}
+DECODERS = [name for name, f in FAMILIES.items() if f.decoder]
+
+
+def build(family: Family, impl: str = "eager", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = copy.deepcopy(family.config)
+    return family.model_cls._from_config(config, attn_implementation=impl).eval()
+
+
+def batch(padding: str | None, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids [3, SEQ] and a 2D mask: None, or ragged LENGTHS padded on the right or the left."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (len(LENGTHS), SEQ), generator=g)
+    if padding is None:
+        return ids, None
+    mask = torch.zeros(len(LENGTHS), SEQ, dtype=torch.long)
+    for b, n in enumerate(LENGTHS):
+        if padding == "right":
+            mask[b, :n] = 1
+        else:
+            mask[b, SEQ - n:] = 1
+    return ids, mask
+
+
+def run(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, weights: torch.Tensor):
+    """Logits at real tokens and every parameter's gradient of a random linear function of them."""
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    valid = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    picked = logits[valid]
+    (picked.float() * weights[: picked.shape[0]]).sum().backward()
+    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+    return picked.detach(), grads
+
+
+def weights_for(seed: int = 2) -> torch.Tensor:
+    return torch.randn(len(LENGTHS) * SEQ, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_close_scaled(actual, expected, rtol, atol_rel, what, scale=None):
+    """allclose with the absolute tolerance relative to a magnitude (default: the expected tensor's)."""
+    scale = expected.abs().max().item() if scale is None else scale
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol_rel * max(scale, 1e-30),
+                               msg=lambda m: f"{what}: {m}")
+
+
+def assert_grads_close(actual: dict, expected: dict, rtol: float, atol_rel: float, who: str):
+    """Every gradient, with the absolute tolerance relative to the largest gradient of the model: some
+    gradients are exactly zero in exact arithmetic (a key bias under softmax) and hold only rounding noise."""
+    assert actual.keys() == expected.keys()
+    scale = max(g.abs().max().item() for g in expected.values() if g is not None)
+    compared = 0
+    for name, g_ref in expected.items():
+        g = actual[name]
+        assert (g is None) == (g_ref is None), f"{who}: gradient presence differs for {name}"
+        if g_ref is not None:
+            assert_close_scaled(g, g_ref, rtol, atol_rel, f"{who}: grad of {name}", scale)
+            compared += 1
+    assert compared > 0
+
+
+def calls(stats: dict) -> int:
+    return sum(s.calls for s in stats.values())
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_fp32_logits_and_gradients_match_eager_and_switch_back(name):
+    family = FAMILIES[name]
+    model = build(family, "eager")
+    stats = st.attach_stats(model)
+    n_layers = len(stats)
+    assert n_layers == 2
+    w = weights_for()
+    cases = [batch(None), batch("right"), batch("left")]
+    reference = [run(model, ids, mask, w) for ids, mask in cases]
+    assert calls(stats) == 0  # eager does not go through stable_attn
+
+    model.set_attn_implementation("stable_attn")
+    assert model.config._attn_implementation == "stable_attn"
+    for (ids, mask), (ref_logits, ref_grads), label in zip(cases, reference, ("unpadded", "right", "left")):
+        before = calls(stats)
+        logits, grads = run(model, ids, mask, w)
+        assert calls(stats) - before == n_layers, "the stable_attn function did not serve every layer"
+        assert_close_scaled(logits, ref_logits, 1e-4, 1e-5, f"{name} {label} logits")
+        assert_grads_close(grads, ref_grads, 1e-4, 1e-5, f"{name} {label}")
+
+    model.set_attn_implementation("eager")
+    before = calls(stats)
+    logits, _ = run(model, *cases[1], w)
+    assert calls(stats) == before
+    torch.testing.assert_close(logits, reference[1][0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_bf16_within_bf16_error_of_fp32(name):
+    """bf16 logits and gradients are as close to the fp32 model as eager's bf16 ones are (or closer)."""
+    family = FAMILIES[name]
+    ids, mask = batch("right")
+    w = weights_for()
+    fp32 = build(family, "eager")
+    ref_logits, ref_grads = run(fp32, ids, mask, w)
+    errors = {}
+    for impl in ("eager", "stable_attn"):
+        model = copy.deepcopy(fp32).to(torch.bfloat16)
+        model.set_attn_implementation(impl)
+        logits, grads = run(model, ids, mask, w)
+        assert logits.dtype == torch.bfloat16
+        assert torch.isfinite(logits).all()
+        logit_err = (logits.float() - ref_logits).abs().max().item() / ref_logits.abs().max().item()
+        # relative to the tensor's norm, floored at 1% of the largest one: a few gradients are zero in
+        # exact arithmetic (a key bias under softmax) and hold only rounding noise
+        floor = 0.01 * max(g.norm().item() for g in ref_grads.values() if g is not None)
+        grad_err = max(
+            (g.float() - ref_grads[n]).norm().item() / max(ref_grads[n].norm().item(), floor)
+            for n, g in grads.items() if g is not None
+        )
+        errors[impl] = (logit_err, grad_err)
+    (e_logit, e_grad), (s_logit, s_grad) = errors["eager"], errors["stable_attn"]
+    # bf16 has 8 significant bits (relative step 2^-8 ~ 0.4%); allow 2x eager's error plus one step
+    assert s_logit <= 2 * e_logit + 2**-8, errors
+    assert s_grad <= 2 * e_grad + 2**-8, errors
+    assert s_logit < 0.05 and s_grad < 0.1, errors
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_generate_with_kv_cache_matches_reference(name):
+    """Greedy tokens from left-padded ragged prompts, with a KV cache, equal sdpa's (eager for Gemma 2)."""
+    family = FAMILIES[name]
+    ids, mask = batch("left", seed=3)
+    prompt_ids, prompt_mask = ids[:, :12], mask[:, :12]
+    prompt_mask[:, -1] = 1
+    out = {}
+    for impl in (family.reference, "stable_attn"):
+        model = build(family, impl)
+        stats = st.attach_stats(model)
+        with torch.no_grad():
+            out[impl] = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=10,
+                                       do_sample=False, use_cache=True, pad_token_id=0)
+        # prefill + one call per new token after the first, per layer
+        assert calls(stats) == (0 if impl != "stable_attn" else 10 * len(stats))
+    assert out["stable_attn"].shape == (3, 22)
+    assert torch.equal(out["stable_attn"], out[family.reference])
+
+
+def test_from_config_with_stable_attn():
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(FAMILIES["llama"].config), attn_implementation="stable_attn")
+    assert model.config._attn_implementation == "stable_attn"
+    stats = st.attach_stats(model)
+    model(input_ids=batch(None)[0])
+    assert calls(stats) == 2
+
+
+def _delta(family: Family, patch_attr: str, value, ids, mask) -> float:
+    """Max logit change when one layer attribute is overridden (to show the feature changes the output)."""
+    model = build(family, "stable_attn")
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        for _, module in st.attention_modules(model):
+            setattr(module, patch_attr, value)
+        return (model(input_ids=ids, attention_mask=mask).logits - ref).abs().max().item()
+
+
+def test_window_and_softcap_really_matter_in_the_configs_above():
+    """Guards the matrix above against passing only because the window or the softcap had no effect."""
+    ids, mask = batch("right")
+    assert _delta(FAMILIES["gemma2"], "attn_logit_softcapping", None, ids, mask) > 1e-2
+    assert _delta(FAMILIES["gemma2"], "sliding_window", None, ids, mask) == 0.0  # the mask carries the window
+    mistral = build(FAMILIES["mistral"], "stable_attn")
+    mistral.config.sliding_window = None
+    wide = build(FAMILIES["mistral"], "stable_attn")
+    with torch.no_grad():
+        diff = (mistral(input_ids=ids).logits - wide(input_ids=ids).logits).abs().max().item()
+    assert diff > 1e-3
+
+
+def test_gpt2_attention_dropout_in_training():
+    """GPT-2's default attn_pdrop=0.1 applies in train mode only, reproducibly under a torch seed."""
+    family = FAMILIES["gpt2"]
+    config = copy.deepcopy(family.config)
+    config.resid_pdrop = config.embd_pdrop = 0.0  # isolate the attention dropout
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel._from_config(config, attn_implementation="stable_attn")
+    ids, mask = batch("right")
+    model.eval()
+    with torch.no_grad():
+        eval_a = model(input_ids=ids, attention_mask=mask).logits
+        eval_b = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(eval_a, eval_b, rtol=0, atol=0)
+
+    model.train()
+    outs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        outs.append(logits)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert (outs[0] - outs[2]).abs().max() > 1e-3
+    assert (outs[0] - eval_a).abs().max() > 1e-3
+    outs[0].float().square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_packed_sequences_use_the_exact_mask_and_match_eager():
+    """position_ids that restart mark packed documents: an arbitrary mask, served by the PyTorch path."""
+    family = FAMILIES["llama"]
+    ids, _ = batch(None)
+    position_ids = torch.cat([torch.arange(8), torch.arange(SEQ - 8)]).expand(len(LENGTHS), SEQ)
+    model = build(family, "eager")
+    w = weights_for()
+
+    def go():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        (logits * w.view(len(LENGTHS), SEQ, VOCAB)).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_logits, ref_grads = go()
+    model.set_attn_implementation("stable_attn")
+    logits, grads = go()
+    assert_close_scaled(logits, ref_logits, 1e-4, 1e-5, "packed logits")
+    assert_grads_close(grads, ref_grads, 1e-4, 1e-5, "packed")
+    # and the documents are really separated: the second one does not depend on the first
+    ids2 = ids.clone()
+    ids2[:, :8] = (ids2[:, :8] + 1) % VOCAB
+    with torch.no_grad():
+        moved = model(input_ids=ids2, position_ids=position_ids, use_cache=False).logits
+    torch.testing.assert_close(moved[:, 8:], logits[:, 8:], rtol=1e-5, atol=1e-5)
+    assert (moved[:, :8] - logits[:, :8]).abs().max() > 1e-3
