@@ -1,0 +1,78 @@
+"""The ``stable-attn`` command line: ``stable-attn <command> ...``.
+
+Each subcommand is one entry of :data:`COMMANDS`: a name mapped to its help line, a function that
+adds its arguments to an ``argparse`` parser, and a function that runs it and returns the exit
+status. To add a command, write those two functions and add one entry; import heavy modules inside
+the run function so ``stable-attn --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+
+class Command(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="directory a training run wrote (metrics.csv, alerts.jsonl)")
+    parser.add_argument(
+        "--out", metavar="DIR", default=None, help="where to write the PNGs and report.md (default: RUN_DIR)"
+    )
+
+
+def _report_run(args: argparse.Namespace) -> int:
+    from stable_attn.report import build_report, format_summary, load_run, summarize
+
+    path = build_report(args.run_dir, args.out)
+    print(format_summary(summarize(load_run(args.run_dir))))
+    print(f"report: {path}")
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "report": Command(
+        "rebuild the plots and report.md of a run from its metrics CSV and alerts JSONL",
+        _report_arguments,
+        _report_run,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with one subparser per entry of :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="stable-attn", description="Tools for stable_attn: stable BF16 flash attention for training."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``stable-attn`` console script; returns the exit status.
+
+    Expected failures (a missing run directory, unreadable input) print one line to stderr and
+    return 1 instead of a traceback.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return COMMANDS[args.command].run(args)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"stable-attn {args.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

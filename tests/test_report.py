@@ -1,0 +1,226 @@
+"""stable_attn.report and the ``stable-attn report`` command on synthetic run directories.
+
+The metrics CSV is written by Lightning's own CSVLogger (the file a real run leaves), with sparse
+rows: training rows (epoch, train/loss), separate rows for the per-layer attention metrics, and
+validation rows that repeat a step. Expected numbers are read back from the CSV with the csv module,
+independently of stable_attn.report's parser.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+from matplotlib.image import imread
+
+from stable_attn.cli import main
+from stable_attn.report import build_report, find_metrics_csv, fmt, load_run, read_alerts
+
+LAYERS = 4
+STEPS = 60
+SPIKE_STEP = 37
+WARNING_STEP = 50
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(run_dir: Path, *, seed: int, nan_at: int | None = None, alerts: list[dict] | None = None) -> Path:
+    """A run directory as the example leaves it; returns the metrics.csv path."""
+    rng = np.random.default_rng(seed)
+    logger = CSVLogger(save_dir=str(run_dir), name="csv")
+    for step in range(STEPS):
+        loss = 6.0 * math.exp(-step / 25) + 2.0 + 0.1 * rng.standard_normal()
+        if step == SPIKE_STEP:
+            loss += 5.0
+        if step == nan_at:
+            loss = float("nan")
+        logger.log_metrics({"epoch": 0, "train/loss": loss, "train/lr": 1e-3}, step=step)
+        if step % 5 == 0:
+            layer_metrics = {}
+            for i in range(LAYERS):
+                layer_metrics[f"stable_attn/saturation/layer{i}"] = float(rng.uniform(0, 0.1 * (i + 1)))
+                layer_metrics[f"stable_attn/fixed_rate/layer{i}"] = float(rng.uniform(0, 0.05))
+                layer_metrics[f"stable_attn/max_logit/layer{i}"] = float(5 + i + step / 10 + rng.uniform())
+                layer_metrics[f"stable_attn/sink_mass/layer{i}"] = float(rng.uniform(0.2, 0.6))
+            logger.log_metrics(layer_metrics, step=step)
+        if step % 20 == 19:
+            logger.log_metrics({"epoch": 0, "val/loss": loss + 0.2 + 0.05 * rng.standard_normal()}, step=step)
+    logger.save()
+    if alerts is not None:
+        with open(run_dir / "alerts.jsonl", "w") as f:
+            for alert in alerts:
+                f.write(json.dumps(alert) + "\n")
+    return Path(logger.log_dir) / "metrics.csv"
+
+
+def alert(step: int, kind: str, value: float) -> dict:
+    return {
+        "step": step,
+        "kind": kind,
+        "metric": "train/loss",
+        "value": value,
+        "baseline": 2.3,
+        "threshold": 3.1,
+        "score": 9.0,
+        "lr": 1e-3,
+        "layers": ["layer1"],
+        "action": "warn",
+        "message": f"{kind} at step {step}",
+        "time": 1700000000.0,
+    }
+
+
+def csv_column(path: Path, name: str) -> list[tuple[int, float]]:
+    with open(path, newline="") as f:
+        return [(int(r["step"]), float(r[name])) for r in csv.DictReader(f) if r[name] != ""]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path.name} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def table_row(md: str, first_cell: str) -> list[str]:
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == first_cell:
+            return cells
+    raise AssertionError(f"no table row starting with {first_cell!r} in report.md")
+
+
+def red_pixels(path: Path) -> int:
+    # tab:red is (214, 39, 40); nothing else in the loss plot is that red.
+    rgb = imread(path)[..., :3]
+    return int(((rgb[..., 0] > 0.7) & (rgb[..., 1] < 0.3) & (rgb[..., 2] < 0.3)).sum())
+
+
+def test_report_matches_the_csv(tmp_path: Path) -> None:
+    metrics = write_run(
+        tmp_path, seed=1, alerts=[alert(SPIKE_STEP, "spike", 9.7), alert(WARNING_STEP, "early_warning", 2.5)]
+    )
+    assert find_metrics_csv(tmp_path) == metrics
+    report = build_report(tmp_path)
+    assert report == tmp_path / "report.md"
+    md = report.read_text()
+
+    for name, (width, height) in {
+        "loss.png": (800, 450),
+        "max_logit.png": (800, 450),
+        "saturation_heatmap.png": (800, 300),
+    }.items():
+        assert png_size(tmp_path / name) == (width, height), name
+        assert (tmp_path / name).stat().st_size > 10_000, f"{name} looks empty"
+        assert f"]({name})" in md
+
+    train = csv_column(metrics, "train/loss")
+    val = csv_column(metrics, "val/loss")
+    assert table_row(md, "final train loss")[1] == f"{fmt(train[-1][1])} (step {train[-1][0]})"
+    assert table_row(md, "final validation loss")[1] == f"{fmt(val[-1][1])} (step {val[-1][0]})"
+    assert table_row(md, "alerts: spike")[1] == "1"
+    assert table_row(md, "alerts: early_warning")[1] == "1"
+    assert table_row(md, "alerts: nonfinite")[1] == "0"
+
+    spike_row = table_row(md, str(SPIKE_STEP))
+    assert spike_row[1:3] == ["spike", "train/loss"] and float(spike_row[3]) == 9.7
+    assert table_row(md, str(WARNING_STEP))[1] == "early_warning"
+
+    assert [m.group(1) for m in re.finditer(r"^\| layer(\d+) \|", md, re.M)] == [str(i) for i in range(LAYERS)]
+    for i in range(LAYERS):
+        row = table_row(md, f"layer{i}")
+        sat = [v for _, v in csv_column(metrics, f"stable_attn/saturation/layer{i}")]
+        logit = [v for _, v in csv_column(metrics, f"stable_attn/max_logit/layer{i}")]
+        sink = [v for _, v in csv_column(metrics, f"stable_attn/sink_mass/layer{i}")]
+        fixed = [v for _, v in csv_column(metrics, f"stable_attn/fixed_rate/layer{i}")]
+        assert len(sat) == STEPS // 5
+        expected = [np.mean(sat), np.max(sat), np.mean(fixed), np.max(logit), logit[-1], np.mean(sink)]
+        assert [float(c) for c in row[1:7]] == pytest.approx(expected, rel=1e-5)
+
+    # The spike and the early warning are drawn as coloured lines; without alerts there is no red.
+    assert red_pixels(tmp_path / "loss.png") > 300
+    heat = imread(tmp_path / "saturation_heatmap.png")[..., :3]
+    assert heat.std() > 0.1, "the heatmap is flat"
+
+    quiet = tmp_path / "quiet"
+    write_run(quiet, seed=1, alerts=[])
+    build_report(quiet)
+    assert red_pixels(quiet / "loss.png") == 0
+    assert "No alerts were raised." in (quiet / "report.md").read_text()
+
+
+def test_cli_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    write_run(run, seed=2, alerts=[alert(SPIKE_STEP, "spike", 8.0)])
+    out = tmp_path / "out"
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert str(out / "report.md") in printed
+    assert "spike 1" in printed
+    assert {p.name for p in out.iterdir()} == {"report.md", "loss.png", "max_logit.png", "saturation_heatmap.png"}
+    assert "| 37 | spike |" in (out / "report.md").read_text()
+
+    missing = tmp_path / "nope"
+    assert main(["report", str(missing)]) == 1
+    assert str(missing) in capsys.readouterr().err
+    assert main([]) == 2
+
+
+def test_missing_columns_nan_loss_and_no_alerts(tmp_path: Path) -> None:
+    # Only a train loss, with a NaN at the end, and an empty alerts file.
+    logger = CSVLogger(save_dir=str(tmp_path), name="csv")
+    for step in range(10):
+        logger.log_metrics({"train/loss": 3.0 - 0.1 * step if step < 9 else float("nan")}, step=step)
+    logger.save()
+    (tmp_path / "alerts.jsonl").write_text("")
+    md = build_report(tmp_path).read_text()
+    assert (tmp_path / "loss.png").is_file()
+    assert not (tmp_path / "saturation_heatmap.png").exists()
+    assert not (tmp_path / "max_logit.png").exists()
+    assert table_row(md, "final train loss")[1] == "nan (step 9)"
+    assert "last finite value: 2.2 (step 8)" in md
+    assert "no `val/loss` column" in md
+    assert "No `stable_attn/saturation/layer{i}` values" in md
+    assert "No alerts were raised." in md
+    assert "No per-layer stable_attn metrics were logged." in md
+
+
+def test_empty_run_dir_gives_a_report_with_notes(tmp_path: Path) -> None:
+    md = build_report(tmp_path).read_text()
+    assert "No metrics.csv found" in md
+    assert "No alerts.jsonl found" in md
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]
+
+
+def test_newest_metrics_file_wins_and_bad_alert_lines_are_counted(tmp_path: Path) -> None:
+    old = write_run(tmp_path, seed=3)
+    new = write_run(tmp_path, seed=4)
+    assert old.parent.name == "version_0" and new.parent.name == "version_1"
+    os.utime(old, (1_000_000_000, 1_000_000_000))
+    assert find_metrics_csv(tmp_path) == new
+    (tmp_path / "alerts.jsonl").write_text(
+        json.dumps(alert(5, "nonfinite", float("nan"))) + "\nnot json\n\n" + json.dumps({"kind": "spike"}) + "\n"
+    )
+    alerts, bad = read_alerts(tmp_path / "alerts.jsonl")
+    assert [a["step"] for a in alerts] == [5] and math.isnan(alerts[0]["value"]) and bad == 2
+    run = load_run(tmp_path)
+    assert any("2 line(s)" in n for n in run.notes)
+    assert any("version_0/metrics.csv" in n for n in run.notes)
+    md = build_report(tmp_path).read_text()
+    assert table_row(md, "alerts: nonfinite")[1] == "1"
+    assert f"| final train loss | {fmt(csv_column(new, 'train/loss')[-1][1])}" in md
+
+
+def test_bad_run_dir(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="run_dir="):
+        build_report(tmp_path / "missing")
+    (tmp_path / "metrics.csv").write_text("a,b\n1,2\n")
+    md = build_report(tmp_path).read_text()
+    assert "has no 'step' column" in md
