@@ -1,0 +1,235 @@
+"""The "stable_attn" mask builder, options, statistics and refusals of the transformers integration."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import masking_utils as mu
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+import stable_attn.integrations.transformers as st
+from stable_attn import AttentionStats
+
+st.register()
+
+LLAMA = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64)
+
+
+def llama(impl: str = "stable_attn", **config_overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = copy.deepcopy(LLAMA)
+    for k, v in config_overrides.items():
+        setattr(config, k, v)
+    return LlamaForCausalLM._from_config(config, attn_implementation=impl).eval()
+
+
+def ids(batch: int = 2, n: int = 10) -> torch.Tensor:
+    return torch.randint(0, 64, (batch, n), generator=torch.Generator().manual_seed(0))
+
+
+def meaning(m: st.StableAttnMask, batch: int) -> torch.Tensor:
+    """The boolean [B, 1, Nq, Nk] mask a StableAttnMask stands for, written out naively."""
+    q = torch.arange(m.q_length)[:, None] + (m.kv_length - m.q_length)
+    k = torch.arange(m.kv_length)[None, :]
+    visible = torch.ones(m.q_length, m.kv_length, dtype=torch.bool)
+    if m.causal:
+        visible &= k <= q
+        if m.window is not None:
+            visible &= k > q - m.window
+    out = visible.expand(batch, 1, m.q_length, m.kv_length)
+    if m.key_padding_mask is not None:
+        out = out & m.key_padding_mask[:, None, None, :]
+    return out
+
+
+def padding(batch: int, length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    for b in range(batch):
+        left, right = torch.randint(0, 3, (2,), generator=g).tolist()
+        mask[b, :left] = False
+        mask[b, length - right:] = False
+    return mask
+
+
+CASES = list(itertools.product(
+    ["causal", "window", "bidirectional"],
+    # (q_length, kv_length, q_offset, kv_offset): prefill, decode, chunked prefill, sliding cache, static cache
+    [(5, 5, 0, 0), (1, 9, 8, 0), (3, 12, 9, 0), (1, 5, 10, 6), (4, 7, 7, 4), (3, 8, 2, 0)],
+    [None, "pad", "ones"],
+))
+
+
+@pytest.mark.parametrize("kind, sizes, pad", CASES)
+def test_compact_mask_means_exactly_what_sdpa_mask_builds(kind, sizes, pad):
+    q_len, kv_len, q_off, kv_off = sizes
+    batch = 3
+    fn = {"causal": mu.causal_mask_function, "window": mu.sliding_window_causal_mask_function(4),
+          "bidirectional": mu.bidirectional_mask_function}[kind]
+    attention_mask = None
+    if pad == "pad":
+        attention_mask = padding(batch, kv_off + kv_len, seed=q_len * 31 + kv_len)
+    elif pad == "ones":
+        attention_mask = torch.ones(batch, kv_off + kv_len, dtype=torch.bool)
+    args = dict(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=q_off, kv_offset=kv_off,
+                mask_function=fn, attention_mask=attention_mask, local_size=4 if kind == "window" else None)
+    ours = st.stable_attn_mask(**args)
+    exact = mu.sdpa_mask(**args, allow_is_causal_skip=False)
+    aligned = kind == "bidirectional" or q_off - kv_off == kv_len - q_len
+    if not aligned:  # positions the kernel's bottom-right alignment cannot express: the exact mask
+        assert isinstance(ours, torch.Tensor) and torch.equal(ours, exact)
+        return
+    assert isinstance(ours, st.StableAttnMask)
+    assert (ours.causal, ours.window) == {"causal": (True, None), "window": (True, 4),
+                                          "bidirectional": (False, None)}[kind]
+    assert (ours.key_padding_mask is None) == (pad != "pad" or bool(attention_mask.all()))
+    assert torch.equal(meaning(ours, batch), exact.expand(batch, 1, q_len, kv_len))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: k % 2 == 0),
+    lambda: mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function),
+    lambda: mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)),
+    lambda: mu.remap_positions_for_packed_sequence(mu.causal_mask_function, torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)),
+    lambda: mu.sliding_window_bidirectional_mask_function(2),
+    lambda: (lambda b, h, q, k: k <= q),  # behaves causal, but is not transformers' function: not trusted
+])
+def test_other_patterns_get_the_exact_mask(make):
+    args = dict(batch_size=2, q_length=6, kv_length=6, mask_function=make(),
+                attention_mask=torch.tensor([[True] * 6, [False] + [True] * 5]))
+    ours = st.stable_attn_mask(**args)
+    assert isinstance(ours, torch.Tensor) and ours.dtype == torch.bool
+    assert torch.equal(ours, mu.sdpa_mask(**args, allow_is_causal_skip=False))
+
+
+def test_tensor_query_offset_of_a_static_cache_gets_the_exact_mask():
+    args = dict(batch_size=1, q_length=1, kv_length=8, q_offset=torch.tensor(3), mask_function=mu.causal_mask_function)
+    ours = st.stable_attn_mask(**args)
+    assert isinstance(ours, torch.Tensor)
+    assert torch.equal(ours, mu.sdpa_mask(**args, allow_is_causal_skip=False))
+
+
+def test_register_is_idempotent_and_installs_both_functions():
+    st.register()
+    st.register()
+    assert AttentionInterface()["stable_attn"] is st.stable_attn_attention_forward
+    assert AttentionMaskInterface()["stable_attn"] is st.stable_attn_mask
+    assert "flash" not in st.NAME
+
+
+def test_causal_lm_without_padding_builds_no_4d_mask(monkeypatch):
+    seen = []
+    real = st.attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(st, "attention", spy)
+    model = llama()
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    model(input_ids=ids(), attention_mask=mask)
+    assert len(seen) == 2
+    for kw in seen:
+        assert kw["attn_mask"] is None and kw["causal"] is True and kw["window"] is None
+        assert torch.equal(kw["key_padding_mask"], mask.bool())
+    seen.clear()
+    model(input_ids=ids())
+    assert all(kw["attn_mask"] is None and kw["key_padding_mask"] is None and kw["causal"] for kw in seen)
+
+
+def test_output_attentions_raises_naming_feature_and_model():
+    model = llama()
+    with pytest.raises(ValueError, match=r"output_attentions=True.*|LlamaAttention") as err:
+        model(input_ids=ids(), output_attentions=True)
+    assert "LlamaAttention" in str(err.value) and "output_attentions" in str(err.value)
+    model = llama(output_attentions=True)
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(input_ids=ids())
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("kwarg, words", [("s_aux", "attention sinks"), ("position_bias", "position_bias"),
+                                          ("indices", "sparse attention")])
+def test_unsupported_model_features_raise(kwarg, words):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=words) as err:
+        st.stable_attn_attention_forward(_Module(), q, q, q, None, **{kwarg: torch.zeros(1)})
+    assert "_Module" in str(err.value)
+
+
+def test_value_head_dim_and_bad_masks_raise():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="value head dim 4"):
+        st.stable_attn_attention_forward(_Module(), q, q, q[..., :4], None)
+    with pytest.raises(TypeError, match="attention mask of type str"):
+        st.stable_attn_attention_forward(_Module(), q, q, q, "causal")
+    stale = st.StableAttnMask(True, None, None, q_length=4, kv_length=5)
+    with pytest.raises(RuntimeError, match="kv_length=5"):
+        st.stable_attn_attention_forward(_Module(), q, q, q, stale)
+    with pytest.raises(ValueError, match=r"_Module.*head dim D=300"):
+        big = torch.randn(1, 1, 2, 300)
+        st.stable_attn_attention_forward(_Module(), big, big, big, None)
+
+
+def test_options_from_configure_and_from_config(monkeypatch):
+    seen = []
+    real = st.attention
+
+    def spy(*args, **kwargs):
+        seen.append({k: kwargs[k] for k in ("stabilize", "beta", "backend", "block_n")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(st, "attention", spy)
+    model = llama(stable_attn={"beta": 4.0, "stabilize": "paper"})
+    model(input_ids=ids())
+    assert seen[-1] == {"stabilize": "paper", "beta": 4.0, "backend": "auto", "block_n": None}
+    st.configure(model, stabilize=False, beta=3.0, backend="torch", block_n=16)  # takes precedence
+    model(input_ids=ids())
+    assert seen[-1] == {"stabilize": False, "beta": 3.0, "backend": "torch", "block_n": 16}
+    assert len(seen) == 4
+    with pytest.raises(ValueError, match="stabilize='yes'"):
+        st.configure(model, stabilize="yes")
+    with pytest.raises(ValueError, match=r"unknown keys \['betta'\]"):
+        llama(stable_attn={"betta": 4.0})(input_ids=ids())
+    with pytest.raises(ValueError, match=r"LlamaAttention.*beta=0.5"):
+        llama(stable_attn={"beta": 0.5})(input_ids=ids())
+
+
+def test_attach_and_detach_stats():
+    model = llama()
+    stats = st.attach_stats(model)
+    assert list(stats) == ["layer0", "layer1"]
+    assert st.attach_stats(model) == stats and all(st.attach_stats(model)[k] is stats[k] for k in stats)
+    model(input_ids=ids(2, 10))
+    for s in stats.values():
+        assert isinstance(s, AttentionStats) and s.calls == 1
+        assert s.rows.tolist() == [20] * 4  # per query head: batch 2 x 10 rows
+    stats["layer1"].enabled = False
+    model(input_ids=ids())
+    assert stats["layer0"].calls == 2 and stats["layer1"].calls == 1
+    st.detach_stats(model)
+    model(input_ids=ids())
+    assert stats["layer0"].calls == 2
+    assert not any(hasattr(m, "stable_attn_stats") for _, m in st.attention_modules(model))
+
+
+def test_attention_modules_finds_the_modules_the_function_receives():
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=3, n_head=4))
+    names = [n for n, _ in st.attention_modules(gpt2)]
+    assert names == ["transformer.h.0.attn", "transformer.h.1.attn", "transformer.h.2.attn"]
+    with pytest.raises(ValueError, match="Linear has no attention module"):
+        st.attach_stats(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        st.attention_modules("gpt2")
