@@ -1,0 +1,75 @@
+"""In-memory snapshots of a Lightning run's training state, for rolling back over a spike.
+
+A snapshot holds everything one optimizer step changes: model parameters and buffers, optimizer
+state (AdamW moments and step counters, param-group learning rates), learning-rate schedulers, the
+precision plugin (the AMP grad scaler), and the torch random number generators. Restoring all of it
+makes the run continue exactly as a run that never saw the batches consumed since the snapshot:
+same weights, same optimizer moments, same schedule position, and the same random draws (dropout)
+for the batches that follow.
+
+Snapshots live in memory on the parameters' own device (a copy is fast, and a spike must be undone
+within one step); they cost one extra copy of the model and optimizer state. They are not written to
+checkpoints: a resumed run takes a fresh snapshot when training starts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Snapshot", "restore_snapshot", "take_snapshot"]
+
+
+@dataclass
+class Snapshot:
+    """Training state after ``step`` optimizer steps (``trainer.global_step`` when taken)."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizers: list[dict[str, Any]]
+    schedulers: list[dict[str, Any]]
+    precision: dict[str, Any]
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+
+
+def _clone_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
+
+
+def take_snapshot(trainer: Any, pl_module: torch.nn.Module) -> Snapshot:
+    """Copy the training state of ``trainer`` / ``pl_module`` (every rank keeps its own)."""
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return Snapshot(
+        step=int(trainer.global_step),
+        model=_clone_tensors(pl_module.state_dict()),
+        # deepcopy clones the tensors: optimizer state is updated in place by the next step.
+        optimizers=[copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers],
+        schedulers=[copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
+        precision=copy.deepcopy(trainer.precision_plugin.state_dict()),
+        cpu_rng=torch.get_rng_state(),
+        cuda_rng=cuda_rng,
+    )
+
+
+def restore_snapshot(trainer: Any, pl_module: torch.nn.Module, snapshot: Snapshot) -> None:
+    """Put the state saved in ``snapshot`` back, in place (the optimizer keeps its parameter objects).
+
+    The snapshot stays intact, so it can be restored again: ``Optimizer.load_state_dict`` adopts the
+    tensors it is given when device and dtype already match, and the next step would update them in
+    place, so it gets copies.
+    """
+    with torch.no_grad():
+        pl_module.load_state_dict(snapshot.model, strict=True)
+    for opt, state in zip(trainer.optimizers, snapshot.optimizers, strict=True):
+        opt.load_state_dict(copy.deepcopy(state))
+    for cfg, state in zip(trainer.lr_scheduler_configs, snapshot.schedulers, strict=True):
+        cfg.scheduler.load_state_dict(copy.deepcopy(state))
+    if snapshot.precision:
+        trainer.precision_plugin.load_state_dict(copy.deepcopy(snapshot.precision))
+    torch.set_rng_state(snapshot.cpu_rng)
+    if snapshot.cuda_rng is not None:
+        torch.cuda.set_rng_state_all(snapshot.cuda_rng)
