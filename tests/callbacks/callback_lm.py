@@ -10,10 +10,10 @@ the trained level (measured: about 3x).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pydoc_data.topics import topics
 
 import lightning as L
 import torch
-from pydoc_data.topics import topics
 from torch.utils.data import DataLoader, Dataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
