@@ -1,0 +1,210 @@
+"""``patch_sdpa()``: route ``torch.nn.functional.scaled_dot_product_attention`` to stable_attn.
+
+For code that calls ``F.scaled_dot_product_attention`` itself (nanoGPT and most hand-written models),
+this is the whole switch::
+
+    with stable_attn.patch_sdpa():          # a context manager ...
+        loss = model(x).loss
+
+    handle = stable_attn.patch_sdpa(beta=4.0)  # ... or permanent: installed on the call,
+    ...                                        # until handle.restore() or stable_attn.unpatch_sdpa()
+
+The wrapper keeps sdpa's exact semantics. Calls it can serve go to :func:`stable_attn.attention`:
+4D ``[B, H, N, D]`` float16/bfloat16/float32 tensors with ``D <= 256`` and equal head dims, no mask, a
+boolean mask (True = attend) or an additive float mask, ``is_causal`` (sdpa aligns it top-left when
+``Nq != Nk``; that case is served with an explicit mask), ``enable_gqa``, ``dropout_p`` and ``scale``.
+Every other call (other ranks or dtypes, nested tensors, a value head dim different from the query's,
+batch broadcasting, invalid argument combinations that sdpa itself rejects) goes to the function that
+was installed before the patch, with a one-time ``RuntimeWarning`` naming the reason.
+
+Caveats:
+- The patch replaces the attribute ``torch.nn.functional.scaled_dot_product_attention``. Code that did
+  ``from torch.nn.functional import scaled_dot_product_attention`` before the patch holds the original
+  function and is not affected; so is code that calls ``torch._C._nn.scaled_dot_product_attention``.
+- Anything that looks the attribute up at call time is affected, including transformers'
+  ``attn_implementation="sdpa"`` (for transformers models, prefer ``attn_implementation="stable_attn"``:
+  it also serves padding, sliding windows and softcapping on the fast path).
+- Patches nest; restore them in reverse order (``unpatch_sdpa()`` restores all of them).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import attention
+from ..kernels import rules
+
+_active: list[SdpaPatch] = []
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"stable_attn.patch_sdpa: this scaled_dot_product_attention call runs unstabilized on the original "
+            f"function because of {reason} (warned once per reason)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _mask_broadcasts(mask: torch.Tensor, B: int, Hq: int, Nq: int, Nk: int) -> bool:
+    if mask.dim() > 4:
+        return False
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    return all(s in (1, t) for s, t in zip(shape, (B, Hq, Nq, Nk)))
+
+
+def unsupported_reason(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any,
+                       scale: Any, enable_gqa: Any, extra: dict) -> str | None:
+    """Why a call cannot go to stable_attn (a short phrase), or None when it can."""
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "non-tensor inputs"
+    if any(t.is_nested for t in tensors):
+        return "nested tensors"
+    if extra:
+        return f"arguments stable_attn does not know ({', '.join(sorted(extra))})"
+    if any(t.dim() != 4 for t in tensors):
+        return f"inputs of rank {query.dim()}/{key.dim()}/{value.dim()} (stable_attn takes [B, H, N, D])"
+    if any(t.dtype not in rules.SUPPORTED_DTYPES for t in tensors) or not query.dtype == key.dtype == value.dtype:
+        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype} (stable_attn takes one of float16, bfloat16, float32)"
+    if not query.device == key.device == value.device:
+        return "inputs on different devices"
+    B, Hq, Nq, D = query.shape
+    if key.shape != value.shape or key.shape[3] != D:
+        return "a value or key shape that differs from the query's head dim or from each other"
+    if D > 256:
+        return f"head dim {D} > 256"
+    if key.shape[0] != B:
+        return "batch broadcasting between query and key"
+    Hkv, Nk = key.shape[1], key.shape[2]
+    if Hkv != Hq and not (enable_gqa and Hq % Hkv == 0):
+        return "query and key head counts that sdpa only accepts with enable_gqa=True"
+    if Nq == 0 or Nk == 0:
+        return "an empty sequence"
+    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+        return f"dropout_p={dropout_p!r}"
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        return f"scale={scale!r} (stable_attn takes a finite positive scale)"
+    if attn_mask is not None:
+        if is_causal:
+            return "attn_mask together with is_causal=True"
+        if not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested:
+            return "an attn_mask that is not a plain tensor"
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            return f"an attn_mask of dtype {attn_mask.dtype}"
+        if attn_mask.device != query.device:
+            return "an attn_mask on another device"
+        if not _mask_broadcasts(attn_mask, B, Hq, Nq, Nk):
+            return f"an attn_mask of shape {tuple(attn_mask.shape)} that does not broadcast to {(B, Hq, Nq, Nk)}"
+    return None
+
+
+class SdpaPatch:
+    """One installed patch (what :func:`patch_sdpa` returns); also a context manager.
+
+    ``restore()`` puts back the function that was installed before this patch; it is idempotent and
+    refuses (RuntimeError) while a later patch is still installed on top of this one.
+    """
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.previous: Callable = F.scaled_dot_product_attention
+        self.wrapper = self._make_wrapper()
+        self.active = True
+        F.scaled_dot_product_attention = self.wrapper
+        _active.append(self)
+
+    def _make_wrapper(self) -> Callable:
+        previous, options = self.previous, self.options
+
+        @functools.wraps(previous)
+        def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                         scale=None, enable_gqa=False, **extra):
+            reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, extra)
+            if reason is not None:
+                _warn_once(reason)
+                if enable_gqa:  # only passed when set: torch < 2.5 has no such argument
+                    extra["enable_gqa"] = enable_gqa
+                return previous(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                scale=scale, **extra)
+            causal = bool(is_causal)
+            Nq, Nk = query.shape[2], key.shape[2]
+            if causal and Nq != Nk:
+                # sdpa's is_causal is aligned top-left (query i sees keys j <= i); stable_attn's bottom-right
+                attn_mask = torch.ones(Nq, Nk, dtype=torch.bool, device=query.device).tril()
+                causal = False
+            return attention(query, key, value, causal=causal, scale=scale, attn_mask=attn_mask,
+                             dropout_p=float(dropout_p), **options)
+
+        scaled_dot_product_attention.stable_attn_patch = self
+        return scaled_dot_product_attention
+
+    def restore(self) -> None:
+        """Put back the function this patch replaced."""
+        if not self.active:
+            return
+        if F.scaled_dot_product_attention is not self.wrapper:
+            raise RuntimeError(
+                "stable_attn.patch_sdpa: scaled_dot_product_attention was replaced again after this patch; restore "
+                "the later patch first (patches nest), or call stable_attn.unpatch_sdpa() to restore all of them"
+            )
+        F.scaled_dot_product_attention = self.previous
+        self.active = False
+        _active.remove(self)
+
+    def __enter__(self) -> SdpaPatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def __repr__(self) -> str:
+        return f"SdpaPatch(active={self.active}, options={self.options})"
+
+
+def patch_sdpa(
+    *,
+    stabilize: bool | str = True,
+    beta: float = 2.0,
+    backend: str = "auto",
+    block_n: int | None = None,
+) -> SdpaPatch:
+    """Replace ``torch.nn.functional.scaled_dot_product_attention`` with a stable_attn wrapper, now.
+
+    Returns the :class:`SdpaPatch` handle: use it as a context manager (``with patch_sdpa(): ...``
+    restores on exit) or keep it and call ``.restore()`` (or :func:`unpatch_sdpa`) later. The options
+    are those of :func:`stable_attn.attention`; they are checked here, before anything is patched.
+    """
+    if stabilize not in (True, False, "paper"):
+        raise ValueError(f"stabilize={stabilize!r} is not supported; use True, False or 'paper'")
+    if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 1.0):
+        raise ValueError(f"beta={beta!r} must be a finite number > 1")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend={backend!r} is not supported; use 'auto', 'torch' or 'triton'")
+    if block_n is not None and not (isinstance(block_n, int) and block_n >= 16 and block_n & (block_n - 1) == 0):
+        raise ValueError(f"block_n={block_n!r} must be a power of two >= 16 or None")
+    return SdpaPatch({"stabilize": stabilize, "beta": float(beta), "backend": backend, "block_n": block_n})
+
+
+def unpatch_sdpa() -> None:
+    """Restore every active :func:`patch_sdpa` patch, newest first (no-op when none is active)."""
+    while _active:
+        _active[-1].restore()
+
+
+def is_sdpa_patched() -> bool:
+    """Whether a :func:`patch_sdpa` patch is currently installed."""
+    return bool(_active)
+
+
+__all__ = ["SdpaPatch", "is_sdpa_patched", "patch_sdpa", "unpatch_sdpa", "unsupported_reason"]
