@@ -1,0 +1,91 @@
+"""A 2-process DDP run (gloo, CPU) in which only rank 1 sees a corrupted batch.
+
+Run by test_callback_ddp.py as ``python ddp_spike_run.py WEIGHTS OUT_DIR``: Lightning's ``strategy="ddp"``
+starts the second process by running this script again, so it must be a script, not a pytest test.
+Each rank writes ``OUT_DIR/rank{r}.json`` with what it saw and did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+from callback_lm import ByteLM, batches_loader
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger
+
+from stable_attn.callbacks import StableAttentionCallback
+from stable_attn.monitor import SpikeDetector
+
+STEPS = 60
+BAD = 50
+RANK_OFFSET = 100  # rank r reads batches 100*r .. 100*r + STEPS - 1: different data on each rank
+
+
+class RankLM(ByteLM):
+    def train_dataloader(self):
+        rank = self.trainer.global_rank
+        first = RANK_OFFSET * rank
+        corrupt = [first + BAD] if rank == 1 else []
+        return batches_loader(range(first, first + STEPS), corrupt_batches=corrupt)
+
+
+def digest(module: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for t in module.state_dict().values():
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Probe(Callback):
+    def __init__(self, cb: StableAttentionCallback) -> None:
+        self.cb = cb
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == BAD:
+            self.before = digest(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == BAD + 1:
+            self.after = digest(pl_module)
+
+    def on_train_end(self, trainer, pl_module):
+        self.had_dispatcher = self.cb.dispatcher is not None
+
+
+def main(weights: str, out: str) -> None:
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    cb = StableAttentionCallback(
+        on_spike="skip", log_every_n_steps=5,
+        loss_detector=SpikeDetector("train/loss", warmup=20),
+        grad_norm_detector=SpikeDetector("train/grad_norm", warmup=20),
+    )
+    probe = Probe(cb)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, logger=CSVLogger(out, name="run"),
+        callbacks=[cb, probe], use_distributed_sampler=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=5,
+    )
+    module = RankLM(weights=weights)
+    trainer.fit(module)
+    result = {
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "skipped_steps": cb.skipped_steps,
+        "alert_count": cb.alert_count,
+        "unchanged_at_bad": probe.before == probe.after,
+        "final": digest(module),
+        "had_dispatcher": probe.had_dispatcher,
+        "log_dir": cb.log_dir,
+    }
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

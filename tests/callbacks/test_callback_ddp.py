@@ -1,0 +1,40 @@
+"""StableAttentionCallback under DDP: 2 CPU processes (gloo); only rank 1 sees the corrupted batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):
+    from ddp_spike_run import BAD, STEPS
+
+    path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "ddp_spike_run.py"), pretrained, str(tmp_path)],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+
+    # both ranks finished (no deadlock) and both skipped the step that only rank 1 saw spike
+    assert r0["global_step"] == r1["global_step"] == STEPS
+    assert r0["skipped_steps"] == r1["skipped_steps"] == [BAD]
+    assert r0["unchanged_at_bad"] and r1["unchanged_at_bad"]
+    assert r0["final"] == r1["final"]  # replicas still identical: the decision was the same everywhere
+    assert r0["alert_count"] == r1["alert_count"] >= 1
+
+    # side effects on rank zero only: one JSONL, written by rank 0, naming rank 1 as the source
+    assert r0["had_dispatcher"] and not r1["had_dispatcher"]
+    with open(os.path.join(r0["log_dir"], "stable_attn_alerts.jsonl"), encoding="utf-8") as f:
+        alerts = [json.loads(line) for line in f]
+    assert {a["step"] for a in alerts} == {BAD}
+    loss = [a for a in alerts if a["metric"] == "train/loss"]
+    assert len(loss) == 1 and "on rank 1 of 2" in loss[0]["message"] and loss[0]["action"] == "skip"
+    assert len(alerts) == r0["alert_count"]
