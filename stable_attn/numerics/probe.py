@@ -398,11 +398,11 @@ def run_probe(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.seq_len < 2:
         raise ValueError(f"--batch must be >= 1 and --seq-len >= 2, got {args.batch} and {args.seq_len}")
     fixes = [f for f in args.fixes.split(",") if f]
-    model, tokenizer = _load(args.config, args.seed)
     text = None
     if args.text is not None:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
+    model, tokenizer = _load(args.config, args.seed)
     vocab = model.get_input_embeddings().num_embeddings
     ids = _batch(text, tokenizer, vocab, args.batch, args.seq_len, args.seed).to(args.device)
     model.to(args.device)
