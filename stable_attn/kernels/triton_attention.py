@@ -96,6 +96,15 @@ def bwd_config(block_d: int, dtype: torch.dtype, cc: int) -> BwdConfig:
     return cfg
 
 
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Output allocation, one place (the tests replace it to poison outputs with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _empty_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -156,13 +165,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     block_d = head_block(D)
     cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device))
 
-    out = torch.empty_like(q)
-    lse2 = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    out = _empty_like(q)
+    rows = (B, Hq, Nq)
+    lse2 = _empty(rows, torch.float32, q.device)
     if with_stats:
-        sat = torch.empty(B, Hq, Nq, dtype=torch.int8, device=q.device)
-        fixed = torch.empty(B, Hq, Nq, dtype=torch.int32, device=q.device)
-        max_logit = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-        p0 = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+        sat = _empty(rows, torch.int8, q.device)
+        fixed = _empty(rows, torch.int32, q.device)
+        max_logit = _empty(rows, torch.float32, q.device)
+        p0 = _empty(rows, torch.float32, q.device)
     else:
         sat = fixed = max_logit = p0 = lse2  # never touched: STATS is a compile-time False
     kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
@@ -203,12 +213,12 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     block_d = head_block(D)
     cfg = config or bwd_config(block_d, dtype, _capability(q.device))
 
-    delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    delta = _empty((B, Hq, Nq), torch.float32, q.device)
     attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, B)](
         out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
         Hq, Nq, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=64,
     )
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
     kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
     sc = _scalars(opts, dtype)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import key_range, scores_tile, tanh_f32
+from .triton_forward import key_range, round_to, scores_tile, tanh_f32
 
 
 @triton.jit
@@ -85,16 +85,12 @@ def dkdv_block(dk, dv, k, v, kp, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, o
         dp = tl.where(keep, dp * keep_scale, 0.0)
     else:
         p_drop = p
-    p_cast = p_drop.to(DTYPE)
-    if UPCAST:
-        p_cast = p_cast.to(tl.float32)
+    p_cast = round_to(p_drop, DTYPE, UPCAST)
     dv = tl.dot(p_cast, do, dv, input_precision=PREC)
     ds = p * (dp - delta[None, :])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
-    ds_cast = (ds * scale).to(DTYPE)
-    if UPCAST:
-        ds_cast = ds_cast.to(tl.float32)
+    ds_cast = round_to(ds * scale, DTYPE, UPCAST)
     dk = tl.dot(ds_cast, q, dk, input_precision=PREC)
     return dk, dv
 
@@ -176,9 +172,9 @@ def attn_bwd_dkdv_kernel(
                                 SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC)
 
     tl.store(DK + b64 * stride_dkb + hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
-             dk.to(DTYPE), mask=kv_mask)
+             round_to(dk, DTYPE, UPCAST).to(DTYPE), mask=kv_mask)
     tl.store(DV + b64 * stride_dvb + hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
-             dv.to(DTYPE), mask=kv_mask)
+             round_to(dv, DTYPE, UPCAST).to(DTYPE), mask=kv_mask)
 
 
 @triton.jit
@@ -220,9 +216,7 @@ def dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, o
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
-    ds_cast = (ds * scale).to(DTYPE)
-    if UPCAST:
-        ds_cast = ds_cast.to(tl.float32)
+    ds_cast = round_to(ds * scale, DTYPE, UPCAST)
     return tl.dot(ds_cast, k, dq, input_precision=PREC)
 
 
@@ -283,4 +277,4 @@ def attn_bwd_dq_kernel(
                       keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D,
                       DTYPE, UPCAST, PREC)
     tl.store(DQ + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
-             dq.to(DTYPE), mask=q_mask)
+             round_to(dq, DTYPE, UPCAST).to(DTYPE), mask=q_mask)

@@ -20,21 +20,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Stabilization modes (rules.MODE_*), repeated as literals: a jit function can only read globals
-# that are constexpr or plain literals.
-MODE_OFF: tl.constexpr = 0
-MODE_EXACT: tl.constexpr = 1
-MODE_PAPER: tl.constexpr = 2
-LOG2E: tl.constexpr = 1.4426950408889634  # rules.LOG2E
-TWO_LOG2E: tl.constexpr = 2.8853900817779268
+from . import rules
+
+# A jit function reads only globals that are tl.constexpr instances.
+MODE_OFF = tl.constexpr(rules.MODE_OFF)
+MODE_EXACT = tl.constexpr(rules.MODE_EXACT)
+MODE_PAPER = tl.constexpr(rules.MODE_PAPER)
+LOG2E = tl.constexpr(rules.LOG2E)
+TWO_LOG2E = tl.constexpr(2.0 * rules.LOG2E)
 
 
 @triton.jit
 def tanh_f32(y):
     """tanh from one exp2, identical on the interpreter and the GPU (libdevice is GPU-only)."""
-    e = tl.exp2(-TWO_LOG2E * tl.abs(y))
+    e = tl.exp2(-(tl.abs(y) * TWO_LOG2E))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(y < 0, -t, t)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """``x`` (fp32) rounded to nearest-even in ``DTYPE``: the rounding points of the algorithm.
+
+    On the GPU this is the hardware conversion. Under the interpreter the result stays fp32 (it
+    cannot compute in bf16), and bf16 is rounded here with integer arithmetic, because the
+    interpreter's own fp32 -> bf16 cast truncates instead of rounding to nearest-even.
+    """
+    if UPCAST:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            y = bits.to(tl.float32, bitcast=True)
+        else:
+            y = x.to(DTYPE).to(tl.float32)
+    else:
+        y = x.to(DTYPE)
+    return y
 
 
 @triton.jit
@@ -158,9 +179,7 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_p
         keep = tl.rand(seed, drop_row[:, None] + offs_n[None, :].to(tl.int64)) >= drop_p
         p = tl.where(keep, p * keep_scale, 0.0)
     # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
-    p_cast = p.to(DTYPE)
-    if UPCAST:
-        p_cast = p_cast.to(tl.float32)
+    p_cast = round_to(p, DTYPE, UPCAST)
     if MASK:
         v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
     elif HEAD_D != BLOCK_D:
@@ -247,7 +266,7 @@ def attn_fwd_kernel(
     o = acc / l_i[:, None]
     o = tl.where(seen[:, None], o, 0.0)
     o_ptrs = Out + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
-    tl.store(o_ptrs, o.to(DTYPE), mask=q_mask)
+    tl.store(o_ptrs, round_to(o, DTYPE, UPCAST).to(DTYPE), mask=q_mask)
     lse = tl.where(seen, r_i + tl.log2(l_i), float("inf"))
     row_ptr = (b64 * Hq + h) * Nq + offs_m
     tl.store(Lse + row_ptr, lse, mask=row_ok)

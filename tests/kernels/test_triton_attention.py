@@ -1,0 +1,303 @@
+"""The Triton kernels against the PyTorch reference (same partition, same decisions) and an fp64 oracle.
+
+On the CPU the kernels run under ``TRITON_INTERPRET=1`` (set by tests/conftest.py before Triton is
+imported); with ``STABLE_ATTN_TEST_DEVICE=cuda`` the same tests run on the GPU. Every kernel output
+is poisoned (NaN, or an impossible integer) before the launch, so an element the kernel forgets to
+write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from oracle import oracle_attention
+
+import stable_attn
+from stable_attn.kernels import reference, rules
+from stable_attn.kernels import triton_attention as ta
+from stable_attn.kernels.philox import keep_mask
+
+DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
+# One ulp at 1.0 for 16-bit types; for fp32 the comparisons see fp32 summation-order noise instead
+# (no rounding point is in fp32 precision), so its unit is 2^-18.
+EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-18}
+SMALL = ta.FwdConfig(block_m=32, num_warps=4, num_stages=1)  # several query blocks at test sizes
+SMALL_BWD = ta.BwdConfig(m1=16, n1=32, m2=32, n2=16, num_warps=4, num_stages=1)
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    """Fill every tensor the launchers allocate with garbage, so unwritten elements show up."""
+
+    def fill(t):
+        if t.is_floating_point():
+            return t.fill_(math.nan)
+        return t.fill_(2 if t.dtype == torch.int8 else -7)
+
+    monkeypatch.setattr(ta, "_empty", lambda shape, dtype, device: fill(torch.empty(shape, dtype=dtype,
+                                                                                    device=device)))
+    monkeypatch.setattr(ta, "_empty_like", lambda x: fill(torch.empty_like(x)))
+
+
+def make(B, Hq, Hkv, Nq, Nk, D, dtype, seed, qk_std=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, generator=g) * qk_std
+    k = torch.randn(B, Hkv, Nk, D, generator=g) * qk_std
+    v = torch.randn(B, Hkv, Nk, D, generator=g)
+    do = torch.randn(B, Hq, Nq, D, generator=g)
+    return [t.to(dtype).to(DEVICE) for t in (q, k, v, do)]
+
+
+def visible_rows(B, Hq, Nq, Nk, opts, kpm):
+    """Rows that see at least one key (the others output 0 and have lse = +inf)."""
+    pos = torch.arange(Nq)[:, None] + (Nk - Nq)
+    key = torch.arange(Nk)[None, :]
+    vis = torch.ones(B, 1, Nq, Nk, dtype=torch.bool)
+    if opts.causal:
+        vis &= key <= pos
+    if opts.window is not None:
+        vis &= key > pos - opts.window
+    if kpm is not None:
+        vis &= kpm.cpu()[:, None, None, :]
+    return vis.any(-1).expand(B, Hq, Nq)
+
+
+def close(got, want, tol_ulps, dtype, what):
+    """|got - want| <= tol_ulps ulps of the dtype, relative to the magnitude of ``want``."""
+    got, want = got.double().cpu(), want.double().cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{what}: NaN pattern differs"
+    ok = ~torch.isnan(want)
+    scale = want[ok].abs().max().clamp(min=1e-30) if ok.any() else torch.tensor(1.0)
+    err = (got[ok] - want[ok]).abs().max() if ok.any() else torch.tensor(0.0)
+    assert err <= tol_ulps * EPS[dtype] * scale, f"{what}: max err {err:.3g} > {tol_ulps} ulps of {scale:.3g}"
+
+
+def check_stats(st, rs, seen, what=""):
+    assert torch.isin(st.saturated.view(torch.uint8).cpu(), torch.tensor([0, 1], dtype=torch.uint8)).all()
+    # reference.py marks rows that see no key as saturated (reported to the lead); compare seen rows
+    assert torch.equal(st.saturated.cpu(), (rs.saturated.cpu() & seen)), f"saturated differs {what}"
+    assert not st.saturated.cpu()[~seen].any()
+    assert torch.equal(st.fixed_blocks.cpu(), rs.fixed_blocks.cpu()), f"fixed_blocks differs {what}"
+    torch.testing.assert_close(st.max_logit.cpu(), rs.max_logit.cpu(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st.first_key_prob.cpu(), rs.first_key_prob.cpu(), rtol=1e-4, atol=1e-6)
+
+
+def oracle_grads(q, k, v, do, opts, kpm):
+    qd, kd, vd = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    o = oracle_attention(qd, kd, vd, causal=opts.causal, scale=opts.scale, window=opts.window,
+                         softcap=opts.softcap, key_padding_mask=None if kpm is None else kpm.cpu())
+    o.backward(do.double().cpu())
+    return o.detach(), qd.grad, kd.grad, vd.grad
+
+
+def no_worse_than_reference(got, ref, exact, dtype, what, slack=1.5):
+    """The kernel's error against the fp64 oracle is at most ``slack`` x the reference's (+2 ulps)."""
+    got, ref = got.double().cpu(), ref.double().cpu()
+    scale = exact.abs().max().clamp(min=1e-30)
+    e_got = (got - exact).abs().max()
+    e_ref = (ref - exact).abs().max()
+    assert e_got <= slack * e_ref + 2 * EPS[dtype] * scale, f"{what}: {e_got:.3g} vs reference {e_ref:.3g}"
+
+
+def run_case(B, Hq, Hkv, Nq, Nk, D, dtype, opts, *, kpm_drop=0.0, seed=0, qk_std=1.0, config=None,
+             bwd_config=None, oracle=True, inputs=None):
+    q, k, v, do = inputs if inputs is not None else make(B, Hq, Hkv, Nq, Nk, D, dtype, seed, qk_std)
+    kpm = None
+    if kpm_drop > 0:
+        kpm = (torch.rand(B, Nk, generator=torch.Generator().manual_seed(seed + 1)) >= kpm_drop).to(DEVICE)
+    out, lse, st = ta.forward(q, k, v, kpm, opts, True, config=config)
+    r_out, r_lse, rs = reference.attention_forward(q, k, v, kpm, None, opts, True)
+    seen = visible_rows(B, Hq, Nq, Nk, opts, kpm)
+    close(out, r_out, 2, dtype, "out")
+    torch.testing.assert_close(lse.cpu(), r_lse.cpu(), rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isinf(lse.cpu()[~seen]).all() and (out.cpu()[~seen] == 0).all()
+    check_stats(st, rs, seen)
+    dq, dk, dv = ta.backward(do, q, k, v, out, lse, kpm, opts, config=bwd_config)
+    r_dq, r_dk, r_dv = reference.attention_backward(do, q, k, v, r_out, r_lse, kpm, None, opts)
+    for name, a, b in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
+        close(a, b, 4, dtype, name)
+    if oracle and opts.dropout_p == 0:
+        o64, dq64, dk64, dv64 = oracle_grads(q, k, v, do, opts, kpm)
+        for name, a, b, x in (("out", out, r_out, o64), ("dq", dq, r_dq, dq64), ("dk", dk, r_dk, dk64),
+                              ("dv", dv, r_dv, dv64)):
+            no_worse_than_reference(a, b, x, dtype, name)
+    return out, st, (dq, dk, dv)
+
+
+def opts_for(D, causal=False, mode=rules.MODE_EXACT, **kw):
+    return reference.Options(causal=causal, scale=1.0 / math.sqrt(D), mode=mode, **kw)
+
+
+# One line per case: a compact cover of dtype x causal x mode x shapes (odd lengths, Nq != Nk both ways,
+# GQA, padding, D not a power of two, D = 256); the tiling column forces several query/key blocks.
+CASES = [
+    # dtype, causal, mode, B, Hq, Hkv, Nq, Nk, D, kpm_drop, small tiles
+    (torch.bfloat16, True, rules.MODE_EXACT, 2, 2, 1, 100, 100, 64, 0.0, True),
+    (torch.bfloat16, False, rules.MODE_EXACT, 1, 4, 2, 33, 77, 40, 0.2, False),
+    (torch.float16, True, rules.MODE_EXACT, 1, 2, 2, 70, 130, 32, 0.1, True),
+    (torch.bfloat16, True, rules.MODE_PAPER, 1, 2, 2, 130, 33, 16, 0.0, True),
+    (torch.float16, False, rules.MODE_PAPER, 2, 2, 1, 7, 100, 80, 0.3, False),
+    (torch.bfloat16, True, rules.MODE_OFF, 1, 3, 1, 48, 48, 128, 0.0, False),
+    (torch.float16, True, rules.MODE_OFF, 1, 2, 1, 100, 20, 24, 0.5, True),
+    (torch.bfloat16, False, rules.MODE_EXACT, 1, 1, 1, 1, 1, 8, 0.0, False),
+    (torch.bfloat16, True, rules.MODE_EXACT, 1, 1, 1, 1, 65, 16, 0.0, False),
+    (torch.float16, True, rules.MODE_EXACT, 1, 2, 1, 20, 20, 256, 0.0, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_matches_reference_and_oracle(case):
+    dtype, causal, mode, B, Hq, Hkv, Nq, Nk, D, kpm_drop, small = case
+    block_n = 16 if small else 0
+    opts = opts_for(D, causal, mode, block_n=block_n)
+    run_case(B, Hq, Hkv, Nq, Nk, D, dtype, opts, kpm_drop=kpm_drop, seed=Nq * 7 + Nk,
+             config=SMALL if small else None, bwd_config=SMALL_BWD if small else None)
+
+
+@pytest.mark.parametrize("mode", [rules.MODE_EXACT, rules.MODE_PAPER, rules.MODE_OFF])
+@pytest.mark.parametrize("sign", ["positive", "negative", "zero"])
+def test_ties_at_the_max(sign, mode):
+    """Copies of one key tie at the row max (positive, negative or zero); decisions must match the reference."""
+    dtype, B, H, N, D = torch.bfloat16, 1, 2, 48, 32
+    g = torch.Generator().manual_seed(11)
+    u = torch.randn(D, generator=g)
+    u = u / u.norm()
+    q = 4 * u + 0.1 * torch.randn(B, H, N, D, generator=g)
+    tied = torch.tensor([5, 9, 17, 30])  # two ties in key block 0, two in block 1 (blocks of 16)
+    if sign == "positive":  # tied score ~ +8, the others ~ N(0, 1.2)
+        k = 0.3 * torch.randn(B, H, N, D, generator=g)
+        k[:, :, tied] = 2 * u
+    else:  # the others score ~ -12; tied ~ -4 or exactly 0
+        k = -3 * u + 0.1 * torch.randn(B, H, N, D, generator=g)
+        k[:, :, tied] = -u if sign == "negative" else torch.zeros(D)
+    v = -(torch.rand(B, H, N, D, generator=g) + 2.0)  # mostly negative values, the paper's bad case
+    do = torch.randn(B, H, N, D, generator=g)
+    inputs = [t.to(dtype).to(DEVICE) for t in (q, k, v, do)]
+    opts = reference.Options(causal=False, scale=1.0, mode=mode, block_n=16)
+    _, st, _ = run_case(B, H, H, N, N, D, dtype, opts, inputs=inputs, config=SMALL, bwd_config=SMALL_BWD)
+    assert st.saturated.all()  # every row has four keys exactly at its max
+    if mode == rules.MODE_EXACT:  # block 0 fires whatever the sign; block 1 then already has P-bar < 1
+        assert (st.fixed_blocks == 1).all()
+    if mode == rules.MODE_PAPER:
+        # the published rule compares with each block's own max (fires in both blocks) and skips m == 0
+        # (block 2 holds no copy but may hold a random near-tie of its own)
+        assert (st.fixed_blocks == 0).all() if sign == "zero" else (st.fixed_blocks >= 2).all()
+
+
+@pytest.mark.parametrize("mode", [rules.MODE_EXACT, rules.MODE_PAPER])
+def test_huge_logits_with_ties(mode):
+    """Logits up to +-1e4 with ties: finite and correct in exact mode, NaN exactly where the reference has it."""
+    dtype, B, H, N, D = torch.bfloat16, 1, 2, 42, 16
+    g = torch.Generator().manual_seed(5)
+    tied = [3, 7, 21]
+    q = torch.zeros(B, H, N, D)
+    kind = torch.arange(N) % 3
+    q[..., 0] = torch.where(kind == 0, 100.0, -100.0)
+    q[..., 1] = torch.where(kind == 1, -150.0, 0.0)
+    k = torch.zeros(B, H, N, D)
+    k[..., 2:] = torch.randn(B, H, N, D - 2, generator=g)  # q is 0 there: scores stay exact
+    k[..., 1] = 100.0
+    k[:, :, tied, 0], k[:, :, tied, 1] = 100.0, 0.0
+    # rows kind 0: max +1e4 tied (others 0); kind 1: max -1e4 tied (others -1.5e4); kind 2: many ties at 0
+    v = torch.randn(B, H, N, D, generator=g)
+    do = torch.randn(B, H, N, D, generator=g)
+    inputs = [t.to(dtype).to(DEVICE) for t in (q, k, v, do)]
+    opts = reference.Options(scale=1.0, mode=mode, block_n=16)
+    out, _, grads = run_case(B, H, H, N, N, D, dtype, opts, inputs=inputs, config=SMALL, bwd_config=SMALL_BWD,
+                             oracle=mode == rules.MODE_EXACT)
+    if mode == rules.MODE_EXACT:
+        assert torch.isfinite(out).all() and all(torch.isfinite(x).all() for x in grads)
+    else:  # the published rule underflows the row sum where the tied max is +-1e4, not at 0
+        nan_rows = torch.isnan(out.cpu()).any(-1)
+        assert torch.equal(nan_rows, (kind != 2).expand(B, H, N))
+
+
+def test_rows_that_see_no_key():
+    """Fully padded batch row and causal rows above the diagonal: zeros, lse=+inf, zero grads, no stats."""
+    dtype, B, H, Nq, Nk, D = torch.bfloat16, 2, 2, 40, 24, 32
+    q, k, v, do = make(B, H, H, Nq, Nk, D, dtype, 3)
+    kpm = torch.ones(B, Nk, dtype=torch.bool)
+    kpm[1] = False
+    kpm[0, :5] = False
+    kpm = kpm.to(DEVICE)
+    opts = opts_for(D, causal=True, block_n=16)
+    out, lse, st = ta.forward(q, k, v, kpm, opts, True, config=SMALL)
+    r_out, r_lse, rs = reference.attention_forward(q, k, v, kpm, None, opts, True)
+    seen = visible_rows(B, H, Nq, Nk, opts, kpm)
+    assert (~seen).sum() > Nq  # batch 1 entirely, and the first rows of batch 0
+    assert (out.cpu()[~seen] == 0).all() and torch.isinf(lse.cpu()[~seen]).all()
+    assert (st.max_logit.cpu()[~seen] == -math.inf).all() and (st.first_key_prob.cpu()[~seen] == 0).all()
+    check_stats(st, rs, seen)
+    dq, dk, dv = ta.backward(do, q, k, v, out, lse, kpm, opts, config=SMALL_BWD)
+    assert (dq.cpu()[~seen] == 0).all() and (dk.cpu()[1] == 0).all() and (dv.cpu()[1] == 0).all()
+    r_grads = reference.attention_backward(do, q, k, v, r_out, r_lse, kpm, None, opts)
+    for a, b in zip((dq, dk, dv), r_grads):
+        close(a, b, 4, dtype, "grad")
+
+
+def test_window_softcap_gqa():
+    dtype = torch.bfloat16
+    opts = opts_for(64, causal=True, window=37, softcap=20.0, block_n=16)
+    run_case(1, 4, 2, 90, 110, 64, dtype, opts, kpm_drop=0.1, seed=8, qk_std=2.0, config=SMALL,
+             bwd_config=SMALL_BWD)
+
+
+def test_window_without_causal_fp16():
+    opts = opts_for(32, causal=False, window=20, mode=rules.MODE_PAPER)
+    run_case(1, 2, 1, 70, 70, 32, torch.float16, opts, seed=9, qk_std=1.5)
+
+
+def test_dropout_same_mask_as_reference():
+    """Same seed, same keep mask bit for bit: read it off the output with V = identity."""
+    dtype, B, H, N, D = torch.bfloat16, 1, 2, 32, 32
+    g = torch.Generator().manual_seed(2)
+    q = (torch.randn(B, H, N, D, generator=g) * 0.1).to(dtype).to(DEVICE)
+    k = (torch.randn(B, H, N, D, generator=g) * 0.1).to(dtype).to(DEVICE)
+    v = torch.eye(N, D).expand(B, H, N, D).to(dtype).to(DEVICE)
+    opts = reference.Options(scale=1.0, dropout_p=0.3, seed=2**40 + 12345, block_n=16)
+    out, _, _ = ta.forward(q, k, v, None, opts, False, config=SMALL)
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    h = torch.arange(H)[:, None, None]
+    want = keep_mask(opts.seed, (h * N + i) * N + j, opts.dropout_p)[None]
+    assert torch.equal(out.cpu() != 0, want)
+    assert 0.55 < want.float().mean() < 0.85
+    # and the full forward/backward against the reference with the same seed, other shapes
+    opts = opts_for(48, causal=True, dropout_p=0.2, seed=77, block_n=16)
+    run_case(2, 2, 1, 50, 60, 48, torch.float16, opts, seed=4, config=SMALL, bwd_config=SMALL_BWD)
+
+
+def test_float32_inputs_use_exact_dots():
+    opts = opts_for(24, causal=True)
+    run_case(1, 2, 1, 40, 50, 24, torch.float32, opts, seed=6)
+
+
+def test_public_op_backend_triton():
+    """stable_attn.attention(backend='triton') with autograd equals backend='torch' within rounding."""
+    dtype = torch.bfloat16
+    q, k, v, do = make(1, 4, 2, 45, 45, 32, dtype, 12)
+    results = {}
+    for backend in ("triton", "torch"):
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        stats = stable_attn.AttentionStats()
+        out = stable_attn.attention(qs, ks, vs, causal=True, stats=stats, backend=backend)
+        out.backward(do)
+        results[backend] = (out, qs.grad, ks.grad, vs.grad, stats)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results["triton"][:4], results["torch"][:4]):
+        close(a.detach(), b.detach(), 4, dtype, name)
+    st, sr = results["triton"][4], results["torch"][4]
+    assert torch.equal(st.saturated_rows.cpu(), sr.saturated_rows.cpu())
+    assert torch.equal(st.fixed_blocks.cpu(), sr.fixed_blocks.cpu())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", [rules.MODE_OFF, rules.MODE_EXACT, rules.MODE_PAPER])
+@pytest.mark.parametrize("shape", [(1, 1, 7), (128, 128, 64), (300, 257, 80), (33, 200, 128), (64, 64, 256)])
+def test_exhaustive_matrix(dtype, causal, mode, shape):
+    Nq, Nk, D = shape
+    opts = opts_for(D, causal, mode)
+    run_case(1, 2, 1, Nq, Nk, D, dtype, opts, kpm_drop=0.1, seed=Nq + Nk + D, qk_std=1.5)
