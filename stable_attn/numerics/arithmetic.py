@@ -92,9 +92,16 @@ def _ours_offset(m_new: torch.Tensor) -> torch.Tensor:
 
 
 def _bf16_matmul(p: torch.Tensor, v: torch.Tensor, native: bool) -> torch.Tensor:
-    """``[T, n] @ [T, n, D]`` -> ``[T, D]`` bf16: a bf16 GEMM (fp32 accumulator, bf16 output)."""
+    """``[T, n] @ [T, n, D]`` -> ``[T, D]`` bf16: a bf16 GEMM (fp32 accumulator, bf16 output).
+
+    ``native``: the device's own bf16 batched matmul. One row per trial would be a matrix-vector
+    product, which cuBLAS serves without tensor cores; padding each trial to 16 rows (zeros below
+    the real one, which change nothing in it) makes it a GEMM tile, the shape flash attention uses.
+    """
     if native:
-        return torch.einsum("tn,tnd->td", p, v)
+        padded = torch.zeros(p.shape[0], 16, p.shape[1], dtype=p.dtype, device=p.device)
+        padded[:, 0] = p
+        return torch.matmul(padded, v)[:, 0]
     return torch.einsum("tn,tnd->td", p.float(), v.float()).to(_BF16)
 
 

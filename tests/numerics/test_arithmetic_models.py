@@ -75,6 +75,15 @@ def test_fix_leaves_no_pbar_one_pairs(model):
         assert torch.allclose(on.out, arithmetic.oracle(s, v), rtol=0.1, atol=0.0)
 
 
+def test_blockwise_native_matmul_agrees_with_explicit_gemm():
+    # the GPU study swaps in the device's bf16 matmul; on the CPU both are fp32-accumulated GEMMs
+    s, v = tied_inputs(trials=6, n=96, d=8, k=2)
+    for fix in arithmetic.FIXES:
+        a = arithmetic.blockwise_bf16_model(s, v, fix, block_n=32).out
+        b = arithmetic.blockwise_bf16_model(s, v, fix, block_n=32, native_matmul=True).out
+        assert torch.allclose(a, b, rtol=2.0**-6, atol=0.0), fix
+
+
 def test_paper_rule_leaves_zero_max_but_ours_fixes_it():
     s, v = tied_inputs(trials=4, n=32, k=3, m=0.0)
     assert (arithmetic.sequential_bf16_model(s, v, "paper").pbar_ones == 3).all()
