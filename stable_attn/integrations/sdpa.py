@@ -102,6 +102,8 @@ def unsupported_reason(query: Any, key: Any, value: Any, attn_mask: Any, dropout
             return "an attn_mask that is not a plain tensor"
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             return f"an attn_mask of dtype {attn_mask.dtype}"
+        if attn_mask.requires_grad and torch.is_grad_enabled():
+            return "an attn_mask that requires grad (stable_attn returns no gradient for masks)"
         if attn_mask.device != query.device:
             return "an attn_mask on another device"
         if not _mask_broadcasts(attn_mask, B, Hq, Nq, Nk):

@@ -252,6 +252,9 @@ def stable_attn_attention_forward(
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         window = sliding_window
     elif isinstance(attention_mask, torch.Tensor):
+        if attention_mask.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"stable_attn: {who} passes a learned additive attention mask (it requires grad); "
+                             "stable_attn does not return a gradient for attention masks")
         attn_mask = attention_mask
     else:
         raise TypeError(f"stable_attn: {who} passed an attention mask of type {type(attention_mask).__name__}; "

@@ -174,6 +174,7 @@ PASSED_ON = {
     "head dim 320": (lambda: _inputs(d=320), {}, "head dim 320 > 256"),
     "rank 3": (lambda: tuple(t[0] for t in _inputs()), {}, "inputs of rank 3"),
     "value head dim": (lambda: (*_inputs()[:2], _inputs(d=4)[2]), {}, "value or key shape"),
+    "learned mask": (lambda: _inputs(), {"attn_mask": torch.zeros(7, 7, requires_grad=True)}, "requires grad"),
 }
 
 

@@ -174,6 +174,8 @@ def test_value_head_dim_and_bad_masks_raise():
         st.stable_attn_attention_forward(_Module(), q, q, q[..., :4], None)
     with pytest.raises(TypeError, match="attention mask of type str"):
         st.stable_attn_attention_forward(_Module(), q, q, q, "causal")
+    with pytest.raises(ValueError, match="learned additive attention mask"):
+        st.stable_attn_attention_forward(_Module(), q, q, q, torch.zeros(4, 4, requires_grad=True))
     stale = st.StableAttnMask(True, None, None, q_length=4, kv_length=5)
     with pytest.raises(RuntimeError, match="kv_length=5"):
         st.stable_attn_attention_forward(_Module(), q, q, q, stale)
