@@ -10,7 +10,14 @@ alignment hints Triton derives for contiguous tensors whose head dim is a multip
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
@@ -105,3 +112,56 @@ def compile_variant(v: Variant):
     """Compile a variant for ``sm_{v.cc}``; returns Triton's CompiledKernel (asm, metadata)."""
     src, opts = source(v)
     return triton.compile(src, target=GPUTarget("cuda", v.cc, 32), options=opts)
+
+
+_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def describe(v: Variant) -> dict:
+    """Compile ``v`` and report shared memory, registers, spills (cubin via cuobjdump) and wgmma use."""
+    t0 = time.perf_counter()
+    kernel = compile_variant(v)
+    seconds = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        dump = subprocess.run([CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True,
+                              check=True).stdout
+    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump))
+    return dict(variant=v.name, shared=kernel.metadata.shared, limit=SHARED_LIMIT[v.cc], regs=int(fields["REG"]),
+                stack=int(fields["STACK"]), local=int(fields["LOCAL"]), wgmma="wgmma" in kernel.asm["ptx"],
+                cubin_bytes=len(kernel.asm["cubin"]), compile_s=seconds)
+
+
+def _encode(v: Variant) -> dict:
+    d = asdict(v)
+    d["dtype"] = {t: n for n, t in _DTYPE_NAMES.items()}[v.dtype]
+    return d
+
+
+def describe_in_subprocess(variants: list[Variant]) -> list[dict]:
+    """:func:`describe` in a fresh interpreter without ``TRITON_INTERPRET``.
+
+    Under the interpreter ``@triton.jit`` yields functions that cannot be compiled, and the flag is
+    read at import time, so a process that runs the interpreted tests cannot also compile.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-m", "stable_attn.kernels.triton_aot"],
+                          input=json.dumps([_encode(v) for v in variants]), env=env, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling {[v.name for v in variants]} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _main() -> None:
+    variants = [Variant(**dict(d, dtype=_DTYPE_NAMES[d["dtype"]])) for d in json.loads(sys.stdin.read())]
+    print(json.dumps([describe(v) for v in variants]))
+
+
+if __name__ == "__main__":
+    _main()

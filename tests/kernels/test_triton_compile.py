@@ -1,0 +1,61 @@
+"""Every kernel variant compiles for A100 (sm_80) and H100/H200 (sm_90) and fits in shared memory.
+
+Compilation runs the whole Triton -> PTX -> cubin pipeline on the CPU (no GPU needed), so this
+catches compile errors and shared-memory overflow of the block configurations the launchers pick.
+A representative subset runs in CI; the full matrix is marked slow. Register use and spills are
+reported by benchmarks/kernel_resources.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from stable_attn.kernels import rules
+from stable_attn.kernels.triton_aot import SHARED_LIMIT, Variant, describe_in_subprocess
+
+BF16, FP16 = torch.bfloat16, torch.float16
+EXACT, PAPER, OFF = rules.MODE_EXACT, rules.MODE_PAPER, rules.MODE_OFF
+
+# The variants users run most (bf16 causal D=128 with stats on Hopper) and the tightest fits
+# (D=256 on A100's smaller shared memory), forward and both backward kernels.
+REPRESENTATIVE = [
+    Variant("fwd", BF16, 128, True, EXACT, True, 90),
+    Variant("fwd", FP16, 256, False, PAPER, False, 80),
+    Variant("bwd_pre", BF16, 80, True, cc=90),
+    Variant("bwd_dkdv", BF16, 256, True, cc=80),
+    Variant("bwd_dq", FP16, 64, False, cc=90),
+]
+
+FULL = [Variant("fwd", dt, d, causal, mode, False, cc)
+        for dt, d, causal, mode, cc in itertools.product((BF16, FP16), (64, 128, 256), (False, True),
+                                                         (OFF, EXACT, PAPER), (80, 90))]
+FULL += [Variant(kind, dt, d, causal, cc=cc)
+         for kind, dt, d, causal, cc in itertools.product(("bwd_dkdv", "bwd_dq"), (BF16, FP16), (64, 128, 256),
+                                                           (False, True), (80, 90))]
+
+
+def check(v: Variant, r: dict) -> None:
+    assert r["variant"] == v.name and r["cubin_bytes"] > 0
+    assert r["shared"] <= SHARED_LIMIT[v.cc], f"{v.name}: {r['shared']} B shared > {SHARED_LIMIT[v.cc]}"
+    if v.cc == 90 and v.kind == "fwd" and v.head_dim <= 128:
+        assert r["wgmma"], f"{v.name}: no Hopper warpgroup MMA in the PTX"
+
+
+@pytest.fixture(scope="module")
+def representative():
+    # one child process compiles them all (the tests' own process runs Triton's interpreter)
+    return describe_in_subprocess(REPRESENTATIVE)
+
+
+@pytest.mark.parametrize("i", range(len(REPRESENTATIVE)), ids=[v.name for v in REPRESENTATIVE])
+def test_representative_variants_compile(representative, i):
+    check(REPRESENTATIVE[i], representative[i])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", FULL, ids=lambda v: v.name)
+def test_every_variant_compiles(variant):
+    check(variant, describe_in_subprocess([variant])[0])
