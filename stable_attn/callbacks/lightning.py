@@ -70,6 +70,10 @@ def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) ->
         raise ValueError(f"{name}={value!r} is not supported; use {accepted}")
 
 
+def _backend(trainer: Trainer) -> str:
+    return "triton (CUDA)" if trainer.strategy.root_device.type == "cuda" else "torch (CPU)"
+
+
 def _encode(event: SpikeEvent | None, value: float) -> list[float]:
     if event is None or event.kind not in _KIND_CODE:
         return [0.0, value, math.nan, math.nan, math.nan, 0.0]
@@ -211,7 +215,7 @@ class StableAttentionCallback(Callback):
         self.log_dir: str | None = None
 
         self._swapped: dict[int, str] = {}
-        self._sdpa_undo: Callable[[], Any] | None = None
+        self._sdpa_patch: Any = None
         self._pending_state: dict[str, Any] | None = None
         self._every = 1
         self._step = -1
@@ -227,10 +231,13 @@ class StableAttentionCallback(Callback):
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._swap_models(trainer, pl_module)
-        if self.patch_sdpa and self._sdpa_undo is None:
-            from ..integrations import sdpa
+        if self.patch_sdpa and self._sdpa_patch is None:
+            from ..integrations.sdpa import patch_sdpa
 
-            self._sdpa_undo = sdpa.patch_sdpa()
+            self._sdpa_patch = patch_sdpa()
+            if trainer.is_global_zero:
+                log.info("StableAttentionCallback: torch.nn.functional.scaled_dot_product_attention now runs "
+                         "stable_attn (backend %s) until the end of %s", _backend(trainer), stage)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Models built in ``configure_model`` (FSDP) only exist now.
@@ -270,12 +277,11 @@ class StableAttentionCallback(Callback):
                         self.surge_detectors[metric] = make(metric)
             if self._pending_state is not None:
                 self._load_surge(self._pending_state.get("surge", {}))
-        backend = "triton" if trainer.strategy.root_device.type == "cuda" else "torch (CPU)"
         if trainer.is_global_zero:
             action = "switched to" if self.swap else "monitoring (not switched)"
             log.info("StableAttentionCallback: %s 'stable_attn': %d transformers model(s) [%s], %d attention "
                      "layer(s), backend %s", action, len(models), ", ".join(type(m).__name__ for m in models.values()),
-                     len(stats), backend)
+                     len(stats), _backend(trainer))
 
     def _build_dispatcher(self) -> AlertDispatcher:
         channels: list[Any] = [LoggingChannel()]
@@ -286,13 +292,18 @@ class StableAttentionCallback(Callback):
             channels.append(WebhookChannel(self.webhook_url, timeout=self.webhook_timeout))
         return AlertDispatcher(channels)
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # A run that dies (e.g. on a NaN raised by user code) still delivers the alerts that explain it.
+        if self.dispatcher is not None:
+            self.dispatcher.flush(timeout=2 * self.webhook_timeout)
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.dispatcher is not None:
             self.dispatcher.close()  # delivers queued webhook alerts (bounded wait)
             self.dispatcher = None
-        if self._sdpa_undo is not None:
-            self._sdpa_undo()
-            self._sdpa_undo = None
+        if self._sdpa_patch is not None:
+            self._sdpa_patch.restore()
+            self._sdpa_patch = None
         if self.layers is not None:
             self.layers.enable(False)
 

@@ -292,3 +292,45 @@ def test_layer_stats_are_reduced_over_heads_and_calls():
             assert out[name][stat] == pytest.approx(expect[stat], rel=1e-6), (name, stat)
     assert s0.empty and s1.empty  # reset after collection
     assert out["layer1"]["max_logit"] > out["layer0"]["max_logit"]
+
+
+class SdpaLM(L.LightningModule):
+    """A nanoGPT-style module that calls F.scaled_dot_product_attention itself (no transformers model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.head = torch.nn.Linear(32, 256)
+
+    def training_step(self, batch, batch_idx):
+        x = self.emb(batch)
+        q, k, v = (t.view(*batch.shape, 2, 16).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = self.head(y.transpose(1, 2).reshape(*batch.shape, 32))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), batch[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_patch_sdpa_routes_plain_modules_for_the_run_only(tmp_path, caplog):
+    original = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            fn, patch = torch.nn.functional.scaled_dot_product_attention, cb._sdpa_patch
+            seen.append(fn is not original and fn is patch.wrapper and patch.active)
+
+    cb = StableAttentionCallback(patch_sdpa=True)
+    L.seed_everything(0, verbose=False)
+    with caplog.at_level(logging.INFO, logger="stable_attn"):
+        t = trainer(tmp_path, [cb, Probe()], 3)
+        t.fit(SdpaLM(), batches_loader(range(3), corrupt_batches=()))
+    assert seen == [True, True, True]
+    assert torch.nn.functional.scaled_dot_product_attention is original  # restored at teardown
+    assert any("scaled_dot_product_attention now runs stable_attn" in r.message for r in caplog.records)
+    assert not any("no transformers PreTrainedModel" in r.message for r in caplog.records)
+    (csv,) = glob.glob(str(tmp_path / "run" / "*" / "metrics.csv"))
+    assert "train/loss" in pd.read_csv(csv).columns

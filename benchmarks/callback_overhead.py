@@ -1,0 +1,140 @@
+"""Step-time overhead of StableAttentionCallback on a small GPT-2, CPU, real text.
+
+Every configuration runs the model with ``attn_implementation="stable_attn"``, so the difference is
+the callback's own cost: per-layer attention statistics switched on in the kernel, their reduction and
+logging, the gradient norm, the host sync for the loss and norm, the spike detectors. Configurations
+run interleaved (A, B, C, A, B, C, ...) so that drifting machine load hits all of them alike; each
+run times ``--steps`` optimizer steps after ``--warmup`` untimed ones; the table shows the median over
+``--repeats`` runs of the mean step time.
+
+    python benchmarks/callback_overhead.py [--steps 60] [--warmup 10] [--repeats 7] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+from pydoc_data.topics import topics
+
+import lightning as L
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from stable_attn.callbacks import StableAttentionCallback
+from stable_attn.integrations.transformers import register
+
+TEXT = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+class LM(L.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        register()
+        config = GPT2Config(
+            vocab_size=256, n_positions=args.seq, n_embd=args.width, n_layer=args.layers, n_head=args.heads,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            attn_implementation="stable_attn",
+        )
+        self.model = GPT2LMHeadModel(config)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.model(input_ids=x, labels=x).loss
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, betas=(0.9, 0.95))
+
+
+class StepTimer(Callback):
+    """Wall time and process CPU time from the end of the last warm-up step to the end of the last step.
+
+    CPU time (``time.process_time``) counts only this process's work, so other jobs on a shared
+    machine barely move it; wall time is what a user waits for. Both are reported.
+    """
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        now = (time.perf_counter(), time.process_time())
+        if trainer.global_step == self.warmup:
+            self.start = now
+        self.end = now
+
+
+def data(args: argparse.Namespace) -> DataLoader:
+    n = (args.steps + args.warmup) * args.batch
+    chunk = args.seq
+    rows = [list(TEXT[i * chunk:(i + 1) * chunk]) for i in range(n)]
+    return DataLoader(TensorDataset(torch.tensor(rows, dtype=torch.long)), batch_size=args.batch, shuffle=False)
+
+
+def run(args: argparse.Namespace, callback_factory) -> tuple[float, float]:
+    """Mean wall and CPU seconds per timed step of one fit."""
+    L.seed_everything(0, verbose=False)
+    timer = StepTimer(args.warmup)
+    callbacks = [timer] + ([callback_factory()] if callback_factory else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=args.steps + args.warmup, logger=CSVLogger(tmp),
+            log_every_n_steps=1, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(LM(args), data(args))
+    return tuple((end - start) / args.steps for start, end in zip(timer.start, timer.end))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "stable_attn"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+    configs = {
+        "no callback": None,
+        "callback, monitor every step": lambda: StableAttentionCallback(log_every_n_steps=1),
+        "callback, monitor every 50 steps": lambda: StableAttentionCallback(log_every_n_steps=50),
+    }
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+    for _ in range(args.repeats):
+        for name, factory in configs.items():
+            times[name].append(run(args, factory))
+
+    print(f"# GPT-2 {args.layers} layers, width {args.width}, {args.heads} heads, seq {args.seq}, batch {args.batch}; "
+          f"attn_implementation='stable_attn' everywhere; AdamW; CPU, torch threads {args.threads}")
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
+          f"lightning {L.__version__}; {args.repeats} repeats x {args.steps} timed steps (after {args.warmup} "
+          "warm-up steps); median over repeats of the mean step time")
+    print(f"| {'configuration':<34} | wall ms/step | wall overhead | CPU ms/step | CPU overhead | CPU min..max ms |")
+    print(f"|{'-' * 36}|--------------|---------------|-------------|--------------|-----------------|")
+    base = [statistics.median(t[i] for t in times["no callback"]) for i in (0, 1)]
+    for name, ts in times.items():
+        wall, cpu = (statistics.median(t[i] for t in ts) for i in (0, 1))
+        cpus = [t[1] * 1e3 for t in ts]
+        print(f"| {name:<34} | {wall * 1e3:12.2f} | {(wall / base[0] - 1) * 100:+12.1f}% | {cpu * 1e3:11.2f} | "
+              f"{(cpu / base[1] - 1) * 100:+11.1f}% | {min(cpus):6.1f}..{max(cpus):6.1f} |")
+
+if __name__ == "__main__":
+    main()
