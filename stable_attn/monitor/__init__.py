@@ -1,0 +1,35 @@
+"""Training monitoring: spike and surge detectors, and the alerts they raise.
+
+- :class:`SpikeDetector`: loss / gradient-norm spikes and non-finite values (``update(step, value)``);
+- :class:`SurgeDetector`: early warnings when a per-layer attention statistic surges;
+- :class:`Alert` and its channels (:class:`LoggingChannel`, :class:`JsonlChannel`,
+  :class:`CallableChannel`, :class:`WebhookChannel`), fanned out by :class:`AlertDispatcher`.
+
+Pure Python (no torch): the Lightning callback builds on these; they work in any training loop.
+"""
+
+from .alerts import (
+    ALERT_KINDS,
+    Alert,
+    AlertChannel,
+    AlertDispatcher,
+    CallableChannel,
+    JsonlChannel,
+    LoggingChannel,
+    WebhookChannel,
+)
+from .spikes import SpikeDetector, SpikeEvent, SurgeDetector
+
+__all__ = [
+    "ALERT_KINDS",
+    "Alert",
+    "AlertChannel",
+    "AlertDispatcher",
+    "CallableChannel",
+    "JsonlChannel",
+    "LoggingChannel",
+    "SpikeDetector",
+    "SpikeEvent",
+    "SurgeDetector",
+    "WebhookChannel",
+]
