@@ -135,8 +135,7 @@ def _opts(causal, scale, window, softcap, dropout_p, seed, mode, beta, block_n):
 
 
 def _empty_stats(q):
-    z = q.new_empty((0,), dtype=torch.float32)
-    return z.to(torch.bool), z.to(torch.int32), z, z
+    return tuple(q.new_empty((0,), dtype=dt) for dt in (torch.bool, torch.int32, torch.float32, torch.float32))
 
 
 @torch.library.custom_op("stable_attn::attention_fwd", mutates_args=())
@@ -253,6 +252,10 @@ def attention(
         block_n: key-block size (the partition the per-block rule sees); default (None) lets the
             backend choose (the PyTorch path uses 64).
     """
+    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
+        # like F.scaled_dot_product_attention, attention runs in autocast's lower precision
+        dt = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout_p, beta, backend)
     mode = _mode(stabilize)
     if stats is not None and not isinstance(stats, AttentionStats):

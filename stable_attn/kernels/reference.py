@@ -147,7 +147,6 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
     dtype = q.dtype
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
     sat_tol2 = rules.sat_tolerance2(dtype)
-    keep_scale = 1.0 / (1.0 - opts.dropout_p) if opts.dropout_p > 0 else 1.0
     neg_inf = -math.inf
 
     qg = _grouped(q, p)
@@ -210,17 +209,19 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             r_safe = torch.where(r_new == neg_inf, torch.zeros_like(r_new), r_new)
             alpha = torch.exp2(r - r_safe)  # 0 while no key was seen (r = -inf)
             p_bar = torch.exp2(s2 - r_safe[..., None])
-            l = l * alpha + p_bar.sum(-1)
-            if opts.dropout_p > 0:
-                keep = p.dropout_keep(q0, q1, j0, j1, q.device)
-                p_bar = torch.where(keep, p_bar * keep_scale, torch.zeros_like(p_bar))
             # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
-            p_cast = p_bar.to(dtype).float().view(B, Hkv, G * cq, j1 - j0)
+            p_cast = p_bar.to(dtype).float()
+            # our rule: the row sum adds exactly the weights that multiply V (consistent
+            # normalisation); FA2 and the paper sum the unrounded P-bar (ALGORITHM.md, step 6)
+            l = l * alpha + (p_cast if opts.mode == rules.MODE_EXACT else p_bar).sum(-1)
+            if opts.dropout_p > 0:  # 0/1 keep mask is exact; the 1/(1-p) scale is applied once at the end
+                p_cast = torch.where(p.dropout_keep(q0, q1, j0, j1, q.device), p_cast, torch.zeros_like(p_cast))
+            p_cast = p_cast.view(B, Hkv, G * cq, j1 - j0)
             acc = acc * alpha.view(B, Hkv, G * cq, 1) + torch.matmul(p_cast, vf[:, :, j0:j1])
             m, r = m_new, r_new
 
         seen = m > neg_inf
-        o = acc.view(B, Hkv, G, cq, D) / l[..., None]
+        o = acc.view(B, Hkv, G, cq, D) / (l[..., None] * (1.0 - opts.dropout_p))
         # a row that sees no key outputs zeros; an underflowed row sum (paper mode) stays NaN
         o = torch.where(seen[..., None], o, torch.zeros_like(o))
         outg[:, :, :, q0:q1] = o.to(dtype)
