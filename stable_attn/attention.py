@@ -89,6 +89,9 @@ def _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout
                 f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to [B, Hq, Nq, Nk] = "
                 f"{(B, Hq, Nq, k.shape[2])}"
             )
+        if attn_mask.requires_grad and torch.is_grad_enabled():
+            raise ValueError("attn_mask requires grad, but stable_attn returns no gradient for attention masks; "
+                             "detach it if it is constant")
         if attn_mask.device != q.device:
             raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):

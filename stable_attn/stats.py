@@ -36,7 +36,7 @@ class AttentionStats:
     :func:`stable_attn.integrations.transformers.attach_stats`). Tensors are created lazily on the
     device of the first update and accumulate over batch and calls until :meth:`reset`:
 
-    - ``rows``: query rows seen (int64 ``[H]``);
+    - ``rows``: query rows that saw at least one key (int64 ``[H]``);
     - ``saturated_rows``: rows with two or more keys whose ``P-bar`` would round to 1.0 against the
       row max in the dtype ``P-bar`` is cast to (int64 ``[H]``);
     - ``fixed_blocks``: (row, key block) pairs where the stabilization shifted the offset (int64 ``[H]``);
@@ -67,8 +67,9 @@ class AttentionStats:
     def update(self, row_stats: RowStats) -> None:
         """Fold one forward's per-row outputs into the per-head totals."""
         sat = row_stats.saturated
-        batch, heads, n_rows = sat.shape
-        rows = torch.full((heads,), batch * n_rows, dtype=torch.int64, device=sat.device)
+        heads = sat.shape[1]
+        # rows that see no key (left padding, empty windows) carry no signal and are not counted
+        rows = torch.isfinite(row_stats.max_logit).sum(dim=(0, 2), dtype=torch.int64)
         saturated = sat.sum(dim=(0, 2), dtype=torch.int64)
         fixed = row_stats.fixed_blocks.sum(dim=(0, 2), dtype=torch.int64)
         max_logit = row_stats.max_logit.float().amax(dim=(0, 2))

@@ -369,6 +369,7 @@ BAD = [
     ("window=0", lambda q, k, v: dict(window=0), ValueError),
     ("head dim D=300", lambda q, k, v: dict(q=torch.randn(2, 4, 10, 300), k=torch.randn(2, 2, 10, 300),
                                             v=torch.randn(2, 2, 10, 300)), ValueError),
+    ("attn_mask requires grad", lambda q, k, v: dict(attn_mask=torch.zeros(10, 10, requires_grad=True)), ValueError),
     ("attn_mask of shape", lambda q, k, v: dict(attn_mask=torch.ones(3, 1, 10, 10, dtype=torch.bool)), ValueError),
 ]
 
@@ -381,3 +382,11 @@ def test_bad_input_names_the_argument(needle, change, exc):
     with pytest.raises(exc, match=None) as info:
         stable_attn.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
     assert needle in str(info.value), str(info.value)
+
+
+def test_rows_that_see_no_key_are_neither_counted_nor_saturated():
+    q = torch.randn(1, 1, 4, 8, generator=torch.Generator().manual_seed(0)) * 0.01
+    st = stable_attn.AttentionStats()
+    stable_attn.attention(q, q, q, causal=True, key_padding_mask=torch.tensor([[False, False, True, True]]), stats=st)
+    assert st.rows.tolist() == [2]  # rows 0 and 1 see no key (left padding)
+    assert st.saturated_rows.tolist() == [0]

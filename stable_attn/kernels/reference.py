@@ -228,7 +228,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         lse = r + torch.log2(l)
         lse2[..., q0:q1] = torch.where(seen, lse, torch.full_like(lse, math.inf))
         if with_stats:
-            st_sat[..., q0:q1] = near_max >= 2
+            st_sat[..., q0:q1] = (near_max >= 2) & seen  # -inf >= -inf must not count
             st_fixed[..., q0:q1] = fixed
             st_max[..., q0:q1] = m / rules.LOG2E
             st_p0[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])
