@@ -46,6 +46,8 @@ _SCALE_EPS = 1e-12
 _BIAS_RATE = 0.05
 _BIAS_READY = 0.5
 _CALM_UPDATES = 20
+# After a jump the drift sum waits until this many residuals in a row are back below drift_slack.
+_SETTLE_UPDATES = 5
 _STATE_VERSION = 1
 
 
@@ -310,7 +312,7 @@ class SpikeDetector:
         self._bias = 0.0  # EMA of clipped standardized residuals, only used to end warm-up
         self._calm = 0  # consecutive updates with |bias| <= _BIAS_READY
         self._cusum = 0.0  # one-sided CUSUM of standardized residuals (drift rule)
-        self._settling = False  # after a jump, until the residual is back near zero: no drift sum
+        self._settling = 0  # after a jump: updates left until settled (no drift sum meanwhile)
         self._level: float | None = None
         self._trend = 0.0
         self._var: float | None = None
@@ -350,7 +352,7 @@ class SpikeDetector:
         self._bias = float(state["bias"])
         self._calm = int(state["calm"])
         self._cusum = float(state["cusum"])
-        self._settling = bool(state["settling"])
+        self._settling = int(state["settling"])
         self._level = None if state["level"] is None else float(state["level"])
         self._trend = float(state["trend"])
         self._var = None if state["var"] is None else float(state["var"])
@@ -418,11 +420,13 @@ class SpikeDetector:
             if excess > margin:
                 # The decaying tail of this spike will sit above the forecast for a while; it must
                 # not add up to a second, "drift" alert for the same incident.
-                self._settling = True
+                self._settling = _SETTLE_UPDATES
                 self._cusum = 0.0
                 return self._spike(step, value, x, forecast, margin, z, "jump")
-            if self._settling and z <= self.drift_slack:
-                self._settling = False
+            if self._settling:
+                # Settled once the residual has been back near zero for a few updates in a row
+                # (one lucky noise draw inside a long tail is not enough).
+                self._settling = self._settling - 1 if z <= self.drift_slack else _SETTLE_UPDATES
             if self.drift_threshold is not None and not self._settling:
                 # One-sided CUSUM of clipped standardized residuals: a rise that stays a sigma or so
                 # above the forecast for tens of steps (a slow divergence the level would otherwise
