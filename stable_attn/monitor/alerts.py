@@ -290,6 +290,7 @@ class WebhookChannel(AlertChannel):
     Failures (connection refused, timeout, HTTP error status) are counted in ``failed`` and logged at
     WARNING once per kind of failure (later ones of the same kind at DEBUG); they are never raised.
     Call :meth:`flush` to wait for delivery (tests, end of training) and :meth:`close` at shutdown.
+    Log lines and ``repr`` show only the URL's scheme, host and port: webhook paths often hold a token.
 
     Args:
         url: ``http://`` or ``https://`` endpoint.
@@ -321,6 +322,9 @@ class WebhookChannel(AlertChannel):
         if payload is not None and not callable(payload):
             raise TypeError(f"payload must be callable (Alert -> JSON-serialisable object), got {payload!r}")
         self.url = url
+        # Webhook paths often carry a secret token (Slack, Discord): logs and reprs show host only.
+        host = parsed.hostname or ""
+        self._safe_url = f"{parsed.scheme}://{host}{f':{parsed.port}' if parsed.port else ''}/..."
         self.timeout = float(timeout)
         self.headers = {"Content-Type": "application/json", "User-Agent": "stable_attn-alerts"}
         self.headers.update(headers or {})
@@ -348,7 +352,7 @@ class WebhookChannel(AlertChannel):
             except queue.Full:
                 self.dropped += 1
                 self._report("queue full", "webhook %s is behind (queue full); alert at step %s dropped",
-                              self.url, alert.step)
+                              self._safe_url, alert.step)
                 return
             self._pending += 1
 
@@ -393,7 +397,7 @@ class WebhookChannel(AlertChannel):
             except Exception as exc:  # every failure is logged, none may escape
                 self.failed += 1
                 self._report(_failure_kind(exc), "webhook %s failed: %s (alerts keep going to other channels)",
-                             self.url, exc)
+                             self._safe_url, exc)
             finally:
                 with self._cond:
                     self._pending -= 1
@@ -412,7 +416,7 @@ class WebhookChannel(AlertChannel):
             logger.warning(msg, *args)
 
     def __repr__(self) -> str:
-        return f"WebhookChannel({self.url!r}, timeout={self.timeout!r})"
+        return f"WebhookChannel({self._safe_url!r}, timeout={self.timeout!r})"
 
 
 def _failure_kind(exc: BaseException) -> str:

@@ -229,7 +229,7 @@ def test_webhook_custom_payload_and_http_error_is_logged(http_server, caplog: py
 
 
 def test_unreachable_webhook_is_harmless_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    channel = WebhookChannel(f"http://127.0.0.1:{_closed_port()}/hook", timeout=1.0)
+    channel = WebhookChannel(f"http://127.0.0.1:{_closed_port()}/hook/SECRET-TOKEN", timeout=1.0)
     dispatcher = AlertDispatcher([channel])
     with caplog.at_level(logging.WARNING, logger="stable_attn"):
         t0 = time.perf_counter()
@@ -241,6 +241,7 @@ def test_unreachable_webhook_is_harmless_and_logged_once(caplog: pytest.LogCaptu
     assert channel.failed == 3 and channel.sent == 0
     failures = [r for r in caplog.records if "webhook" in r.getMessage() and "failed" in r.getMessage()]
     assert len(failures) == 1  # once per failure kind
+    assert "SECRET-TOKEN" not in caplog.text and "SECRET-TOKEN" not in repr(channel)
 
 
 def test_webhook_full_queue_drops_without_blocking(caplog: pytest.LogCaptureFixture) -> None:
