@@ -36,11 +36,28 @@ def _report_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _probe_arguments(parser: argparse.ArgumentParser) -> None:
+    from stable_attn.numerics.probe import add_probe_arguments
+
+    add_probe_arguments(parser)
+
+
+def _probe_run(args: argparse.Namespace) -> int:
+    from stable_attn.numerics.probe import run_probe
+
+    return run_probe(args)
+
+
 COMMANDS: dict[str, Command] = {
     "report": Command(
         "rebuild the plots and report.md of a run from its metrics CSV and alerts JSONL",
         _report_arguments,
         _report_run,
+    ),
+    "probe": Command(
+        "measure per attention layer whether the rounding error of O and delta is biased, fix off and on",
+        _probe_arguments,
+        _probe_run,
     ),
 }
 
