@@ -92,11 +92,14 @@ def test_compact_mask_means_exactly_what_sdpa_mask_builds(kind, sizes, pad):
     assert torch.equal(meaning(ours, batch), exact.expand(batch, 1, q_len, kv_len))
 
 
+PACKED = torch.tensor([[0, 0, 0, 1, 1, 1]] * 2)  # two documents of three tokens per row
+
+
 @pytest.mark.parametrize("make", [
     lambda: mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: k % 2 == 0),
     lambda: mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function),
     lambda: mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)),
-    lambda: mu.remap_positions_for_packed_sequence(mu.causal_mask_function, torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)),
+    lambda: mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(PACKED)),
     lambda: mu.sliding_window_bidirectional_mask_function(2),
     lambda: (lambda b, h, q, k: k <= q),  # behaves causal, but is not transformers' function: not trusted
 ])
