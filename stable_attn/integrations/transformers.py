@@ -125,46 +125,64 @@ def recognize_mask_function(mask_function: Callable) -> tuple[bool, int | None] 
 def _key_padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:
     if attention_mask is None:
         return None
-    padded = masking_utils.prepare_padding_mask(attention_mask.bool(), kv_length, kv_offset)
-    kpm = padded[:, kv_offset:kv_offset + kv_length]
+    mask = attention_mask.bool()
+    missing = kv_offset + kv_length - mask.shape[-1]
+    if missing > 0:  # keys beyond the 2D mask (a static cache's empty slots) are padding, as in transformers
+        mask = torch.nn.functional.pad(mask, (0, missing), value=False)
+    kpm = mask[:, kv_offset:kv_offset + kv_length]
     if bool(kpm.all()):  # the same host sync transformers' sdpa mask does to skip the mask
         return None
     return kpm.contiguous()
 
 
+def _query_positions(kwargs: dict) -> tuple[int, int | None]:
+    """``(q_length, q_offset)`` from either mask-builder signature; ``q_offset`` None if not a plain int.
+
+    transformers >= 5.1x passes ``q_length``/``q_offset``; 5.0 passed ``cache_position`` (the queries'
+    absolute positions), which the kernel's alignment can express only when it is a contiguous range.
+    """
+    if "q_length" in kwargs:
+        q_offset = kwargs.get("q_offset", 0)
+        ok = isinstance(q_offset, int) and not isinstance(q_offset, bool)
+        return int(kwargs["q_length"]), q_offset if ok else None
+    positions = kwargs.get("cache_position")
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.numel() == 0:
+        raise TypeError("stable_attn_mask needs q_length (transformers >= 5.1x) or cache_position (5.0)")
+    first = int(positions[0])
+    contiguous = torch.equal(positions, torch.arange(first, first + positions.numel(), device=positions.device))
+    return positions.numel(), first if contiguous else None
+
+
 def stable_attn_mask(
     batch_size: int,
-    q_length: int,
     kv_length: int,
-    q_offset: int | torch.Tensor = 0,
     kv_offset: int = 0,
     mask_function: Callable = masking_utils.causal_mask_function,
     attention_mask: torch.Tensor | None = None,
     local_size: int | None = None,
     use_vmap: bool = False,
-    device: torch.device | str = "cpu",
     **kwargs: Any,
 ) -> StableAttnMask | torch.Tensor:
-    """Mask builder registered with ``AttentionMaskInterface`` (same signature as ``sdpa_mask``).
+    """Mask builder registered with ``AttentionMaskInterface`` (the signature of ``sdpa_mask``).
 
     Returns a :class:`StableAttnMask` for the patterns the kernel takes as flags, else the boolean
     ``[B, 1, q_length, kv_length]`` mask of ``transformers.masking_utils.sdpa_mask`` (True = attend).
+    Query positions come as ``q_length``/``q_offset`` (current transformers) or ``cache_position``
+    (transformers 5.0); everything else is passed to ``sdpa_mask`` unchanged.
     """
+    q_length, q_offset = _query_positions(kwargs)
     pattern = None if use_vmap else recognize_mask_function(mask_function)
-    if pattern is not None:
+    if pattern is not None and q_offset is not None and isinstance(kv_offset, int):
         causal, window = pattern
-        offsets_are_ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (q_offset, kv_offset))
         # the kernel aligns causal masks bottom-right; the mask builder's positions must agree with that
-        aligned = offsets_are_ints and (not causal or q_offset - kv_offset == kv_length - q_length)
+        aligned = not causal or q_offset - kv_offset == kv_length - q_length
         if aligned and (window is None or local_size in (None, window)):
             return StableAttnMask(causal, window, _key_padding(attention_mask, kv_length, kv_offset),
-                                  int(q_length), int(kv_length))
-    kwargs.pop("allow_is_causal_skip", None)
-    kwargs.pop("allow_is_bidirectional_skip", None)
+                                  q_length, int(kv_length))
+    kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     return masking_utils.sdpa_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-        mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
-        allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device, **kwargs,
+        batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
+        attention_mask=attention_mask, local_size=local_size, use_vmap=use_vmap, **kwargs,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 
 import pytest
@@ -16,6 +17,16 @@ import stable_attn.integrations.transformers as st
 from stable_attn import AttentionStats
 
 st.register()
+
+# transformers >= 5.1x builds masks from q_length/q_offset, 5.0 from cache_position
+NEW_SIGNATURE = "q_length" in inspect.signature(mu.sdpa_mask).parameters
+
+
+def query_args(q_length: int, q_offset: int) -> dict:
+    if NEW_SIGNATURE:
+        return {"q_length": q_length, "q_offset": q_offset}
+    return {"cache_position": torch.arange(q_offset, q_offset + q_length)}
+
 
 LLAMA = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=64)
@@ -77,7 +88,7 @@ def test_compact_mask_means_exactly_what_sdpa_mask_builds(kind, sizes, pad):
         attention_mask = padding(batch, kv_off + kv_len, seed=q_len * 31 + kv_len)
     elif pad == "ones":
         attention_mask = torch.ones(batch, kv_off + kv_len, dtype=torch.bool)
-    args = dict(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=q_off, kv_offset=kv_off,
+    args = dict(batch_size=batch, kv_length=kv_len, kv_offset=kv_off, **query_args(q_len, q_off),
                 mask_function=fn, attention_mask=attention_mask, local_size=4 if kind == "window" else None)
     ours = st.stable_attn_mask(**args)
     exact = mu.sdpa_mask(**args, allow_is_causal_skip=False)
@@ -104,15 +115,19 @@ PACKED = torch.tensor([[0, 0, 0, 1, 1, 1]] * 2)  # two documents of three tokens
     lambda: (lambda b, h, q, k: k <= q),  # behaves causal, but is not transformers' function: not trusted
 ])
 def test_other_patterns_get_the_exact_mask(make):
-    args = dict(batch_size=2, q_length=6, kv_length=6, mask_function=make(),
+    args = dict(batch_size=2, kv_length=6, **query_args(6, 0), mask_function=make(),
                 attention_mask=torch.tensor([[True] * 6, [False] + [True] * 5]))
     ours = st.stable_attn_mask(**args)
     assert isinstance(ours, torch.Tensor) and ours.dtype == torch.bool
     assert torch.equal(ours, mu.sdpa_mask(**args, allow_is_causal_skip=False))
 
 
-def test_tensor_query_offset_of_a_static_cache_gets_the_exact_mask():
-    args = dict(batch_size=1, q_length=1, kv_length=8, q_offset=torch.tensor(3), mask_function=mu.causal_mask_function)
+def test_query_positions_the_kernel_cannot_align_get_the_exact_mask():
+    if NEW_SIGNATURE:  # a static cache passes its query offset as a tensor
+        query = {"q_length": 1, "q_offset": torch.tensor(3)}
+    else:  # non-contiguous query positions
+        query = {"cache_position": torch.tensor([3, 5])}
+    args = dict(batch_size=1, kv_length=8, mask_function=mu.causal_mask_function, **query)
     ours = st.stable_attn_mask(**args)
     assert isinstance(ours, torch.Tensor)
     assert torch.equal(ours, mu.sdpa_mask(**args, allow_is_causal_skip=False))
