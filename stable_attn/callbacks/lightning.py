@@ -129,6 +129,9 @@ class StableAttentionCallback(Callback):
         grad_norm_detector: detector for the gradient norm; default
             ``SpikeDetector("train/grad_norm")``; None with ``monitor_grad_norm=False`` skips it.
         monitor_grad_norm: compute the gradient norm every step (one pass over the gradients).
+        attention_stats: collect per-layer attention statistics on monitored steps (the kernel
+            computes them as side outputs of the forward; on the CPU path they cost a few percent of
+            a monitored step).
         early_warnings: run surge detectors on each layer's saturation and max logit.
         rollback_every: optimizer steps between snapshots for ``on_spike="rollback"``.
         on_alert: a callable or callables, each called with every :class:`~stable_attn.monitor.Alert`.
@@ -148,6 +151,7 @@ class StableAttentionCallback(Callback):
         loss_detector: SpikeDetector | None = None,
         grad_norm_detector: SpikeDetector | None = None,
         monitor_grad_norm: bool = True,
+        attention_stats: bool = True,
         early_warnings: bool = True,
         rollback_every: int = 100,
         on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None = None,
@@ -162,7 +166,7 @@ class StableAttentionCallback(Callback):
         _check_int("rollback_every", rollback_every, 1)
         _check_int("layer_window", layer_window, 2)
         for name, flag in (("swap", swap), ("patch_sdpa", patch_sdpa), ("monitor_grad_norm", monitor_grad_norm),
-                           ("early_warnings", early_warnings)):
+                           ("attention_stats", attention_stats), ("early_warnings", early_warnings)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}={flag!r} is not supported; use True or False")
         for name, det in (("loss_detector", loss_detector), ("grad_norm_detector", grad_norm_detector)):
@@ -193,6 +197,7 @@ class StableAttentionCallback(Callback):
         self.swap = swap
         self.patch_sdpa = patch_sdpa
         self.monitor_grad_norm = monitor_grad_norm
+        self.attention_stats = attention_stats
         self.early_warnings = early_warnings
         self.rollback_every = rollback_every
         self.on_alert = callbacks
@@ -256,7 +261,7 @@ class StableAttentionCallback(Callback):
                             "attention is not swapped and no layer statistics are logged",
                             type(pl_module).__name__)
             return
-        from ..integrations.transformers import attach_stats
+        from ..integrations.transformers import attach_stats, attention_modules
 
         if self.swap:
             swap_attention(models)
@@ -264,12 +269,14 @@ class StableAttentionCallback(Callback):
         several = len(models) + len(self._swapped) > 1
         for path, model in models.items():
             self._swapped[id(model)] = path
+            if not self.attention_stats:
+                continue
             for name, s in attach_stats(model).items():
                 stats[f"{path or 'model'}.{name}" if several else name] = s
         self.layers = LayerStats(stats, window=self.layer_window)
         if self._pending_state is not None:
             self.layers.load_state_dict(self._pending_state.get("layers", {}))
-        if self.early_warnings:
+        if self.early_warnings and self.attention_stats:
             for name in stats:
                 for stat, make in (("saturation", SurgeDetector.saturation), ("max_logit", SurgeDetector.max_logit)):
                     metric = f"stable_attn/{stat}/{name}"
@@ -278,10 +285,12 @@ class StableAttentionCallback(Callback):
             if self._pending_state is not None:
                 self._load_surge(self._pending_state.get("surge", {}))
         if trainer.is_global_zero:
-            action = "switched to" if self.swap else "monitoring (not switched)"
-            log.info("StableAttentionCallback: %s 'stable_attn': %d transformers model(s) [%s], %d attention "
-                     "layer(s), backend %s", action, len(models), ", ".join(type(m).__name__ for m in models.values()),
-                     len(stats), _backend(trainer))
+            n_attention = sum(len(attention_modules(m)) for m in models.values())
+            names = ", ".join(type(m).__name__ for m in models.values())
+            what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.swap else \
+                "monitoring %d transformers model(s) [%s] (attention not switched)"
+            log.info("StableAttentionCallback: " + what + ": %d attention layer(s), backend %s",
+                     len(models), names, n_attention, _backend(trainer))
 
     def _build_dispatcher(self) -> AlertDispatcher:
         channels: list[Any] = [LoggingChannel()]
