@@ -111,7 +111,7 @@ PACKED = torch.tensor([[0, 0, 0, 1, 1, 1]] * 2)  # two documents of three tokens
     lambda: mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function),
     lambda: mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)),
     lambda: mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(PACKED)),
-    lambda: mu.sliding_window_bidirectional_mask_function(2),
+    lambda: mu.and_masks(mu.sliding_window_overlay(2), mu.bidirectional_mask_function),  # a window, not causal
     lambda: (lambda b, h, q, k: k <= q),  # behaves causal, but is not transformers' function: not trusted
 ])
 def test_other_patterns_get_the_exact_mask(make):
