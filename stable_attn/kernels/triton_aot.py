@@ -99,10 +99,11 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
         consts = dict(HEAD_D=v.head_dim, BLOCK_D=block_d, BLOCK_M=64)
         opts = dict(num_warps=4, num_stages=1)
     else:
-        cfg = bwd_config(block_d, v.dtype, v.cc)
-        m, n = (cfg.m1, cfg.n1) if v.kind == "bwd_dkdv" else (cfg.m2, cfg.n2)
+        c = bwd_config(block_d, v.dtype, v.cc)
+        m, n, warps, stages = (c.m1, c.n1, c.warps1, c.stages1) if v.kind == "bwd_dkdv" else (c.m2, c.n2, c.warps2,
+                                                                                               c.stages2)
         consts = dict(common, BLOCK_M=m, BLOCK_N=n)
-        opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        opts = dict(num_warps=warps, num_stages=stages)
     fn = _KERNELS[v.kind]
     sig, attrs = _signature(fn, v.dtype, consts)
     return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), opts

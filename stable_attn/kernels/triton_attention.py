@@ -47,15 +47,17 @@ class FwdConfig:
 
 @dataclass(frozen=True)
 class BwdConfig:
-    """Backward tiling: dK/dV programs hold ``n1`` keys and step over ``m1`` queries; dQ programs
-    hold ``m2`` queries and step over ``n2`` keys."""
+    """Backward tiling: dK/dV programs hold ``n1`` keys and step over ``m1`` queries (``warps1``,
+    ``stages1``); dQ programs hold ``m2`` queries and step over ``n2`` keys (``warps2``, ``stages2``)."""
 
     m1: int
     n1: int
+    warps1: int
+    stages1: int
     m2: int
     n2: int
-    num_warps: int
-    num_stages: int
+    warps2: int
+    stages2: int
 
 
 def head_block(d: int) -> int:
@@ -67,32 +69,38 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int) -> FwdCo
     """Forward tiling by padded head dim and compute capability (major*10+minor).
 
     The query tile and the fp32 accumulator live in registers; K and V tiles are pipelined through
-    shared memory (``num_stages`` copies). D=256 halves the query tile and the pipeline depth to
-    fit A100's 163 KiB; fp32 halves again.
+    shared memory (``num_stages`` copies). Chosen so that no D <= 128 variant spills registers on
+    sm_80 or sm_90 (benchmarks/kernel_resources.py; D=256 on sm_80 spills 8 bytes). fp32 inputs and
+    forced key blocks wider than 64 halve the query tile and the pipeline depth.
     """
-    wide = 2 if dtype == torch.float32 else 1  # fp32 tiles take twice the bytes
     if block_d <= 64:
-        cfg = FwdConfig(128, 4, 3)
+        cfg = FwdConfig(128, 8, 3)
     elif block_d <= 128:
-        cfg = FwdConfig(128, 8, 3 if cc >= 90 else 2)
+        cfg = FwdConfig(128, 8, 3) if cc >= 90 else FwdConfig(64, 8, 2)
     else:
-        cfg = FwdConfig(64, 8 if cc >= 90 else 4, 2)
-    if wide > 1 or block_n > 64:
+        cfg = FwdConfig(64, 8, 2) if cc >= 90 else FwdConfig(32, 4, 2)
+    if dtype == torch.float32 or block_n > 64:
         cfg = FwdConfig(max(32, cfg.block_m // 2), cfg.num_warps, max(1, cfg.num_stages - 1))
     return cfg
 
 
 def bwd_config(block_d: int, dtype: torch.dtype, cc: int) -> BwdConfig:
-    """Backward tiling by padded head dim and compute capability (no partition constraint here)."""
+    """Backward tiling by padded head dim and compute capability (no partition constraint here).
+
+    The dK/dV kernel keeps two fp32 accumulators and the K, V tiles in registers for its whole
+    loop, so it runs without software pipelining (``stages1 = 1``): every pipelined configuration
+    tried spilled registers (benchmarks/kernel_resources.py).
+    """
     if block_d <= 64:
-        cfg = BwdConfig(64, 64, 64, 64, 4, 3)
+        cfg = BwdConfig(32, 64, 4, 1, 64, 64, 4, 3)
     elif block_d <= 128:
-        cfg = BwdConfig(32, 64, 64, 32, 4, 2 if cc < 90 else 3)
+        dkdv = (32, 32, 4, 1) if cc >= 90 else (32, 64, 8, 1)
+        cfg = BwdConfig(*dkdv, 64, 32, 4, 3 if cc >= 90 else 2)
     else:
-        cfg = BwdConfig(16, 32, 32, 16, 4, 1 if cc < 90 else 2)
+        cfg = BwdConfig(16, 32, 8, 1, 32, 16, 4, 2 if cc >= 90 else 1)
     if dtype == torch.float32:
-        cfg = BwdConfig(max(16, cfg.m1 // 2), cfg.n1, cfg.m2, max(16, cfg.n2 // 2), cfg.num_warps,
-                        max(1, cfg.num_stages - 1))
+        cfg = BwdConfig(max(16, cfg.m1 // 2), cfg.n1, cfg.warps1, 1, cfg.m2, max(16, cfg.n2 // 2), cfg.warps2,
+                        max(1, cfg.stages2 - 1))
     return cfg
 
 
@@ -187,7 +195,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
         Hq, Hq // Hkv, Nq, Nk, sc["window"],
         sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, rules.sat_tolerance2(dtype), min_shift2,
-        max_shift2, opts.beta, opts.beta - 1.0, sc["seed"], sc["drop_p"], sc["keep_scale"],
+        max_shift2, opts.beta, opts.beta - 1.0, sc["seed"], sc["drop_p"], 1.0 - opts.dropout_p,
         CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None,
         HAS_KPM=key_padding_mask is not None, MODE=opts.mode, STATS=with_stats, DROPOUT=opts.dropout_p > 0,
         HEAD_D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
@@ -226,7 +234,6 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None,
         HAS_KPM=key_padding_mask is not None, DROPOUT=opts.dropout_p > 0, HEAD_D=D, BLOCK_D=block_d,
         DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     scalars = (kpm_stride, Hq, G, Nq, Nk, sc["window"], sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"],
                opts.scale, sc["seed"], sc["drop_p"], sc["keep_scale"])
@@ -235,10 +242,10 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     attn_bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.n1), Hkv, B)](
         q, k, v, kpm, do, lse2, delta, dk, dv, *qkv_strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *scalars,
-        BLOCK_M=cfg.m1, BLOCK_N=cfg.n1, **common,
+        BLOCK_M=cfg.m1, BLOCK_N=cfg.n1, num_warps=cfg.warps1, num_stages=cfg.stages1, **common,
     )
     attn_bwd_dq_kernel[(triton.cdiv(Nq, cfg.m2), Hq, B)](
         q, k, v, kpm, do, lse2, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2), *scalars,
-        BLOCK_M=cfg.m2, BLOCK_N=cfg.n2, **common,
+        BLOCK_M=cfg.m2, BLOCK_N=cfg.n2, num_warps=cfg.warps2, num_stages=cfg.stages2, **common,
     )
     return dq, dk, dv

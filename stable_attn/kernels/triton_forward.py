@@ -115,7 +115,7 @@ def key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL: tl.constexpr, WINDOW: tl
 @triton.jit
 def fwd_block(acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
               offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-              tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, keep_scale, drop_row,
+              tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, drop_row,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
               HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
@@ -174,12 +174,16 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_p
     r_safe = tl.where(r_new == float("-inf"), 0.0, r_new)
     alpha = tl.exp2(r_i - r_safe)  # 0 while the row has seen no key (r = -inf)
     p = tl.exp2(s2 - r_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DROPOUT:
-        keep = tl.rand(seed, drop_row[:, None] + offs_n[None, :].to(tl.int64)) >= drop_p
-        p = tl.where(keep, p * keep_scale, 0.0)
     # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
     p_cast = round_to(p, DTYPE, UPCAST)
+    if MODE == MODE_EXACT:
+        # consistent normalisation: the row sum adds exactly the weights that multiply V
+        l_i = l_i * alpha + tl.sum(p_cast.to(tl.float32), 1)
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:  # a 0/1 mask keeps P-bar exact; 1/(1-p) is applied once, at the end
+        keep = tl.rand(seed, drop_row[:, None] + offs_n[None, :].to(tl.int64)) >= drop_p
+        p_cast = tl.where(keep, p_cast, tl.zeros_like(p_cast))
     if MASK:
         v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
     elif HEAD_D != BLOCK_D:
@@ -199,7 +203,7 @@ def attn_fwd_kernel(
     stride_ob, stride_oh, stride_on, stride_kpmb,
     Hq, G, Nq, Nk, window,
     qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, beta_m1,
-    seed, drop_p, keep_scale,
+    seed, drop_p, keep_frac,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -243,27 +247,30 @@ def attn_fwd_kernel(
             acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
                 acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, keep_scale, drop_row,
+                window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, drop_row,
                 True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                 UPCAST, PREC)
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
             acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-            window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, keep_scale, drop_row,
+            window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, drop_row,
             False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC)
     for start_n in range(mid_hi, hi_al, BLOCK_N):
         acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
             acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-            window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, keep_scale, drop_row,
+            window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, drop_row,
             True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC)
 
     seen = m_i > float("-inf")
     # a row that sees no key outputs zeros; an underflowed row sum (paper mode) stays NaN
-    o = acc / l_i[:, None]
+    if DROPOUT:
+        o = acc / (l_i * keep_frac)[:, None]
+    else:
+        o = acc / l_i[:, None]
     o = tl.where(seen[:, None], o, 0.0)
     o_ptrs = Out + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
     tl.store(o_ptrs, round_to(o, DTYPE, UPCAST).to(DTYPE), mask=q_mask)

@@ -25,7 +25,7 @@ DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
 # (no rounding point is in fp32 precision), so its unit is 2^-18.
 EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-18}
 SMALL = ta.FwdConfig(block_m=32, num_warps=4, num_stages=1)  # several query blocks at test sizes
-SMALL_BWD = ta.BwdConfig(m1=16, n1=32, m2=32, n2=16, num_warps=4, num_stages=1)
+SMALL_BWD = ta.BwdConfig(m1=16, n1=32, warps1=4, stages1=1, m2=32, n2=16, warps2=4, stages2=1)
 
 
 @pytest.fixture(autouse=True)
