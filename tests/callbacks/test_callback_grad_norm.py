@@ -1,0 +1,45 @@
+"""The callback's gradient norm: replicated (plain, DDP) and sharded (FSDP2 DTensor) gradients."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stable_attn.callbacks.grad_norm import total_grad_norm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def test_plain_gradients_match_clip_grad_norm():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model(torch.randn(5, 8)).pow(2).sum().backward()
+    model[0].bias.grad = None  # parameters without gradients are left out, as in clip_grad_norm_
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    assert float(total_grad_norm(model.parameters())) == pytest.approx(float(expected), rel=1e-6)
+    assert total_grad_norm(torch.nn.Linear(2, 2).parameters()) is None
+
+
+def test_fsdp2_sharded_gradients_two_processes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    script = os.path.join(HERE, "fsdp_grad_norm_run.py")
+    procs = [subprocess.Popen([sys.executable, script, str(r), "2", port, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0, out[-3000:]
+    for r in (0, 1):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["dtensor"] and res["local_elems"] < res["full_elems"]  # really sharded
+        assert res["norm"] == pytest.approx(res["expected"], rel=1e-5)
+        assert res["shard_only"] < 0.9 * res["expected"]  # the local shards alone would be wrong
