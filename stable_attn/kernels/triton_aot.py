@@ -52,6 +52,7 @@ class Variant:
     stats: bool = False
     cc: int = 90
     block_n: int = reference.BLOCK_N
+    features: bool = False  # window, softcap, key padding mask and dropout all on
 
     @property
     def name(self) -> str:
@@ -60,6 +61,8 @@ class Variant:
         parts = [self.kind, dt, f"D{self.head_dim}", "causal" if self.causal else "full"]
         if self.kind == "fwd":
             parts += [mode, "stats" if self.stats else "nostats"]
+        if self.features:
+            parts.append("window-softcap-kpm-dropout")
         return "-".join(parts) + f"-sm{self.cc}"
 
 
@@ -88,7 +91,8 @@ def _signature(fn, dtype: torch.dtype, constexprs: dict) -> tuple[dict, dict]:
 def source(v: Variant) -> tuple[ASTSource, dict]:
     """The ASTSource and compile options (warps, stages) of a variant."""
     block_d = head_block(v.head_dim)
-    common = dict(CAUSAL=v.causal, WINDOW=False, SOFTCAP=False, HAS_KPM=False, DROPOUT=False, HEAD_D=v.head_dim,
+    f = v.features
+    common = dict(CAUSAL=v.causal, WINDOW=f, SOFTCAP=f, HAS_KPM=f, DROPOUT=f, HEAD_D=v.head_dim,
                   BLOCK_D=block_d, DTYPE=_TL_DTYPE[v.dtype], UPCAST=False,
                   PREC="ieee" if v.dtype == torch.float32 else "tf32")
     if v.kind == "fwd":

@@ -27,6 +27,8 @@ REPRESENTATIVE = [
     Variant("bwd_pre", BF16, 80, True, cc=90),
     Variant("bwd_dkdv", BF16, 256, True, cc=80),
     Variant("bwd_dq", FP16, 64, False, cc=90),
+    # every optional feature at once (window, softcap, padding mask, dropout, stats)
+    Variant("fwd", BF16, 64, True, EXACT, True, 90, features=True),
 ]
 
 FULL = [Variant("fwd", dt, d, causal, mode, False, cc)
@@ -35,6 +37,9 @@ FULL = [Variant("fwd", dt, d, causal, mode, False, cc)
 FULL += [Variant(kind, dt, d, causal, cc=cc)
          for kind, dt, d, causal, cc in itertools.product(("bwd_dkdv", "bwd_dq"), (BF16, FP16), (64, 128, 256),
                                                            (False, True), (80, 90))]
+FULL += [Variant(kind, dt, d, True, EXACT, True, cc, features=True)
+         for kind, dt, d, cc in itertools.product(("fwd", "bwd_dkdv", "bwd_dq"), (BF16, FP16), (64, 128, 256),
+                                                  (80, 90))]
 
 
 def check(v: Variant, r: dict) -> None:
