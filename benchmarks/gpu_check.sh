@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One command on a GPU machine (H100/H200, < 8 minutes): the Triton kernel tests on CUDA, the
-# compile check, then the timing table of stable_attn against SDPA-flash (benchmarks/gpu_bench.py).
+# One command on a GPU machine (H100/H200, < 8 minutes): the Triton kernel tests on CUDA (each
+# variant is JIT-compiled for the real GPU there), then the timing table of stable_attn against
+# SDPA-flash (benchmarks/gpu_bench.py). Exit status 1 if either step failed.
 #   bash benchmarks/gpu_check.sh [json-path]      (default: $OUT/gpu_bench.json, or ./gpu_bench.json)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -34,6 +34,8 @@ from .triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_
 from .triton_forward import attn_fwd_kernel
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+# One K tile plus one V tile must fit in shared memory with room for the query tile (A100: 163 KiB).
+_MAX_KV_TILE_BYTES = 128 * 1024
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     upcast = interpreting()
     block_n = opts.block_n or reference.BLOCK_N
     block_d = head_block(D)
+    if 2 * block_n * block_d * q.element_size() > _MAX_KV_TILE_BYTES:
+        raise ValueError(f"block_n={block_n} with head dim {D} ({dtype}) needs K and V tiles of "
+                         f"{2 * block_n * block_d * q.element_size()} bytes, more than the {_MAX_KV_TILE_BYTES} "
+                         f"bytes of shared memory the kernel may use; use a smaller block_n (64 is the default)")
     cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device))
 
     out = _empty_like(q)
