@@ -301,3 +301,9 @@ def test_exhaustive_matrix(dtype, causal, mode, shape):
     Nq, Nk, D = shape
     opts = opts_for(D, causal, mode)
     run_case(1, 2, 1, Nq, Nk, D, dtype, opts, kpm_drop=0.1, seed=Nq + Nk + D, qk_std=1.5)
+
+
+def test_forced_block_n_too_wide_is_refused():
+    q, k, v, _ = make(1, 1, 1, 8, 8, 256, torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="block_n=1024"):
+        ta.forward(q, k, v, None, opts_for(256, block_n=1024), False)
