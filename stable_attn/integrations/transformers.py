@@ -110,7 +110,7 @@ def recognize_mask_function(mask_function: Callable) -> tuple[bool, int | None] 
     """
     if mask_function is masking_utils.causal_mask_function:
         return True, None
-    if mask_function is masking_utils.bidirectional_mask_function:
+    if mask_function is getattr(masking_utils, "bidirectional_mask_function", None):  # absent before 5.0
         return False, None
     if _made_by(mask_function, "and_masks.<locals>.and_mask"):
         parts = _closure_vars(mask_function).get("mask_functions")

@@ -203,7 +203,7 @@ def test_bf16_within_bf16_error_of_fp32(name):
     # bf16 has 8 significant bits (relative step 2^-8 ~ 0.4%); allow 2x eager's error plus one step
     assert s_logit <= 2 * e_logit + 2**-8, errors
     assert s_grad <= 2 * e_grad + 2**-8, errors
-    assert s_logit < 0.05 and s_grad < 0.1, errors
+    assert s_logit < 0.1 and s_grad < 0.5, errors  # and neither is garbage
 
 
 @pytest.mark.parametrize("name", DECODERS)
