@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -253,3 +255,24 @@ def test_attention_modules_finds_the_modules_the_function_receives():
         st.attach_stats(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         st.attention_modules("gpt2")
+
+
+def test_import_stable_attn_alone_registers_with_transformers():
+    """In a fresh interpreter (this one already called register()), the import is the whole switch."""
+    code = (
+        "import stable_attn\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from transformers.masking_utils import AttentionMaskInterface\n"
+        "from transformers.modeling_utils import AttentionInterface\n"
+        "from stable_attn.integrations import transformers as st\n"
+        "assert AttentionInterface()['stable_attn'] is st.stable_attn_attention_forward\n"
+        "assert AttentionMaskInterface()['stable_attn'] is st.stable_attn_mask\n"
+        "config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,\n"
+        "                     num_attention_heads=2, max_position_embeddings=16)\n"
+        "model = LlamaForCausalLM._from_config(config, attn_implementation='stable_attn')\n"
+        "stats = st.attach_stats(model)\n"
+        "model(input_ids=__import__('torch').zeros(1, 4, dtype=__import__('torch').long))\n"
+        "assert stats['layer0'].calls == 1\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
