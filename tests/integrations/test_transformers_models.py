@@ -226,6 +226,29 @@ def test_generate_with_kv_cache_matches_reference(name):
     assert torch.equal(out["stable_attn"], out[family.reference])
 
 
+def test_generate_with_a_static_cache_matches_sdpa(monkeypatch):
+    """A static cache passes its query offset as a tensor: the exact 4D mask is used, and tokens agree."""
+    family = FAMILIES["llama"]
+    ids, mask = batch("left", seed=4)
+    prompt_ids, prompt_mask = ids[:, :12], mask[:, :12]
+    masks_seen = []
+    real = st.attention
+
+    def spy(*args, **kwargs):
+        masks_seen.append(kwargs["attn_mask"] is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(st, "attention", spy)
+    out = {}
+    for impl in ("sdpa", "stable_attn"):
+        with torch.no_grad():
+            out[impl] = build(family, impl).generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=6, do_sample=False,
+                pad_token_id=0, cache_implementation="static")
+    assert masks_seen and all(masks_seen)
+    assert torch.equal(out["stable_attn"], out["sdpa"])
+
+
 def test_from_config_with_stable_attn():
     model = AutoModelForCausalLM.from_config(copy.deepcopy(FAMILIES["llama"].config), attn_implementation="stable_attn")
     assert model.config._attn_implementation == "stable_attn"
