@@ -23,8 +23,10 @@ never wrong.
 Options per model (``stabilize``, ``beta``, ``backend``, ``block_n``): :func:`configure`, or a dict in the
 model config, ``config.stable_attn = {"beta": 4.0}`` (saved with the config). Per-layer statistics:
 :func:`attach_stats` / :func:`detach_stats`. Features the fused op cannot compute (attention weights for
-``output_attentions=True``, attention sinks, sparse-attention indices, T5-style ``position_bias``,
-``value`` head dim != ``query`` head dim) raise at the first forward, naming the feature and the model.
+``output_attentions=True``, attention sinks, sparse-attention indices, T5-style ``position_bias``, a
+learned (requires-grad) additive mask, ``value`` head dim != ``query`` head dim) raise at the first
+forward, naming the feature and the model. A model whose attention does not dispatch through
+``AttentionInterface`` never reaches stable_attn; :func:`attach_stats` and :func:`configure` raise for it.
 """
 
 from __future__ import annotations
