@@ -9,6 +9,9 @@ run times ``--steps`` optimizer steps after ``--warmup`` untimed ones; the table
 other jobs on a shared machine), and the minimum CPU time (other load only ever adds to it).
 
     python benchmarks/callback_overhead.py [--steps 60] [--warmup 10] [--repeats 7] [--threads 1]
+    python benchmarks/callback_overhead.py --accelerator cuda --precision bf16-mixed   # on a GPU
+
+On a GPU, CPU time is not the step time (the host waits for the device); read the wall columns.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class StepTimer(Callback):
         self.warmup = warmup
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the step's kernels are done, not merely queued
         now = (time.perf_counter(), time.process_time())
         if trainer.global_step == self.warmup:
             self.start = now
@@ -88,7 +93,8 @@ def run(args: argparse.Namespace, callback_factory) -> tuple[float, float]:
     callbacks = [timer] + ([callback_factory()] if callback_factory else [])
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_steps=args.steps + args.warmup, logger=CSVLogger(tmp),
+            accelerator=args.accelerator, devices=1, precision=args.precision, max_steps=args.steps + args.warmup,
+            logger=CSVLogger(tmp),
             log_every_n_steps=1, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False,
         )
@@ -107,6 +113,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--accelerator", default="cpu", help="cpu or cuda")
+    p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed on a GPU")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -125,10 +133,12 @@ def main() -> None:
             times[name].append(run(args, factory))
 
     print(f"# GPT-2 {args.layers} layers, width {args.width}, {args.heads} heads, seq {args.seq}, batch {args.batch}; "
-          f"attn_implementation='stable_attn' everywhere; AdamW; CPU, torch threads {args.threads}")
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
-          f"lightning {L.__version__}; {args.repeats} repeats x {args.steps} timed steps (after {args.warmup} "
-          "warm-up steps); median over repeats of the mean step time")
+          f"attn_implementation='stable_attn' everywhere; AdamW; {args.accelerator}, precision {args.precision}, "
+          f"torch threads {args.threads}")
+    gpu = f", {torch.cuda.get_device_name()}" if args.accelerator in ("cuda", "gpu") else ""
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs{gpu}, "
+          f"torch {torch.__version__}, lightning {L.__version__}; {args.repeats} repeats x {args.steps} timed steps "
+          f"(after {args.warmup} warm-up steps); median over repeats of the mean step time")
     print(f"| {'configuration':<34} | wall ms/step | wall overhead | CPU ms/step | CPU overhead | CPU min ms/step "
           "| overhead of min |")
     print(f"|{'-' * 36}|" + "|".join("-" * w for w in (14, 15, 13, 14, 17, 17)) + "|")

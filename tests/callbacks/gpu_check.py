@@ -1,0 +1,118 @@
+"""GPU check of StableAttentionCallback under Lightning's FSDP strategy, bf16-mixed, Triton backend.
+
+Not a pytest test (CI has no GPU): run on a CUDA machine as ``python tests/callbacks/gpu_check.py OUT_DIR``.
+It fine-tunes the tiny byte-level GPT-2 of the CPU tests with ``strategy=FSDPStrategy()`` on one GPU,
+feeds a garbled batch at step 50, and checks that: the model runs on stable_attn with the CUDA
+(Triton) backend, per-layer statistics reach the CSV, the gradient norm goes through FSDP's own
+reduction and equals the norm of the unsharded gradients, the spike is alerted at step 50 and
+nowhere else, and ``on_spike="skip"`` leaves the weights unchanged on that step. Prints one line per
+check and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import hashlib
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from callback_lm import ByteLM, batches_loader, pretrain  # noqa: E402
+from lightning.pytorch import Callback  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
+
+from stable_attn.callbacks import StableAttentionCallback  # noqa: E402
+from stable_attn.monitor import SpikeDetector  # noqa: E402
+
+STEPS, BAD = 60, 50
+
+
+def digest(module: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Probe(Callback):
+    def __init__(self, cb: StableAttentionCallback) -> None:
+        self.cb = cb
+        self.norm_pairs: list[tuple[float, float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == BAD:
+            self.before = digest(pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        # runs after the callback: compare its norm with the unsharded gradients (one device: all local)
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            local = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
+            self.norm_pairs.append((self.cb._last["train/grad_norm"], float(local)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == BAD + 1:
+            self.after = digest(pl_module)
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
+    if not ok:
+        sys.exit(1)
+
+
+def main(out: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    weights = os.path.join(out, "tiny_gpt2.pt")
+    pretrain(weights)
+    L.seed_everything(0, verbose=False)
+    alerts = []
+    cb = StableAttentionCallback(
+        on_spike="skip", log_every_n_steps=5, on_alert=alerts.append,
+        loss_detector=SpikeDetector("train/loss", warmup=20),
+        grad_norm_detector=SpikeDetector("train/grad_norm", warmup=20),
+    )
+    probe = Probe(cb)
+    # STABLE_ATTN_GPU_CHECK_ON_CPU=1 runs the same script on the CPU without FSDP, to check the script itself
+    dry = os.environ.get("STABLE_ATTN_GPU_CHECK_ON_CPU") == "1"
+    if dry:
+        torch.set_num_threads(1)
+    setup = dict(accelerator="cpu", strategy="auto", precision="32-true") if dry else \
+        dict(accelerator="cuda", strategy=FSDPStrategy(), precision="bf16-mixed")
+    trainer = L.Trainer(
+        devices=1, max_steps=STEPS, **setup,
+        logger=CSVLogger(out, name="run"), callbacks=[cb, probe], log_every_n_steps=5,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    module = ByteLM(weights=weights)
+    trainer.fit(module, batches_loader(range(STEPS), corrupt_batches=[BAD]))
+
+    check("strategy", dry or type(trainer.strategy).__name__ == "FSDPStrategy", type(trainer.strategy).__name__)
+    check("swap", module.model.config._attn_implementation == "stable_attn")
+    check("steps", trainer.global_step == STEPS, str(trainer.global_step))
+    (csv_path,) = glob.glob(os.path.join(out, "run", "*", "metrics.csv"))
+    with open(csv_path, newline="") as f:
+        table = list(csv.DictReader(f))
+    cols = [c for c in table[0] if c.startswith("stable_attn/")]
+    rows = [r for r in table if r.get("stable_attn/max_logit/layer0")]
+    check("layer stats logged", len(rows) == STEPS // 5 and len(cols) >= 9, f"{len(rows)} rows, columns {cols}")
+    shown = ["step", "train/loss", "train/grad_norm", "stable_attn/saturation/layer0", "stable_attn/saturation/layer1",
+             "stable_attn/fixed_rate/layer1", "stable_attn/max_logit/layer1", "stable_attn/sink_mass/layer0"]
+    print(" | ".join(shown))
+    for r in rows:
+        print(" | ".join(f"{float(r[c]):.4g}" for c in shown))
+    diffs = [abs(a - b) / max(b, 1e-12) for a, b in probe.norm_pairs]
+    # the skipped step has no gradients left when the probe runs
+    check("grad norm through FSDP", len(diffs) == STEPS - 1 and max(diffs) < 1e-4, f"max rel diff {max(diffs):.2e}")
+    check("alerts at step 50 only", sorted({a.step for a in alerts}) == [BAD], str([a.format() for a in alerts]))
+    check("skip", cb.skipped_steps == [BAD] and probe.before == probe.after, str(cb.skipped_steps))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
