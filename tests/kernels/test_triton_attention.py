@@ -66,13 +66,14 @@ def visible_rows(B, Hq, Nq, Nk, opts, kpm):
 
 
 def close(got, want, tol_ulps, dtype, what):
-    """|got - want| <= tol_ulps ulps of the dtype, relative to the magnitude of ``want``."""
+    """|got - want| <= tol_ulps ulps of the dtype, relative to the magnitude of ``want`` (+1e-6)."""
     got, want = got.double().cpu(), want.double().cpu()
     assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{what}: NaN pattern differs"
     ok = ~torch.isnan(want)
     scale = want[ok].abs().max().clamp(min=1e-30) if ok.any() else torch.tensor(1.0)
     err = (got[ok] - want[ok]).abs().max() if ok.any() else torch.tensor(0.0)
-    assert err <= tol_ulps * EPS[dtype] * scale, f"{what}: max err {err:.3g} > {tol_ulps} ulps of {scale:.3g}"
+    # the absolute floor covers gradients that are pure cancellation noise (e.g. dq with one key)
+    assert err <= tol_ulps * EPS[dtype] * scale + 1e-6, f"{what}: max err {err:.3g} > {tol_ulps} ulps of {scale:.3g}"
 
 
 def check_stats(st, rs, seen, what=""):
