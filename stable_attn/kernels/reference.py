@@ -24,7 +24,7 @@ from . import rules
 from .philox import keep_mask
 
 BLOCK_N = 64  # default key-block size; the Triton kernel uses the same partition by default
-TILE_ELEMENTS = 1 << 20  # fp32 elements in one score tile (4 MiB)
+TILE_ELEMENTS = 1 << 19  # fp32 elements in one score tile (2 MiB)
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,6 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         st_fixed = torch.empty(B, Hkv, G, Nq, dtype=torch.int32, device=q.device)
         st_max = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
         st_p0 = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
-    kf, vf = k.float(), v.float()
 
     for q0 in range(0, Nq, p.chunk):
         q1 = min(q0 + p.chunk, Nq)
@@ -174,7 +173,9 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         s_first = torch.full(row, neg_inf, device=q.device)
 
         for j0, j1 in p.key_blocks(q0, q1):
-            s2, _ = p.scores(q_c, kf[:, :, j0:j1], q0, q1, j0, j1)
+            # upcast per block: full fp32 copies of k and v would double the path's memory
+            k_b, v_b = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
+            s2, _ = p.scores(q_c, k_b, q0, q1, j0, j1)
             if j0 == 0:
                 s_first = s2[..., 0]
             m_blk = s2.amax(dim=-1)
@@ -184,11 +185,11 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             if opts.mode == rules.MODE_EXACT:
                 r_cand = torch.maximum(r, m_blk)
                 # P-bar would be exactly 1.0 at two or more keys of this block
-                fire = ((s2 >= (r_cand - tie2)[..., None]).sum(-1) >= 2) & has_key
+                fire = ((s2 >= (r_cand - tie2)[..., None]).sum(-1, dtype=torch.int32) >= 2) & has_key
                 r_new = torch.where(fire, rules.shifted_offset(m_new, opts.beta, min_shift2, max_shift2),
                                     r_cand)
             elif opts.mode == rules.MODE_PAPER:
-                fire = ((s2 >= (m_blk - tie2)[..., None]).sum(-1) > 1) & has_key
+                fire = ((s2 >= (m_blk - tie2)[..., None]).sum(-1, dtype=torch.int32) > 1) & has_key
                 m_adj = torch.where(fire & (m_blk > 0), opts.beta * m_blk,
                                     torch.where(fire & (m_blk < 0), torch.zeros_like(m_blk), m_blk))
                 fire = fire & (m_blk != 0)
@@ -217,7 +218,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             if opts.dropout_p > 0:  # 0/1 keep mask is exact; the 1/(1-p) scale is applied once at the end
                 p_cast = torch.where(p.dropout_keep(q0, q1, j0, j1, q.device), p_cast, torch.zeros_like(p_cast))
             p_cast = p_cast.view(B, Hkv, G * cq, j1 - j0)
-            acc = acc * alpha.view(B, Hkv, G * cq, 1) + torch.matmul(p_cast, vf[:, :, j0:j1])
+            acc = acc * alpha.view(B, Hkv, G * cq, 1) + torch.matmul(p_cast, v_b)
             m, r = m_new, r_new
 
         seen = m > neg_inf
@@ -256,7 +257,6 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
 
     qg, dog, og = _grouped(q, p), _grouped(do, p), _grouped(out, p)
     lse2g = lse2.view(B, Hkv, G, Nq)
-    kf, vf = k.float(), v.float()
     dq = torch.zeros(B, Hkv, G, Nq, D, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
@@ -272,9 +272,10 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
         dq_c = torch.zeros(B, Hkv, G * cq, D, device=q.device)
         for j0, j1 in p.key_blocks(q0, q1):
             bn = j1 - j0
-            s2, t = p.scores(q_c, kf[:, :, j0:j1], q0, q1, j0, j1)
+            k_b, v_b = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
+            s2, t = p.scores(q_c, k_b, q0, q1, j0, j1)
             prob = torch.exp2(s2 - lse_c)  # [B, Hkv, G, cq, bn]
-            dp = torch.matmul(do_c, vf[:, :, j0:j1].transpose(-1, -2)).view(B, Hkv, G, cq, bn)
+            dp = torch.matmul(do_c, v_b.transpose(-1, -2)).view(B, Hkv, G, cq, bn)
             if opts.dropout_p > 0:
                 keep = p.dropout_keep(q0, q1, j0, j1, q.device)
                 prob_d = torch.where(keep, prob * keep_scale, torch.zeros_like(prob))
@@ -287,7 +288,7 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
             if t is not None:
                 ds = ds * (1.0 - t * t)
             ds_cast = (ds * opts.scale).to(dtype).float().view(B, Hkv, G * cq, bn)
-            dq_c += torch.matmul(ds_cast, kf[:, :, j0:j1])
+            dq_c += torch.matmul(ds_cast, k_b)
             dk[:, :, j0:j1] += torch.matmul(ds_cast.transpose(-1, -2), q_c)
         dq[:, :, :, q0:q1] = dq_c.view(B, Hkv, G, cq, D)
     return dq.view(q.shape).to(dtype), dk.to(dtype), dv.to(dtype)
