@@ -48,18 +48,26 @@ class LayerStats:
             s.reset()
 
     def _local_sums(self, device: torch.device) -> torch.Tensor:
-        """``[layers, 5]`` float64: rows, saturated rows, fixed blocks, sum of key-0 probability, max logit."""
+        """``[layers, 5]`` float64: rows, saturated rows, fixed blocks, sum of key-0 probability, max logit.
+
+        Built with a handful of stacked operations rather than a few per layer: on a GPU each small
+        operation is a kernel launch, and a 48-layer model would otherwise pay hundreds per monitored step.
+        """
         out = torch.zeros(len(self.stats), 5, dtype=torch.float64, device=device)
         out[:, _MAX_LOGIT] = -math.inf
-        for i, s in enumerate(self.stats.values()):
-            if s.empty:
-                continue
-            rows = s.rows.to(device=device, dtype=torch.float64)
-            out[i, _ROWS] = rows.sum()
-            out[i, _SATURATED] = s.saturated_rows.to(device=device, dtype=torch.float64).sum()
-            out[i, _FIXED] = s.fixed_blocks.to(device=device, dtype=torch.float64).sum()
-            out[i, _FIRST_KEY_PROB] = (s.sink_mass.to(device=device, dtype=torch.float64) * rows).sum()
-            out[i, _MAX_LOGIT] = s.max_logit.to(device=device, dtype=torch.float64).max()
+        filled = [(i, s.state_dict()) for i, s in enumerate(self.stats.values()) if not s.empty]
+        if not filled:
+            return out
+        index = torch.tensor([i for i, _ in filled], device=device)
+        fields = ("rows", "saturated_rows", "fixed_blocks", "first_key_prob_sum")
+        same_heads = len({st["rows"].shape for _, st in filled}) == 1
+        for col, field in enumerate(fields):
+            tensors = [st[field] for _, st in filled]
+            sums = (torch.stack(tensors).sum(dim=1) if same_heads else torch.stack([t.sum() for t in tensors]))
+            out[index, col] = sums.to(device=device, dtype=torch.float64)
+        max_logits = [st["max_logit"] for _, st in filled]
+        maxes = torch.stack(max_logits).amax(dim=1) if same_heads else torch.stack([t.max() for t in max_logits])
+        out[index, _MAX_LOGIT] = maxes.to(device=device, dtype=torch.float64)
         return out
 
     def collect(self, step: int, all_gather: Callable[[torch.Tensor], torch.Tensor] | None,

@@ -24,10 +24,12 @@ others. Side effects (log lines, the JSONL file, the webhook, logger metrics) ha
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -55,11 +57,16 @@ log = logging.getLogger("stable_attn")
 
 SpikeAction = Literal["warn", "skip", "rollback", "stop"]
 _ACTIONS = ("warn", "skip", "rollback", "stop")
-_KIND_CODE = {"spike": 1.0, "nonfinite": 2.0}
-_CODE_KIND = {1: "spike", 2: "nonfinite"}
-# Per watched metric, each rank shares: kind code (0 = nothing), value, baseline, threshold, score, is_new.
-_EVENT_FIELDS = 6
-_WATCHED = ("loss", "grad_norm")
+# What each rank shares every step: loss, gradient norm, whether it had a loss (a skipped backward has none).
+_FIELDS = 3
+
+
+@dataclass
+class _StepRecord:
+    step: int
+    has_norm: bool
+    lr: float
+    scaler: bool
 
 
 def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
@@ -72,12 +79,6 @@ def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) ->
 
 def _backend(trainer: Trainer) -> str:
     return "triton (CUDA)" if trainer.strategy.root_device.type == "cuda" else "torch (CPU)"
-
-
-def _encode(event: SpikeEvent | None, value: float) -> list[float]:
-    if event is None or event.kind not in _KIND_CODE:
-        return [0.0, value, math.nan, math.nan, math.nan, 0.0]
-    return [_KIND_CODE[event.kind], event.value, event.baseline, event.threshold, event.score, float(event.is_new)]
 
 
 class StableAttentionCallback(Callback):
@@ -231,6 +232,10 @@ class StableAttentionCallback(Callback):
         self._pending_rollback = False
         self._pending_stop = False
         self._last: dict[str, float] = {}
+        self._deferred: tuple[_StepRecord, torch.Tensor, Any] | None = None
+        # loss detectors of ranks 1, 2, ... (rank 0's is ``loss_detector``); made as ranks report
+        self._rank_loss_detectors: list[SpikeDetector] = [self.loss_detector]
+        self._pending_rank_states: dict[int, dict[str, Any]] = {}
         self._snapshot: Snapshot | None = None
 
     # ------------------------------------------------------------------ setup
@@ -341,45 +346,31 @@ class StableAttentionCallback(Callback):
         step = trainer.global_step
         device = trainer.strategy.root_device
         grad_norm = total_grad_norm(pl_module.parameters(), trainer.strategy) if self.monitor_grad_norm else None
-        nan = torch.tensor(math.nan, device=device)
-        loss_t = self._loss.to(device) if self._loss is not None else nan
-        norm_t = grad_norm.float().to(device) if grad_norm is not None else nan
-        loss, norm = torch.stack([loss_t, norm_t]).double().tolist()  # the one host sync of the step
-
-        loss_event = self.loss_detector.update(step, loss) if self._loss is not None else None
-        # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
-        scaler_handles_inf = getattr(trainer.precision_plugin, "scaler", None) is not None
-        norm_event = None
-        if grad_norm is not None and not (scaler_handles_inf and not math.isfinite(norm)):
-            norm_event = self.grad_norm_detector.update(step, norm)
-
-        mine = torch.tensor(_encode(loss_event, loss) + _encode(norm_event, norm), dtype=torch.float64, device=device)
-        world = trainer.world_size
-        table = trainer.strategy.all_gather(mine).reshape(-1, mine.numel()) if world > 1 else mine[None]
-        rows = table.cpu().tolist()  # [rank][field]
-
+        nan = torch.full((), math.nan, device=device)
+        mine = torch.stack([
+            self._loss.to(device) if self._loss is not None else nan,
+            grad_norm.float().to(device) if grad_norm is not None else nan,
+            torch.full((), float(self._loss is not None), device=device),
+        ]).double()
+        # Every rank shares its raw values (one collective per step, issued whatever the values are) and
+        # every rank runs the same detectors over all of them, so all ranks reach the same verdict.
+        table = trainer.strategy.all_gather(mine).reshape(-1, _FIELDS) if trainer.world_size > 1 else mine[None]
         lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else math.nan
-        losses = [r[1] for r in rows if math.isfinite(r[1])]
-        self._last = {
-            "train/loss": sum(losses) / len(losses) if losses else (rows[0][1] if self._loss is not None else math.nan),
-            "train/grad_norm": norm,
-            "train/lr": lr,
-        }
-        acting = False
-        for m, metric_name in enumerate(_WATCHED):
-            off = m * _EVENT_FIELDS
-            flagged = [(rank, r[off:off + _EVENT_FIELDS]) for rank, r in enumerate(rows) if r[off] != 0.0]
-            if not flagged:
-                continue
-            acting = True
-            new = [(rank, f) for rank, f in flagged if f[5] != 0.0]
-            if new:
-                rank, f = new[0]
-                detector = self.loss_detector if metric_name == "loss" else self.grad_norm_detector
-                event = SpikeEvent(step, detector.metric, f[1], f[2], f[3], f[4], _CODE_KIND[int(f[0])])
-                where = f" on rank {rank} of {world}" if world > 1 and metric_name == "loss" else ""
-                self._alert(trainer, event, self.on_spike, where + self._action_note(step))
-        if acting and self.on_spike != "warn":
+        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        record = _StepRecord(step, grad_norm is not None, lr, scaler)
+
+        previous, self._deferred = self._deferred, None
+        if previous is not None:
+            self._process(trainer, *previous)
+        if self.on_spike == "warn" and table.is_cuda and not self._monitor_now:
+            # Nothing to decide before the update: read the values one step late, without stalling the
+            # device (a blocking read here would stop the host from queueing the next step's kernels).
+            host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+            host.copy_(table, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._deferred = (record, host, done)
+        elif self._process(trainer, record, table.cpu(), None) and self.on_spike != "warn":
             # No gradients, no update: torch optimizers skip parameters whose .grad is None.
             optimizer.zero_grad(set_to_none=True)
             self._acted = True
@@ -390,6 +381,55 @@ class StableAttentionCallback(Callback):
             else:
                 self._pending_stop = True
         self._stepped = True
+
+    def _process(self, trainer: Trainer, record: _StepRecord, table: torch.Tensor, done: Any) -> bool:
+        """Run the detectors on one step's values from every rank; alert; True if the step spiked."""
+        if done is not None:
+            done.synchronize()
+        rows = table.tolist()  # [rank][loss, grad norm, has loss]
+        step, world = record.step, len(rows)
+        norm = rows[0][1]
+        losses = [r[0] for r in rows if r[2] and math.isfinite(r[0])]
+        self._last = {
+            "train/loss": sum(losses) / len(losses) if losses else (math.nan if not any(r[2] for r in rows) else
+                                                                    next(r[0] for r in rows if r[2])),
+            "train/grad_norm": norm,
+            "train/lr": record.lr,
+        }
+        self._loss_detector(world - 1)  # every rank's detector exists before any sees this step
+        loss_events = []
+        for rank, row in enumerate(rows):
+            if row[2]:
+                event = self._loss_detector(rank).update(step, row[0])
+                if event is not None:
+                    loss_events.append((rank, event))
+        norm_event = None
+        # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
+        if record.has_norm and not (record.scaler and not math.isfinite(norm)):
+            norm_event = self.grad_norm_detector.update(step, norm)
+        note = self._action_note(step)
+        new_loss = [(rank, e) for rank, e in loss_events if e.is_new]
+        if new_loss:
+            rank, event = new_loss[0]
+            self._alert(trainer, event, self.on_spike, (f"on rank {rank} of {world}" if world > 1 else "") + note)
+        if norm_event is not None and norm_event.is_new:
+            self._alert(trainer, norm_event, self.on_spike, note)
+        return bool(loss_events) or norm_event is not None
+
+    def _loss_detector(self, rank: int) -> SpikeDetector:
+        """Rank ``rank``'s loss detector (each rank's loss has its own level and noise)."""
+        while len(self._rank_loss_detectors) <= rank:
+            detector = copy.deepcopy(self.loss_detector)
+            pending = self._pending_rank_states.get(len(self._rank_loss_detectors))
+            if pending is not None:
+                detector.load_state_dict(pending)
+            self._rank_loss_detectors.append(detector)
+        return self._rank_loss_detectors[rank]
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        previous, self._deferred = self._deferred, None
+        if previous is not None:
+            self._process(trainer, *previous)
 
     def _action_note(self, step: int) -> str:
         if self.on_spike == "skip":
@@ -474,6 +514,8 @@ class StableAttentionCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "loss_detector": self.loss_detector.state_dict(),
+            # every rank runs every rank's detector, so rank zero's copy of them is everyone's
+            "other_rank_loss_detectors": [d.state_dict() for d in self._rank_loss_detectors[1:]],
             "grad_norm_detector": self.grad_norm_detector.state_dict(),
             "surge": {name: det.state_dict() for name, det in self.surge_detectors.items()},
             "alert_count": self.alert_count,
@@ -483,6 +525,9 @@ class StableAttentionCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loss_detector.load_state_dict(state_dict["loss_detector"])
+        others = state_dict.get("other_rank_loss_detectors", [])
+        self._pending_rank_states = {rank: st for rank, st in enumerate(others, start=1)}
+        del self._rank_loss_detectors[1:]  # rebuilt from the saved states as ranks report
         self.grad_norm_detector.load_state_dict(state_dict["grad_norm_detector"])
         self.alert_count = int(state_dict.get("alert_count", 0))
         self.skipped_steps = list(state_dict.get("skipped_steps", []))
