@@ -475,7 +475,7 @@ class StableAttentionCallback(Callback):
             if trainer.is_global_zero:
                 log.warning("StableAttentionCallback: stopped training at step %d; checkpoint %s", step, path)
 
-        if self._monitor_now or self.alert_count != alerts_before:
+        if (self._monitor_now or self.alert_count != alerts_before) and trainer.progress_bar_callback is not None:
             pl_module.log("stable_attn/alerts", float(self.alert_count), prog_bar=True, logger=False,
                           on_step=True, on_epoch=False)
         if self.layers is not None:
