@@ -2,10 +2,11 @@
 
 Not a pytest test (CI has no GPU): run on a CUDA machine as ``python tests/callbacks/gpu_check.py OUT_DIR``.
 It fine-tunes the tiny byte-level GPT-2 of the CPU tests with ``strategy=FSDPStrategy()`` on one GPU,
-feeds a garbled batch at step 50, and checks that: the model runs on stable_attn with the CUDA
+feeds a garbled batch at step 90, and checks that: the model runs on stable_attn with the CUDA
 (Triton) backend, per-layer statistics reach the CSV, the gradient norm goes through FSDP's own
-reduction and equals the norm of the unsharded gradients, the spike is alerted at step 50 and
-nowhere else, and ``on_spike="skip"`` leaves the weights unchanged on that step. Prints one line per
+reduction and equals the norm of the unsharded gradients, the spike is alerted at step 90 and
+nowhere else, and ``on_spike="skip"`` leaves the weights unchanged on that step; then the same
+without FSDP and with ``on_spike="warn"``, where values are read one step late. Prints one line per
 check and exits non-zero on the first failure.
 """
 
@@ -30,7 +31,7 @@ from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 from stable_attn.callbacks import StableAttentionCallback  # noqa: E402
 from stable_attn.monitor import SpikeDetector  # noqa: E402
 
-STEPS, BAD = 60, 50
+STEPS, BAD = 100, 90
 
 
 def digest(module: torch.nn.Module) -> str:
@@ -44,6 +45,8 @@ class Probe(Callback):
     def __init__(self, cb: StableAttentionCallback) -> None:
         self.cb = cb
         self.norm_pairs: list[tuple[float, float]] = []
+        self.ready: list[tuple[int, bool, bool]] = []
+        self.series: list[tuple[int, float, float]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == BAD:
@@ -51,8 +54,12 @@ class Probe(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         # runs after the callback: compare its norm with the unsharded gradients (one device: all local)
+        self.ready.append((trainer.global_step, self.cb.loss_detector.ready, self.cb.grad_norm_detector.ready))
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if grads:
+        if self.cb._deferred is None:  # values of a deferred step are read one step later
+            last = self.cb._last
+            self.series.append((trainer.global_step, round(last["train/loss"], 3), round(last["train/grad_norm"], 3)))
+        if grads and self.cb._deferred is None:
             local = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
             self.norm_pairs.append((self.cb._last["train/grad_norm"], float(local)))
 
@@ -116,19 +123,22 @@ def main(out: str) -> None:
     print(" | ".join(shown))
     for r in rows:
         print(" | ".join(f"{float(r[c]):.4g}" for c in shown))
+    armed = [next((st for st, *r in probe.ready if r[i]), None) for i in (0, 1)]
+    print(f"detectors ready from step: loss {armed[0]}, grad norm {armed[1]}")
+    print("(step, loss, grad norm):", probe.series)
     diffs = [abs(a - b) / max(b, 1e-12) for a, b in probe.norm_pairs]
     # the skipped step has no gradients left when the probe runs
     check("grad norm through FSDP", len(diffs) == STEPS - 1 and max(diffs) < 1e-4,
           f"{len(diffs)} steps with gradients, max rel diff {max(diffs):.2e}")
-    check("alerts at step 50 only", sorted({a.step for a in alerts}) == [BAD], str([a.format() for a in alerts]))
+    check("alerts at step 90 only", sorted({a.step for a in alerts}) == [BAD], str([a.format() for a in alerts]))
     check("skip", cb.skipped_steps == [BAD] and probe.before == probe.after,
           f"skipped {cb.skipped_steps}, weights unchanged {probe.before == probe.after}")
 
     # 2. one GPU, on_spike="warn": values are read one step late (no host sync per step)
     cb, probe, trainer, module, alerts, dry = fit(out, weights, "warn", fsdp=False)
-    check("warn: alerts at step 50 only", sorted({a.step for a in alerts}) == [BAD] and len(alerts) >= 1,
+    check("warn: alerts at step 90 only", sorted({a.step for a in alerts}) == [BAD] and len(alerts) >= 1,
           str([a.format() for a in alerts]))
-    check("warn: step 50 trained", probe.before != probe.after)
+    check("warn: step 90 trained", probe.before != probe.after)
     if FAILED:
         sys.exit(f"failed: {FAILED}")
 
