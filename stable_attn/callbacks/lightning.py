@@ -236,6 +236,7 @@ class StableAttentionCallback(Callback):
         # loss detectors of ranks 1, 2, ... (rank 0's is ``loss_detector``); made as ranks report
         self._rank_loss_detectors: list[SpikeDetector] = [self.loss_detector]
         self._pending_rank_states: dict[int, dict[str, Any]] = {}
+        self._ready_logged: set[str] = set()
         self._snapshot: Snapshot | None = None
 
     # ------------------------------------------------------------------ setup
@@ -407,6 +408,7 @@ class StableAttentionCallback(Callback):
         # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
         if record.has_norm and not (record.scaler and not math.isfinite(norm)):
             norm_event = self.grad_norm_detector.update(step, norm)
+        self._note_ready(trainer, step)
         note = self._action_note(step)
         new_loss = [(rank, e) for rank, e in loss_events if e.is_new]
         if new_loss:
@@ -415,6 +417,14 @@ class StableAttentionCallback(Callback):
         if norm_event is not None and norm_event.is_new:
             self._alert(trainer, norm_event, self.on_spike, note)
         return bool(loss_events) or norm_event is not None
+
+    def _note_ready(self, trainer: Trainer, step: int) -> None:
+        """Say once when each spike detector has calibrated: before that, only non-finite values alert."""
+        for detector in (self.loss_detector, self.grad_norm_detector):
+            if detector.metric not in self._ready_logged and detector.ready:
+                self._ready_logged.add(detector.metric)
+                if trainer.is_global_zero:
+                    log.info("StableAttentionCallback: %s spike detection active from step %d", detector.metric, step)
 
     def _loss_detector(self, rank: int) -> SpikeDetector:
         """Rank ``rank``'s loss detector (each rank's loss has its own level and noise)."""

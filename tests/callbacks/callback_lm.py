@@ -106,10 +106,10 @@ def trainer(tmp_path, callbacks, max_steps: int, **kwargs) -> L.Trainer:
 
     kwargs.setdefault("log_every_n_steps", 1)
     kwargs.setdefault("enable_checkpointing", False)
+    kwargs.setdefault("enable_progress_bar", False)
     return L.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=CSVLogger(str(tmp_path), name="run"),
-        callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        **kwargs,
+        callbacks=callbacks, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
     )
 
 

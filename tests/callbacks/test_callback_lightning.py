@@ -155,7 +155,7 @@ def test_monitor_metrics_alert_jsonl_and_webhook(tmp_path, pretrained, caplog):
     spy = Spy(BAD)
     with WebhookServer() as hook, caplog.at_level(logging.INFO, logger="stable_attn"):
         cb = make_callback(log_every_n_steps=5, on_alert=received.append, webhook_url=hook.url)
-        t, module = fit(tmp_path, pretrained, [cb, spy])
+        t, module = fit(tmp_path, pretrained, [cb, spy], enable_progress_bar=True)
         assert cb.dispatcher is None  # closed at teardown, which waits for the webhook queue
         webhook = list(hook.received)
 
@@ -201,6 +201,8 @@ def test_monitor_metrics_alert_jsonl_and_webhook(tmp_path, pretrained, caplog):
     assert all(set(d) == ALERT_KEYS for d in lines)
     assert [(d["step"], d["metric"]) for d in webhook] == [(BAD, "train/loss"), (BAD, "train/grad_norm")]
     assert any(r.levelno == logging.WARNING and "spike at step 50: train/loss" in r.message for r in caplog.records)
+    active = [r.message for r in caplog.records if "spike detection active from step" in r.message]
+    assert len(active) == 2 and all(int(m.rsplit(" ", 1)[1]) < BAD for m in active)
 
 
 def test_skip_leaves_weights_and_optimizer_state_unchanged(tmp_path, pretrained, caplog):
