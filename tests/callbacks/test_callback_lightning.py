@@ -339,3 +339,27 @@ def test_patch_sdpa_routes_plain_modules_for_the_run_only(tmp_path, caplog):
     assert not any("no transformers PreTrainedModel" in r.message for r in caplog.records)
     (csv,) = glob.glob(str(tmp_path / "run" / "*" / "metrics.csv"))
     assert "train/loss" in pd.read_csv(csv).columns
+
+
+def test_gradient_accumulation_one_record_per_optimizer_step(tmp_path, pretrained):
+    micro: list[float] = []
+
+    class Losses(Callback):
+        """Each micro-batch's loss as the model computed it (a forward hook: no Lightning involved)."""
+
+        def on_train_start(self, trainer, pl_module):
+            pl_module.model.register_forward_hook(lambda mod, args, out: micro.append(float(out.loss)))
+
+    cb = make_callback()
+    spy = Spy(step=-1)
+    t, _ = fit(tmp_path, pretrained, [cb, spy, Losses()], batch_ids=range(12), corrupt=(), max_steps=6,
+               accumulate_grad_batches=2)
+    assert t.global_step == 6 and len(micro) == 12
+    (csv,) = glob.glob(str(tmp_path / "run" / "*" / "metrics.csv"))
+    rows = pd.read_csv(csv).dropna(subset=["train/loss"]).set_index("step")
+    assert sorted(rows.index) == list(range(6))
+    for step in range(6):
+        expected = (micro[2 * step] + micro[2 * step + 1]) / 2  # the mean over the step's micro-batches
+        assert rows.loc[step, "train/loss"] == pytest.approx(expected, rel=1e-5)
+    # layer statistics span both micro-batches of a step: 2 forwards x 2 layers
+    assert set(spy.stats_calls.values()) == {4}
