@@ -334,7 +334,7 @@ class StableAttentionCallback(Callback):
         self._step = step
         self._loss = None
         self._acted = False
-        self._monitor_now = (step + 1) % self._every == 0
+        self._monitor_now = self._every > 0 and (step + 1) % self._every == 0  # Trainer(log_every_n_steps=0): never
         if self.layers is not None:
             self.layers.enable(self._monitor_now)
 
@@ -446,7 +446,7 @@ class StableAttentionCallback(Callback):
             return "; update skipped"
         if self.on_spike == "rollback":
             at = self._snapshot.step if self._snapshot is not None else "?"
-            return f"; rolling back to the state after step {at}"
+            return f"; rolling back to the state at global_step {at}"
         if self.on_spike == "stop":
             return f"; stopping, checkpoint {self._stop_path(step)}"
         return ""
@@ -471,7 +471,7 @@ class StableAttentionCallback(Callback):
             restore_snapshot(trainer, pl_module, self._snapshot)
             self.rollbacks.append((step, self._snapshot.step))
             if trainer.is_global_zero:
-                log.warning("StableAttentionCallback: rolled back to the state after step %d; the batches of "
+                log.warning("StableAttentionCallback: rolled back to the state at global_step %d; the batches of "
                             "steps %d..%d are dropped", self._snapshot.step, self._snapshot.step, step)
         elif (self.on_spike == "rollback" and not self._acted and trainer.global_step % self.rollback_every == 0):
             self._snapshot = take_snapshot(trainer, pl_module)
