@@ -348,7 +348,7 @@ def test_gradient_accumulation_one_record_per_optimizer_step(tmp_path, pretraine
         """Each micro-batch's loss as the model computed it (a forward hook: no Lightning involved)."""
 
         def on_train_start(self, trainer, pl_module):
-            pl_module.model.register_forward_hook(lambda mod, args, out: micro.append(float(out.loss)))
+            pl_module.model.register_forward_hook(lambda mod, args, out: micro.append(out.loss.item()))
 
     cb = make_callback()
     spy = Spy(step=-1)
