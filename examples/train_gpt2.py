@@ -3,8 +3,8 @@
 The main job of the project: real text, a real tokenizer, a real ``transformers`` model, Lightning, the
 stabilized attention kernel and :class:`~stable_attn.callbacks.StableAttentionCallback`.
 
-    python examples/train_gpt2.py                      # ~4 min on 2 CPU cores, no download
-    python examples/train_gpt2.py --inject-spike-at 200 --on-spike skip
+    python examples/train_gpt2.py                      # about 3 minutes on a CPU, no download
+    python examples/train_gpt2.py --inject-spike-at 200  # one corrupted batch: an alert, the update skipped
     stable-attn report runs/gpt2-<timestamp>            # rebuild the plots from the CSV and JSONL
 
 With no arguments it trains a small GPT-2 (4 layers, 4 heads, width 128, sequence 128) on the CPU on a
@@ -19,10 +19,17 @@ BPE trained on it (``examples/gpt2_data.py``; built once and cached). At the end
 - ``alerts.jsonl``: one JSON object per alert;
 - ``loss.png``, ``saturation_heatmap.png``, ``max_logit.png`` and ``report.md`` (``stable_attn.report``).
 
+Precision (``--precision auto``): ``bf16-mixed`` on a CUDA GPU. On a CPU the model runs in fp32 and only
+the attention in bf16 (q, k, v are cast to bf16 for it: ``--attention-dtype``), because CPUs without bf16
+matrix hardware emulate bf16 matrix products about ten times slower (measured, see
+:func:`resolve_precision`), while the attention's bf16 numerics -- ties at the row max, the rounding of
+``P V`` that the fix is about -- are exactly those it has under ``bf16-mixed``.
+
 ``--inject-spike-at STEP`` replaces the batch(es) of optimizer step ``STEP`` (0-based, as
 ``trainer.global_step`` counts and as alerts report it) with uniformly random token ids
 (``gpt2_data.corrupt_batch``), once, so the loss spikes for exactly that step; the callback then
-alerts and applies ``--on-spike``. Pick a step after the loss detector's warm-up (about 120 steps).
+alerts and applies ``--on-spike`` (default ``skip``: the step's update is dropped). Pick a step after the
+loss detector's warm-up (about 120 steps).
 
 ``--preset gpt2-124m`` is the setting of Qiu & Yao (ICLR 2026) for a GPU: GPT-2 small (12 layers,
 12 heads, width 768), no dropout, sequence 1024, AdamW lr 1e-3, betas (0.9, 0.95), weight decay 0,
@@ -36,7 +43,8 @@ non-overlapping and shuffled each epoch, where nanoGPT samples random offsets.
 
 ``--attention`` chooses the attention for A/B runs: ``stable_attn`` (the fix), ``stable_attn_paper``
 (the published rule), ``stable_attn_off`` (the same kernel with the fix switched off: plain BF16 flash
-attention, still measured), or ``sdpa`` (transformers' own; no per-layer statistics).
+attention, still measured), or ``sdpa`` (transformers' own; no per-layer statistics). For A/B runs pass
+``--on-spike warn``, so the callback reports a failure instead of skipping over it.
 """
 
 from __future__ import annotations
@@ -520,6 +528,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
     with warnings.catch_warnings():
         # The blocks are slices of an in-memory array (or a memmap): worker processes would only add start-up time.
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        # Lightning's own use of a deprecated torch API (torch 2.13); nothing a user of this script can change.
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
         trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader)
 
     if trainer.is_global_zero:
