@@ -11,8 +11,10 @@ Inputs (one query row per trial, ``N`` keys, head dim ``D``; scores are the scal
 
 Each input runs through the arithmetic models of :mod:`stable_attn.numerics.arithmetic` with the fix
 off, ours and the paper's, on the same trials (paired), plus the exact answer rounded once to bf16
-(the best any bf16 output can do), and a variant a' of our kernel whose row sum is taken over the
-bf16-rounded ``P-bar`` (see arithmetic.rounded_rowsum_model). Errors are against the float64 oracle, in units of
+(the best any bf16 output can do), and a variant a' whose row sum is taken over the bf16-rounded
+``P-bar`` for every fix, in one key block (arithmetic.rounded_rowsum_model; our kernel's
+``stabilize=True`` does the same blockwise, so a' with fix "ours" cross-checks model (a) with fix
+"ours"). Errors are against the float64 oracle, in units of
 ``2^-8 * rms(O_row)`` (one bf16 rounding at the row's scale); ``t`` is the t-statistic of the mean
 over trials; ``|t| >= 3`` counts as biased.
 

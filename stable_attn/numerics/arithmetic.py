@@ -6,6 +6,9 @@ bf16 values ``v`` ``[T, N, D]``, one independent row per trial ``t``, and return
 
 - (a) :func:`kernel_model`: what our kernel computes. It calls :func:`stable_attn.attention`
   itself: ``P-bar`` in fp32, cast to bf16, ``P-bar V`` accumulated in fp32, ``O`` stored in bf16.
+  The row sum ``l`` depends on the fix: ``"ours"`` sums the bf16-rounded ``P-bar`` (the weights
+  that multiply ``V``; ALGORITHM.md, "Consistent normalisation"), ``"off"`` and ``"paper"`` sum the
+  unrounded fp32 ``P-bar`` as FlashAttention-2 does.
 - (b) :func:`blockwise_bf16_model`: the published reference implementation's arithmetic with bf16
   inputs (ucker/why-low-precision-training-fails, ``attention.py``): every tensor is bf16, so
   scores, ``exp``, the block row sums, the running max, ``O`` and the row sums are rounded to bf16
@@ -189,12 +192,16 @@ def sequential_bf16_model(scores: torch.Tensor, values: torch.Tensor, fix: str) 
 
 
 def rounded_rowsum_model(scores: torch.Tensor, values: torch.Tensor, fix: str) -> ModelOutput:
-    """(a') Model (a) with the row sum taken over the bf16-rounded ``P-bar`` (one key block).
+    """(a') Model (a) with the row sum taken over the bf16-rounded ``P-bar``, for every fix (one key block).
 
-    Not what the kernel does today: our kernel (like FlashAttention-2) sums the fp32 ``P-bar`` into
-    ``l`` but multiplies ``V`` by the bf16-rounded ``P-bar``, so the weights it applies do not sum to
-    exactly 1. This variant measures what normalising by the rounded weights would change.
-    ``P-bar V`` is accumulated in fp32 (float64 here: the order of fp32 sums is not what matters).
+    Written when the kernel still summed the fp32 ``P-bar`` into ``l`` while multiplying ``V`` by
+    the bf16-rounded ``P-bar`` (as FlashAttention-2 does), so that the weights it applied did not sum
+    to exactly 1; this variant measured what normalising by the rounded weights would change. The
+    kernel's ``stabilize=True`` now does this blockwise, so for ``fix="ours"`` this is a one-block
+    cross-check of (a); for ``"off"`` and ``"paper"`` (which keep the fp32 row sum in the kernel) it
+    still shows what consistent normalisation would do for them.
+    ``P-bar V`` is accumulated in float64 here (the kernel: fp32; the order of the sums is not what
+    matters).
     """
     _check(scores, values, fix)
     s = scores.float()
