@@ -448,6 +448,17 @@ def _describe(cfg: Preset, model: GPT2LMHeadModel, args: argparse.Namespace, dat
     )
 
 
+def write_report(run_dir: Path) -> Path | None:
+    """``build_report`` for the run; without matplotlib (a bare GPU image), say how to get it later
+    instead of failing at the end of a long run: the CSV and JSONL are what the report is built from."""
+    try:
+        return build_report(run_dir)
+    except ImportError as err:
+        print(f"no plots: {err}; the metrics and alerts are saved, build the report later with "
+              f"`stable-attn report {run_dir}`")
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> Path:
     """Run the training job; returns the run directory (metrics.csv, alerts.jsonl, PNGs, report.md)."""
     args = build_parser().parse_args(argv)
@@ -537,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         if not alerts.exists():
             # The callback writes the file at the first alert; an empty one says "monitored, nothing raised".
             alerts.touch()
-        report = build_report(run_dir)
+        report = write_report(run_dir)
         elapsed = time.perf_counter() - started
         print()
         print(format_summary(summarize(load_run(run_dir))))
@@ -547,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             print("rollbacks:        " + ", ".join(f"step {s} -> state after step {t}" for s, t in callback.rollbacks))
         if callback.stop_checkpoint:
             print(f"stopped early:    checkpoint {callback.stop_checkpoint}")
-        print(f"run directory:    {run_dir}  (report: {report}; {elapsed:.0f} s in all)")
+        print(f"run directory:    {run_dir}  (report: {report or 'not written'}; {elapsed:.0f} s in all)")
     return run_dir
 
 

@@ -222,6 +222,17 @@ def test_bf16_cast_matches_the_attention_on_bf16_inputs() -> None:
     assert torch.allclose(out, ref, atol=0.05) and not torch.equal(out, ref)
 
 
+def test_missing_matplotlib_leaves_the_run_and_says_how_to_build_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    def no_matplotlib(run_dir):
+        raise ImportError("stable_attn.report needs matplotlib")
+
+    monkeypatch.setattr(tg, "build_report", no_matplotlib)
+    assert tg.write_report(tmp_path) is None
+    assert f"stable-attn report {tmp_path}" in capsys.readouterr().out
+
+
 def test_bad_arguments_are_refused_with_their_value() -> None:
     with pytest.raises(ValueError, match="--inject-spike-at 200 must be below --max-steps 100"):
         tg.main(["--preset", "tiny", "--max-steps", "100", "--inject-spike-at", "200"])
@@ -229,3 +240,27 @@ def test_bad_arguments_are_refused_with_their_value() -> None:
         tg.main(["--preset", "tiny", "--n-embd", "100", "--n-head", "3"])
     with pytest.raises(SystemExit):
         tg.main(["--attention", "flash"])
+
+
+@pytest.mark.slow
+def test_default_run_learns_quietly_within_its_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The README's first command as it is (cpu preset, 300 steps), on one thread: the budget is 5 minutes
+    on 2 cores; measured about 170 s of CPU time on the dev box."""
+    import resource
+
+    threads = torch.get_num_threads()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        run_dir = tg.main(["--run-dir", str(tmp_path / "run"), "--threads", "1", "--no-progress-bar"])
+    finally:
+        torch.set_num_threads(threads)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    capsys.readouterr()
+    assert cpu < 300, f"the default run took {cpu:.0f} s of CPU time"
+    m = _metrics(run_dir)
+    assert sorted(m["train/loss"]) == list(range(300))
+    assert max(m["val/loss"]) == 299 and m["val/loss"][299] < 6.0  # ln(4096) = 8.3 at initialisation
+    assert _alerts(run_dir) == []
+    for i in range(4):
+        assert max(m[f"stable_attn/saturation/layer{i}"].values()) > 0.01
