@@ -24,7 +24,7 @@ from . import rules
 from .philox import keep_mask
 
 BLOCK_N = 64  # default key-block size; the Triton kernel uses the same partition by default
-TILE_ELEMENTS = 1 << 19  # fp32 elements in one score tile (2 MiB)
+TILE_ELEMENTS = 1 << 17  # fp32 elements in one score tile (512 KiB)
 
 
 @dataclass(frozen=True)
@@ -69,15 +69,20 @@ class _Problem:
         self.chunk = max(16, min(self.Nq, TILE_ELEMENTS // max(per_row, 1)))
         self.qk_scale2 = opts.scale * rules.LOG2E
 
-    def key_blocks(self, q0: int, q1: int):
-        """Key blocks that hold a key visible to some query in [q0, q1) (others are fully masked)."""
-        bn = self.opts.key_block
+    def key_range(self, q0: int, q1: int) -> tuple[int, int]:
+        """Keys ``[lo, hi)`` outside which no query in [q0, q1) sees anything (causal, window)."""
         lo, hi = 0, self.Nk
         if self.opts.causal:
             hi = min(hi, q1 - 1 + self.offset + 1)
         if self.opts.window is not None:
             lo = max(lo, q0 + self.offset - self.opts.window + 1)
-        for j0 in range((max(lo, 0) // bn) * bn, max(hi, 0), bn):
+        return max(lo, 0), max(hi, 0)
+
+    def key_blocks(self, q0: int, q1: int):
+        """Key blocks that hold a key visible to some query in [q0, q1) (others are fully masked)."""
+        bn = self.opts.key_block
+        lo, hi = self.key_range(q0, q1)
+        for j0 in range((lo // bn) * bn, hi, bn):
             yield j0, min(j0 + bn, self.Nk)
 
     def scores(self, q_c, k_b, q0, q1, j0, j1):
@@ -257,24 +262,31 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
 
     qg, dog, og = _grouped(q, p), _grouped(do, p), _grouped(out, p)
     lse2g = lse2.view(B, Hkv, G, Nq)
+    # key blocks outside, query chunks inside: dK and dV need only a block-sized fp32 accumulator;
+    # dQ is the one full-size fp32 accumulator (the memory budget in ALGORITHM.md)
     dq = torch.zeros(B, Hkv, G, Nq, D, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-    delta = (dog.float() * og.float()).sum(-1)  # [B, Hkv, G, Nq]
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    chunks = [(q0, min(q0 + p.chunk, Nq)) for q0 in range(0, Nq, p.chunk)]
+    delta = torch.empty(B, Hkv, G, Nq, device=q.device)
+    for q0, q1 in chunks:  # by chunks: whole fp32 copies of dO and O would dominate the peak
+        delta[..., q0:q1] = (dog[..., q0:q1, :].float() * og[..., q0:q1, :].float()).sum(-1)
+    bn_max = opts.key_block
 
-    for q0 in range(0, Nq, p.chunk):
-        q1 = min(q0 + p.chunk, Nq)
-        cq = q1 - q0
-        q_c = qg[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
-        do_c = dog[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
-        lse_c = lse2g[..., q0:q1, None]
-        delta_c = delta[..., q0:q1, None]
-        dq_c = torch.zeros(B, Hkv, G * cq, D, device=q.device)
-        for j0, j1 in p.key_blocks(q0, q1):
-            bn = j1 - j0
-            k_b, v_b = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
+    for j0 in range(0, p.Nk, bn_max):
+        j1 = min(j0 + bn_max, p.Nk)
+        bn = j1 - j0
+        k_b, v_b = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
+        dk_b = torch.zeros(B, Hkv, bn, D, device=q.device)
+        dv_b = torch.zeros(B, Hkv, bn, D, device=q.device)
+        for q0, q1 in chunks:
+            lo, hi = p.key_range(q0, q1)
+            if j1 <= lo or j0 >= hi:
+                continue  # the chunk sees no key of this block
+            cq = q1 - q0
+            q_c = qg[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
+            do_c = dog[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
             s2, t = p.scores(q_c, k_b, q0, q1, j0, j1)
-            prob = torch.exp2(s2 - lse_c)  # [B, Hkv, G, cq, bn]
+            prob = torch.exp2(s2 - lse2g[..., q0:q1, None])  # [B, Hkv, G, cq, bn]
             dp = torch.matmul(do_c, v_b.transpose(-1, -2)).view(B, Hkv, G, cq, bn)
             if opts.dropout_p > 0:
                 keep = p.dropout_keep(q0, q1, j0, j1, q.device)
@@ -283,12 +295,13 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
             else:
                 prob_d = prob
             p_cast = prob_d.to(dtype).float().view(B, Hkv, G * cq, bn)
-            dv[:, :, j0:j1] += torch.matmul(p_cast.transpose(-1, -2), do_c)
-            ds = prob * (dp - delta_c)
+            dv_b += torch.matmul(p_cast.transpose(-1, -2), do_c)
+            ds = prob * (dp - delta[..., q0:q1, None])
             if t is not None:
                 ds = ds * (1.0 - t * t)
             ds_cast = (ds * opts.scale).to(dtype).float().view(B, Hkv, G * cq, bn)
-            dq_c += torch.matmul(ds_cast, k_b)
-            dk[:, :, j0:j1] += torch.matmul(ds_cast.transpose(-1, -2), q_c)
-        dq[:, :, :, q0:q1] = dq_c.view(B, Hkv, G, cq, D)
-    return dq.view(q.shape).to(dtype), dk.to(dtype), dv.to(dtype)
+            dq[:, :, :, q0:q1] += torch.matmul(ds_cast, k_b).view(B, Hkv, G, cq, D)
+            dk_b += torch.matmul(ds_cast.transpose(-1, -2), q_c)
+        dk[:, :, j0:j1] = dk_b.to(dtype)
+        dv[:, :, j0:j1] = dv_b.to(dtype)
+    return dq.view(q.shape).to(dtype), dk, dv
