@@ -483,9 +483,16 @@ def _cell(value: object) -> str:
     if isinstance(value, float):
         return fmt(value)
     if isinstance(value, (list, tuple)):
-        value = ", ".join(str(v) for v in value)
+        value = ", ".join(_layer_change(v) for v in value)
     text = "" if value is None else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _layer_change(item: object) -> str:
+    """An alert's ``(name, change)`` pair as ``layer0/max_logit +0.238``; anything else as text."""
+    if isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], (int, float)):
+        return f"{item[0]} {item[1]:+.3g}"
+    return str(item)
 
 
 def _loss_cell(entry: tuple[int, float] | None) -> str:
