@@ -74,7 +74,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import stable_attn  # noqa: F401  (registers attn_implementation="stable_attn" with transformers)
 from stable_attn.callbacks import StableAttentionCallback
 from stable_attn.integrations.transformers import configure
-from stable_attn.monitor import SurgeDetector
 from stable_attn.report import build_report, format_summary, load_run, summarize
 
 
@@ -409,23 +408,6 @@ def resolve_attention_dtype(choice: str, precision: str) -> torch.dtype | None:
     return ATTENTION_DTYPES[choice]
 
 
-def early_warning_detectors(n_layer: int, log_every: int) -> dict[str, SurgeDetector]:
-    """Per-layer surge detectors that stay quiet through the first ``EARLY_WARNING_WARMUP_STEPS`` steps.
-
-    A model trained from scratch forms its attention patterns (sinks, saturated rows) in its first hundred
-    steps: saturation and max logit then climb several-fold, which is learning, not an anomaly. The
-    callback's default warm-up (10 monitored steps) suits a run already past that phase; here the warm-up
-    matches the loss detector's (100 steps), counted in monitored steps.
-    """
-    warmup = math.ceil(EARLY_WARNING_WARMUP_STEPS / log_every)
-    detectors = {}
-    for i in range(n_layer):
-        for stat, make in (("saturation", SurgeDetector.saturation), ("max_logit", SurgeDetector.max_logit)):
-            metric = f"stable_attn/{stat}/layer{i}"
-            detectors[metric] = make(metric, warmup=warmup)
-    return detectors
-
-
 def _world_size(trainer: L.Trainer) -> int:
     return max(1, trainer.world_size)
 
@@ -491,10 +473,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
         swap=False,
         alerts_file="alerts.jsonl",
         rollback_every=max(10, cfg.val_every),
+        # from scratch, attention sinks form in the first ~100 steps: learning, not an anomaly
+        early_warning_warmup=math.ceil(EARLY_WARNING_WARMUP_STEPS / cfg.log_every),
     )
-    if args.attention != "sdpa":
-        # The callback keeps detectors it finds in this dict (it only creates the missing ones).
-        callback.surge_detectors.update(early_warning_detectors(cfg.n_layer, cfg.log_every))
     # name="" and version="" put metrics.csv (and the callback's alerts.jsonl) directly in run_dir.
     logger = CSVLogger(str(run_dir), name="", version="", flush_logs_every_n_steps=max(50, cfg.log_every))
     callbacks: list[L.Callback] = [callback]

@@ -134,6 +134,10 @@ class StableAttentionCallback(Callback):
             computes them as side outputs of the forward; on the CPU path they cost a few percent of
             a monitored step).
         early_warnings: run surge detectors on each layer's saturation and max logit.
+        early_warning_warmup: monitored steps each surge detector watches before it can fire; None
+            keeps :class:`~stable_attn.monitor.SurgeDetector`'s default (10). A model trained from
+            scratch forms its attention sinks in its first ~100 steps, which is learning, not an
+            anomaly: give such runs a warm-up that covers them.
         rollback_every: optimizer steps between snapshots for ``on_spike="rollback"``.
         on_alert: a callable or callables, each called with every :class:`~stable_attn.monitor.Alert`.
         webhook_url: ``http(s)://`` URL that receives each alert as a JSON POST.
@@ -154,6 +158,7 @@ class StableAttentionCallback(Callback):
         monitor_grad_norm: bool = True,
         attention_stats: bool = True,
         early_warnings: bool = True,
+        early_warning_warmup: int | None = None,
         rollback_every: int = 100,
         on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None = None,
         webhook_url: str | None = None,
@@ -166,6 +171,7 @@ class StableAttentionCallback(Callback):
         _check_int("log_every_n_steps", log_every_n_steps, 1, allow_none=True)
         _check_int("rollback_every", rollback_every, 1)
         _check_int("layer_window", layer_window, 2)
+        _check_int("early_warning_warmup", early_warning_warmup, 0, allow_none=True)
         for name, flag in (("swap", swap), ("patch_sdpa", patch_sdpa), ("monitor_grad_norm", monitor_grad_norm),
                            ("attention_stats", attention_stats), ("early_warnings", early_warnings)):
             if not isinstance(flag, bool):
@@ -200,6 +206,7 @@ class StableAttentionCallback(Callback):
         self.monitor_grad_norm = monitor_grad_norm
         self.attention_stats = attention_stats
         self.early_warnings = early_warnings
+        self.early_warning_warmup = early_warning_warmup
         self.rollback_every = rollback_every
         self.on_alert = callbacks
         self.webhook_url = webhook_url
@@ -287,7 +294,8 @@ class StableAttentionCallback(Callback):
                 for stat, make in (("saturation", SurgeDetector.saturation), ("max_logit", SurgeDetector.max_logit)):
                     metric = f"stable_attn/{stat}/{name}"
                     if metric not in self.surge_detectors:
-                        self.surge_detectors[metric] = make(metric)
+                        warmup = {} if self.early_warning_warmup is None else {"warmup": self.early_warning_warmup}
+                        self.surge_detectors[metric] = make(metric, **warmup)
             if self._pending_state is not None:
                 self._load_surge(self._pending_state.get("surge", {}))
         if trainer.is_global_zero:

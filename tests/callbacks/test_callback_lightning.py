@@ -148,6 +148,8 @@ def test_constructor_rejects_bad_arguments():
         StableAttentionCallback(loss_detector=lambda step, value: None)
     with pytest.raises(ValueError, match=r"alerts_file='logs/a.jsonl'"):
         StableAttentionCallback(alerts_file="logs/a.jsonl")
+    with pytest.raises(ValueError, match=r"early_warning_warmup=-1.*int >= 0 or None"):
+        StableAttentionCallback(early_warning_warmup=-1)
 
 
 def test_monitor_metrics_alert_jsonl_and_webhook(tmp_path, pretrained, caplog):
