@@ -94,12 +94,15 @@ def _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout
                              "detach it if it is constant")
         if attn_mask.device != q.device:
             raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if scale is not None and not (number(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale={scale!r} must be a finite positive number or None (1/sqrt(D))")
-    if window is not None and not (isinstance(window, int) and window >= 1):
+    if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
         raise ValueError(f"window={window!r} must be a positive int (keys p-window < j <= p) or None")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap={softcap!r} must be a positive number or None")
+    if softcap is not None and not (number(softcap) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap={softcap!r} must be a finite positive number or None")
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1)")
     if not (isinstance(beta, (int, float)) and beta > 1.0 and math.isfinite(beta)):
@@ -137,6 +140,11 @@ def _opts(causal, scale, window, softcap, dropout_p, seed, mode, beta, block_n):
     )
 
 
+def _seed(seed: torch.Tensor | None) -> int:
+    # the seed travels as a tensor so that drawing it is a graph op under torch.compile (no .item())
+    return 0 if seed is None else int(seed)
+
+
 def _empty_stats(q):
     return tuple(q.new_empty((0,), dtype=dt) for dt in (torch.bool, torch.int32, torch.float32, torch.float32))
 
@@ -144,10 +152,10 @@ def _empty_stats(q):
 @torch.library.custom_op("stable_attn::attention_fwd", mutates_args=())
 def _attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-    attn_mask: torch.Tensor | None, causal: bool, scale: float, window: int, softcap: float,
-    dropout_p: float, seed: int, mode: int, beta: float, block_n: int, backend: str, with_stats: bool,
+    attn_mask: torch.Tensor | None, seed: torch.Tensor | None, causal: bool, scale: float, window: int,
+    softcap: float, dropout_p: float, mode: int, beta: float, block_n: int, backend: str, with_stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = _opts(causal, scale, window, softcap, dropout_p, seed, mode, beta, block_n)
+    opts = _opts(causal, scale, window, softcap, dropout_p, _seed(seed), mode, beta, block_n)
     if backend == "triton":
         from .kernels import triton_attention
 
@@ -160,7 +168,7 @@ def _attention_fwd(
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, key_padding_mask, attn_mask, causal, scale, window, softcap, dropout_p, seed, mode, beta,
+def _(q, k, v, key_padding_mask, attn_mask, seed, causal, scale, window, softcap, dropout_p, mode, beta,
       block_n, backend, with_stats):
     B, H, N, _ = q.shape
     lse = q.new_empty((B, H, N), dtype=torch.float32)
@@ -174,10 +182,10 @@ def _(q, k, v, key_padding_mask, attn_mask, causal, scale, window, softcap, drop
 def _attention_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
-    causal: bool, scale: float, window: int, softcap: float, dropout_p: float, seed: int, mode: int,
-    beta: float, block_n: int, backend: str,
+    seed: torch.Tensor | None, causal: bool, scale: float, window: int, softcap: float, dropout_p: float,
+    mode: int, beta: float, block_n: int, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = _opts(causal, scale, window, softcap, dropout_p, seed, mode, beta, block_n)
+    opts = _opts(causal, scale, window, softcap, dropout_p, _seed(seed), mode, beta, block_n)
     do = do.contiguous()
     if backend == "triton":
         from .kernels import triton_attention
@@ -187,24 +195,21 @@ def _attention_bwd(
 
 
 @_attention_bwd.register_fake
-def _(do, q, k, v, out, lse, key_padding_mask, attn_mask, causal, scale, window, softcap, dropout_p, seed,
+def _(do, q, k, v, out, lse, key_padding_mask, attn_mask, seed, causal, scale, window, softcap, dropout_p,
       mode, beta, block_n, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_FWD_ARGS = ("causal", "scale", "window", "softcap", "dropout_p", "seed", "mode", "beta", "block_n", "backend")
-
-
 def _setup_context(ctx, inputs, output):
-    q, k, v, kpm, am = inputs[:5]
-    ctx.args = inputs[5:15]
-    ctx.save_for_backward(q, k, v, output[0], output[1], kpm, am)
+    q, k, v, kpm, am, seed = inputs[:6]
+    ctx.args = inputs[6:15]  # causal ... backend
+    ctx.save_for_backward(q, k, v, output[0], output[1], kpm, am, seed)
 
 
 def _backward(ctx, do, dlse, *unused):
-    q, k, v, out, lse, kpm, am = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd(do, q, k, v, out, lse, kpm, am, *ctx.args)
-    return dq, dk, dv, None, None, *([None] * 11)
+    q, k, v, out, lse, kpm, am, seed = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd(do, q, k, v, out, lse, kpm, am, seed, *ctx.args)
+    return dq, dk, dv, *([None] * 13)
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -246,11 +251,12 @@ def attention(
             ``[B, Hq, Nq, Nk]``; served by the PyTorch path.
         window: left sliding window ``W``: the query at position p sees keys ``p - W < j <= p``.
         softcap: logit softcapping ``c * tanh(s / c)`` applied to the scaled scores.
-        dropout_p: attention dropout (only while ``torch.is_grad_enabled()`` is irrelevant: the
-            caller decides, pass 0.0 at eval). Counter-based, same mask in the backward.
+        dropout_p: attention dropout probability. The caller decides when it applies (pass 0.0
+            at evaluation). Counter-based (Philox), the same mask in the backward.
         stabilize: True (our rule), ``"paper"`` (the published rule verbatim), False (plain FA2).
         beta: the paper's multiplier for a positive max (> 1).
-        stats: an :class:`AttentionStats` to accumulate per-head row statistics into.
+        stats: an :class:`AttentionStats` to accumulate per-head row statistics into (skipped
+            while its ``enabled`` is False).
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"torch"`` or ``"triton"``.
         block_n: key-block size (the partition the per-block rule sees); default (None) lets the
             backend choose (the PyTorch path uses 64).
@@ -268,14 +274,19 @@ def attention(
     impl = resolve_backend(backend, q, attn_mask is not None)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    seed = 0
-    if dropout_p > 0:
-        seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+    # drawn from the CPU generator, whose state torch.utils.checkpoint restores for the recompute
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0 else None
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.contiguous()  # the kernels index it as [b * Nk + j]
+    # unit stride in the last dim, so every backend returns outputs with exactly the strides the
+    # fake implementations promise (empty_like of these inputs)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    collect = stats is not None and stats.enabled
     outs = _attention_fwd(
-        q, k, v, key_padding_mask, attn_mask, bool(causal), float(scale),
+        q, k, v, key_padding_mask, attn_mask, seed, bool(causal), float(scale),
         -1 if window is None else int(window), 0.0 if softcap is None else float(softcap),
-        float(dropout_p), seed, mode, float(beta), int(block_n or 0), impl, stats is not None,
+        float(dropout_p), mode, float(beta), int(block_n or 0), impl, collect,
     )
-    if stats is not None:
+    if collect:
         stats.update(RowStats(*outs[2:]))
     return outs[0]

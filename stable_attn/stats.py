@@ -57,7 +57,8 @@ class AttentionStats:
         self.fixed_blocks: torch.Tensor | None = None
         self.max_logit: torch.Tensor | None = None
         self._first_key_prob_sum: torch.Tensor | None = None
-        self.calls = 0
+        # a tensor bumped in place: a Python int would make torch.compile recompile on every call
+        self.calls = torch.zeros((), dtype=torch.int64)
 
     @property
     def empty(self) -> bool:
@@ -88,7 +89,7 @@ class AttentionStats:
             self.fixed_blocks += fixed
             torch.maximum(self.max_logit, max_logit, out=self.max_logit)
             self._first_key_prob_sum += prob_sum
-        self.calls += 1
+        self.calls += 1  # in place (tensor)
 
     @property
     def sink_mass(self) -> torch.Tensor | None:

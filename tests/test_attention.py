@@ -367,6 +367,9 @@ BAD = [
     ("stabilize='yes'", lambda q, k, v: dict(stabilize="yes"), ValueError),
     ("dropout_p=1.5", lambda q, k, v: dict(dropout_p=1.5), ValueError),
     ("window=0", lambda q, k, v: dict(window=0), ValueError),
+    ("window=True", lambda q, k, v: dict(window=True), ValueError),
+    ("scale=True", lambda q, k, v: dict(scale=True), ValueError),
+    ("softcap=inf", lambda q, k, v: dict(softcap=float("inf")), ValueError),
     ("head dim D=300", lambda q, k, v: dict(q=torch.randn(2, 4, 10, 300), k=torch.randn(2, 2, 10, 300),
                                             v=torch.randn(2, 2, 10, 300)), ValueError),
     ("attn_mask requires grad", lambda q, k, v: dict(attn_mask=torch.zeros(10, 10, requires_grad=True)), ValueError),
@@ -390,3 +393,54 @@ def test_rows_that_see_no_key_are_neither_counted_nor_saturated():
     stable_attn.attention(q, q, q, causal=True, key_padding_mask=torch.tensor([[False, False, True, True]]), stats=st)
     assert st.rows.tolist() == [2]  # rows 0 and 1 see no key (left padding)
     assert st.saturated_rows.tolist() == [0]
+
+
+def test_key_padding_mask_of_any_stride_gives_the_same_result_on_both_backends():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    kpm_t = torch.rand(40, 2, generator=g) > 0.3  # transposed: stride (1, 2)
+    kpm = kpm_t.t()
+    ref = stable_attn.attention(q, k, v, key_padding_mask=kpm.contiguous(), backend="torch")
+    for backend in ("torch", "triton"):
+        out = stable_attn.attention(q, k, v, key_padding_mask=kpm, backend=backend)
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+def _hf_layout(b=1, n=24, h=2, d=16, seed=0):
+    """q/k/v as transformers hands them over: a [B, N, H, D] projection viewed as [B, H, N, D]."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, n, h, d, generator=g).transpose(1, 2).requires_grad_() for _ in range(3)]
+
+
+def test_torch_compile_inductor_with_transposed_inputs():
+    torch._dynamo.reset()
+    q, k, v = _hf_layout()
+    fn = torch.compile(lambda a, b, c: stable_attn.attention(a, b, c, causal=True), fullgraph=True)
+    out = fn(q, k, v)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    stable_attn.attention(q, k, v, causal=True).sum().backward()
+    for a, t in zip(grads, (q, k, v), strict=True):
+        torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_compile_stats_and_dropout_neither_break_the_graph_nor_recompile(monkeypatch):
+    torch._dynamo.reset()
+    st = stable_attn.AttentionStats()
+    q, k, v = _hf_layout(seed=1)
+    call = lambda a, b, c: stable_attn.attention(a, b, c, causal=True, stats=st, dropout_p=0.2)  # noqa: E731
+    call(q, k, v)  # the stats allocate their tensors on the first update (a different code path)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    fn = torch.compile(call, fullgraph=True, backend="aot_eager")
+    for _ in range(4):
+        fn(q, k, v).sum().backward()
+    assert int(st.calls) == 5 and st.rows.tolist() == [5 * 24] * 2
+
+
+def test_disabled_stats_are_not_collected():
+    st = stable_attn.AttentionStats(enabled=False)
+    q = torch.randn(1, 1, 8, 8)
+    stable_attn.attention(q, q, q, stats=st)
+    assert st.empty

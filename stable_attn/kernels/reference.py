@@ -1,8 +1,8 @@
 """FlashAttention-2 with the dynamic-max fix, in PyTorch: the CPU path and the readable spec.
 
 This file follows docs/ALGORITHM.md line by line, with the same key-block partition and the same
-per-(row, block) decisions as the Triton kernel (``triton_attention.py``). It is vectorized over
-batch, heads and query rows; Python loops run only over query chunks and key blocks, so memory is
+per-(row, block) decisions as the Triton kernels (``triton_forward.py``, ``triton_backward.py``).
+Vectorized over batch, heads and query rows; Python loops run only over query chunks and key blocks, so memory is
 bounded: one score tile ``[B, Hq, chunk, block_n]`` (about ``TILE_ELEMENTS`` fp32 values) plus a few
 same-sized temporaries, on top of the fp32 output accumulator (forward) or the fp32 gradient
 accumulators (backward).
@@ -304,4 +304,6 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
             dk_b += torch.matmul(ds_cast.transpose(-1, -2), q_c)
         dk[:, :, j0:j1] = dk_b.to(dtype)
         dv[:, :, j0:j1] = dv_b.to(dtype)
-    return dq.view(q.shape).to(dtype), dk, dv
+    dq_out = torch.empty_like(q)  # q's strides: what the op's fake implementation promises
+    dq_out.copy_(dq.view(q.shape))
+    return dq_out, dk, dv

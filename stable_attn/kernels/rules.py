@@ -1,6 +1,6 @@
 """The constants of the stabilization rule, in one place.
 
-The PyTorch reference (``reference.py``) and the Triton kernels (``triton_attention.py``) both
+The PyTorch reference (``reference.py``) and the Triton kernels (``triton_forward.py``, ``triton_backward.py``) both
 implement docs/ALGORITHM.md with these numbers. Everything here is in *base-2 units*: the kernels
 work with ``s2 = s * log2(e)`` and ``exp2``, the instruction GPUs execute, so every threshold below
 is a natural-log quantity multiplied by ``LOG2E``.

@@ -86,7 +86,7 @@ class Spy(Callback):
             self.before = (params(pl_module), optimizer_state(trainer))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        calls = sum(m.stable_attn_stats.calls for m in pl_module.modules() if hasattr(m, "stable_attn_stats"))
+        calls = sum(int(m.stable_attn_stats.calls) for m in pl_module.modules() if hasattr(m, "stable_attn_stats"))
         self.stats_calls[trainer.global_step] = calls
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
