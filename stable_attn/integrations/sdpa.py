@@ -9,7 +9,8 @@ this is the whole switch::
     handle = stable_attn.patch_sdpa(beta=4.0)  # ... or permanent: installed on the call,
     ...                                        # until handle.restore() or stable_attn.unpatch_sdpa()
 
-The wrapper keeps sdpa's exact semantics. Calls it can serve go to :func:`stable_attn.attention`:
+The wrapper computes what sdpa computes, except that a query row whose mask hides every key gets
+zeros (sdpa gives NaN). Calls it can serve go to :func:`stable_attn.attention`:
 4D ``[B, H, N, D]`` float16/bfloat16/float32 tensors with ``D <= 256`` and equal head dims, no mask, a
 boolean mask (True = attend) or an additive float mask, ``is_causal`` (sdpa aligns it top-left when
 ``Nq != Nk``; that case is served with an explicit mask), ``enable_gqa``, ``dropout_p`` and ``scale``.
