@@ -538,6 +538,8 @@ class StableAttentionCallback(Callback):
             "surge": {name: det.state_dict() for name, det in self.surge_detectors.items()},
             "alert_count": self.alert_count,
             "skipped_steps": list(self.skipped_steps),
+            "rollbacks": [list(r) for r in self.rollbacks],
+            "stop_checkpoint": self.stop_checkpoint,
             "layers": self.layers.state_dict() if self.layers is not None else {},
         }
 
@@ -549,6 +551,8 @@ class StableAttentionCallback(Callback):
         self.grad_norm_detector.load_state_dict(state_dict["grad_norm_detector"])
         self.alert_count = int(state_dict.get("alert_count", 0))
         self.skipped_steps = list(state_dict.get("skipped_steps", []))
+        self.rollbacks = [tuple(r) for r in state_dict.get("rollbacks", [])]
+        self.stop_checkpoint = state_dict.get("stop_checkpoint")
         # Layer detectors are created when the model is found; keep their state until then.
         self._pending_state = state_dict
         if self.layers is not None:
