@@ -115,7 +115,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool) -> str:
+# The Triton kernels address one batch element's q/k/v/o with 32-bit offsets.
+_TRITON_MAX_ELEMENTS_PER_BATCH = 2**31
+
+
+def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch.Tensor | None = None) -> str:
     """Pick the implementation. Never drops the stabilization: what Triton cannot serve goes to torch."""
     if backend == "torch":
         return "torch"
@@ -123,6 +127,11 @@ def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool) -> str:
         if backend == "triton" or q.is_cuda:
             log_once("attn_mask", "stable_attn: an arbitrary attn_mask is served by the PyTorch path "
                      "(stabilized, slower than the Triton kernel)")
+        return "torch"
+    per_batch = max(q[0].numel(), 0 if k is None else k[0].numel())
+    if per_batch >= _TRITON_MAX_ELEMENTS_PER_BATCH and (backend == "triton" or q.is_cuda):
+        log_once("int32", f"stable_attn: {per_batch} elements per batch element exceed the Triton kernels' "
+                 "32-bit offsets; served by the PyTorch path (stabilized, slower)", logging.WARNING)
         return "torch"
     if backend == "auto":
         return "triton" if q.is_cuda else "torch"
@@ -271,7 +280,7 @@ def attention(
         raise TypeError(f"stats must be an AttentionStats or None, got {type(stats).__name__}")
     if block_n is not None and not (isinstance(block_n, int) and block_n >= 16 and block_n & (block_n - 1) == 0):
         raise ValueError(f"block_n={block_n!r} must be a power of two >= 16 or None")
-    impl = resolve_backend(backend, q, attn_mask is not None)
+    impl = resolve_backend(backend, q, attn_mask is not None, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     # drawn from the CPU generator, whose state torch.utils.checkpoint restores for the recompute

@@ -444,3 +444,15 @@ def test_disabled_stats_are_not_collected():
     q = torch.randn(1, 1, 8, 8)
     stable_attn.attention(q, q, q, stats=st)
     assert st.empty
+
+
+def test_problems_too_large_for_32_bit_kernel_offsets_go_to_the_pytorch_path(monkeypatch):
+    from stable_attn.attention import resolve_backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # resolve as for CPU tensors under the interpreter
+
+    big = torch.empty(1, 64, 2**18, 128, device="meta")  # 2^31 elements in one batch element
+    small = torch.empty(1, 64, 2**10, 128, device="meta")
+    assert resolve_backend("triton", big, False, small) == "torch"
+    assert resolve_backend("triton", small, False, big) == "torch"
+    assert resolve_backend("triton", small, False, small) == "triton"
