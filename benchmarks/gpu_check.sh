@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_check.sh [json-path]      (default: $OUT/gpu_bench.json, or ./gpu_bench.json)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the GPU machine runs the working tree, not an install
 JSON="${1:-${OUT:-.}/gpu_bench.json}"
 status=0
 
