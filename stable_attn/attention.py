@@ -41,7 +41,7 @@ def _mode(stabilize: object) -> int:
     raise ValueError(f"stabilize={stabilize!r} is not supported; use True, False or 'paper'")
 
 
-def _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout_p, beta, backend):
+def _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout_p):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -105,10 +105,19 @@ def _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout
         raise ValueError(f"softcap={softcap!r} must be a finite positive number or None")
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1)")
-    if not (isinstance(beta, (int, float)) and beta > 1.0 and math.isfinite(beta)):
+
+
+def check_options(stabilize: object = True, beta: object = 2.0, backend: object = "auto",
+                  block_n: object = None) -> None:
+    """Check the options that select the computation; the op, ``patch_sdpa`` and ``configure`` share it."""
+    _mode(stabilize)
+    if not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and beta > 1.0 and math.isfinite(beta)):
         raise ValueError(f"beta={beta!r} must be a finite number > 1")
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; use one of {_BACKENDS}")
+    if block_n is not None and not (isinstance(block_n, int) and not isinstance(block_n, bool) and block_n >= 16
+                                    and block_n & (block_n - 1) == 0):
+        raise ValueError(f"block_n={block_n!r} must be a power of two >= 16 or None")
 
 
 def _interpreting() -> bool:
@@ -274,12 +283,11 @@ def attention(
         # like F.scaled_dot_product_attention, attention runs in autocast's lower precision
         dt = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
-    _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout_p, beta, backend)
+    _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout_p)
+    check_options(stabilize, beta, backend, block_n)
     mode = _mode(stabilize)
     if stats is not None and not isinstance(stats, AttentionStats):
         raise TypeError(f"stats must be an AttentionStats or None, got {type(stats).__name__}")
-    if block_n is not None and not (isinstance(block_n, int) and block_n >= 16 and block_n & (block_n - 1) == 0):
-        raise ValueError(f"block_n={block_n!r} must be a power of two >= 16 or None")
     impl = resolve_backend(backend, q, attn_mask is not None, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import attention
+from ..attention import attention, check_options
 from ..kernels import rules
 
 _active: list[SdpaPatch] = []
@@ -188,14 +188,7 @@ def patch_sdpa(
     restores on exit) or keep it and call ``.restore()`` (or :func:`unpatch_sdpa`) later. The options
     are those of :func:`stable_attn.attention`; they are checked here, before anything is patched.
     """
-    if stabilize not in (True, False, "paper"):
-        raise ValueError(f"stabilize={stabilize!r} is not supported; use True, False or 'paper'")
-    if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 1.0):
-        raise ValueError(f"beta={beta!r} must be a finite number > 1")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend={backend!r} is not supported; use 'auto', 'torch' or 'triton'")
-    if block_n is not None and not (isinstance(block_n, int) and block_n >= 16 and block_n & (block_n - 1) == 0):
-        raise ValueError(f"block_n={block_n!r} must be a power of two >= 16 or None")
+    check_options(stabilize, beta, backend, block_n)
     return SdpaPatch({"stabilize": stabilize, "beta": float(beta), "backend": backend, "block_n": block_n})
 
 

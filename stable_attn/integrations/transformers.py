@@ -42,7 +42,7 @@ from transformers import masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from ..attention import attention
+from ..attention import attention, check_options
 from ..stats import AttentionStats
 
 NAME = "stable_attn"
@@ -356,11 +356,9 @@ def configure(
 ) -> None:
     """Set the :func:`stable_attn.attention` options every attention layer of ``model`` uses.
 
-    Takes precedence over ``config.stable_attn``. Values are checked by the op at the first forward
-    (errors name the option); ``stabilize`` is checked here as well, as it is the one most often typed.
+    Takes precedence over ``config.stable_attn``. Values are checked here, with the op's own check.
     """
-    if stabilize not in (True, False, "paper"):
-        raise ValueError(f"stabilize={stabilize!r} is not supported; use True, False or 'paper'")
+    check_options(stabilize, beta, backend, block_n)
     options = {"stabilize": stabilize, "beta": beta, "backend": backend, "block_n": block_n}
     for _, module in _require_attention_modules(model):
         module.stable_attn_options = dict(options)
