@@ -135,7 +135,7 @@ def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch
     if has_attn_mask:
         if backend == "triton" or q.is_cuda:
             log_once("attn_mask", "stable_attn: an arbitrary attn_mask is served by the PyTorch path "
-                     "(stabilized, slower than the Triton kernel)")
+                     "(stabilized, slower than the Triton kernel)", logging.WARNING)
         return "torch"
     per_batch = max(q[0].numel(), 0 if k is None else k[0].numel())
     if per_batch >= _TRITON_MAX_ELEMENTS_PER_BATCH and (backend == "triton" or q.is_cuda):
