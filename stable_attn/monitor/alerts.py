@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .names import ALERT_KINDS
 from .spikes import SpikeEvent
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
 
 logger = logging.getLogger("stable_attn")
 
-ALERT_KINDS = ("spike", "nonfinite", "early_warning")
 _FLOAT_FIELDS = ("value", "baseline", "threshold", "score")
 
 

@@ -1,0 +1,71 @@
+"""The contract between what a training run writes and what reads it back: file names, metric names
+and alert kinds, in one place.
+
+:class:`~stable_attn.callbacks.lightning.StableAttentionCallback` writes these names,
+:mod:`stable_attn.monitor.alerts` validates alert kinds against :data:`ALERT_KINDS`, and
+:mod:`stable_attn.report` (``stable-attn report``) reads them back. A name changed here changes for
+all of them. Pure Python: no torch, no Lightning.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "ALERTS_FILE",
+    "ALERT_COUNT",
+    "ALERT_KINDS",
+    "GRAD_NORM",
+    "LAYER_STATS",
+    "LEGACY_ALERTS_FILES",
+    "LOSS",
+    "LR",
+    "METRICS_FILE",
+    "VAL_LOSS",
+    "layer_metric",
+    "parse_layer_metric",
+]
+
+# ---------------------------------------------------------------------------------------- alert kinds
+#: ``spike``: a loss or gradient-norm jump or drift; ``nonfinite``: a NaN or inf loss, gradient norm or
+#: attention statistic; ``early_warning``: a per-layer attention statistic surged; ``not_training``:
+#: many optimizer steps in a row had their update dropped or a non-finite loss (the run is not learning).
+ALERT_KINDS = ("spike", "nonfinite", "early_warning", "not_training")
+
+# ---------------------------------------------------------------------------------------------- files
+#: The callback's default alerts file, written in the run's log directory (``trainer.log_dir``).
+ALERTS_FILE = "stable_attn_alerts.jsonl"
+#: Names older runs used for the alerts file (the example wrote ``alerts.jsonl``); the report reads them too.
+LEGACY_ALERTS_FILES = ("alerts.jsonl",)
+#: Lightning's ``CSVLogger`` file; with a CSVLogger it sits in the same directory as the alerts file.
+METRICS_FILE = "metrics.csv"
+
+# -------------------------------------------------------------------------------------------- metrics
+LOSS = "train/loss"
+GRAD_NORM = "train/grad_norm"
+LR = "train/lr"
+VAL_LOSS = "val/loss"
+ALERT_COUNT = "stable_attn/alerts"
+#: Per-layer statistics, logged as ``stable_attn/<stat>/<layer>`` (see :func:`layer_metric`).
+LAYER_STATS = ("saturation", "fixed_rate", "max_logit", "sink_mass")
+
+_LAYER_METRIC = re.compile(r"^stable_attn/(" + "|".join(LAYER_STATS) + r")/([^/]+)$")
+
+
+def layer_metric(stat: str, layer: str) -> str:
+    """The metric name of ``stat`` for ``layer``: ``layer_metric("saturation", "layer0")`` is
+    ``"stable_attn/saturation/layer0"``. Layer names are ``layer<i>`` for one model, and
+    ``<model path>.layer<i>`` (e.g. ``model.layer0``, ``encoder.layer3``) when the LightningModule
+    holds several models; they never contain ``/``."""
+    if stat not in LAYER_STATS:
+        raise ValueError(f"stat={stat!r} is not a layer statistic; use one of {LAYER_STATS}")
+    if not isinstance(layer, str) or not layer or "/" in layer:
+        raise ValueError(f"layer={layer!r} is not a layer name; use a non-empty str without '/'")
+    return f"stable_attn/{stat}/{layer}"
+
+
+def parse_layer_metric(name: str) -> tuple[str, str] | None:
+    """``(stat, layer)`` for a per-layer metric name (the inverse of :func:`layer_metric`), else None.
+    Lightning's ``_step``/``_epoch`` suffixes are not part of a layer name: they are not stripped here."""
+    match = _LAYER_METRIC.match(name)
+    return (match.group(1), match.group(2)) if match else None
