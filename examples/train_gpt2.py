@@ -16,7 +16,7 @@ BPE trained on it (``examples/gpt2_data.py``; built once and cached). At the end
 - ``metrics.csv``: Lightning's CSVLogger file (``train/loss``, ``train/grad_norm``, ``train/lr``,
   ``val/loss``, ``stable_attn/alerts``, and per layer ``stable_attn/{saturation,fixed_rate,max_logit,
   sink_mass}/layer{i}``);
-- ``alerts.jsonl``: one JSON object per alert;
+- ``stable_attn_alerts.jsonl``: one JSON object per alert (the callback's default file name);
 - ``loss.png``, ``saturation_heatmap.png``, ``max_logit.png`` and ``report.md`` (``stable_attn.report``).
 
 Precision (``--precision auto``): ``bf16-mixed`` on a CUDA GPU. On a CPU the model runs in fp32 and only
@@ -74,6 +74,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import stable_attn  # noqa: F401  (registers attn_implementation="stable_attn" with transformers)
 from stable_attn.callbacks import StableAttentionCallback
 from stable_attn.integrations.transformers import configure
+from stable_attn.monitor.names import ALERTS_FILE
 from stable_attn.report import build_report, format_summary, load_run, summarize
 
 
@@ -442,7 +443,7 @@ def write_report(run_dir: Path) -> Path | None:
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
-    """Run the training job; returns the run directory (metrics.csv, alerts.jsonl, PNGs, report.md)."""
+    """Run the training job; returns the run directory (metrics.csv, the alerts JSONL, PNGs, report.md)."""
     args = build_parser().parse_args(argv)
     cfg = resolve_preset(args)
     cfg = replace(cfg, precision=resolve_precision(cfg.precision, args.accelerator))
@@ -471,12 +472,11 @@ def main(argv: Sequence[str] | None = None) -> Path:
         # The model already runs the attention chosen above (the callback would switch sdpa, or the bf16 cast,
         # back to plain "stable_attn"); the callback still attaches and logs the per-layer statistics.
         swap=False,
-        alerts_file="alerts.jsonl",
         rollback_every=max(10, cfg.val_every),
         # from scratch, attention sinks form in the first ~100 steps: learning, not an anomaly
         early_warning_warmup=math.ceil(EARLY_WARNING_WARMUP_STEPS / cfg.log_every),
     )
-    # name="" and version="" put metrics.csv (and the callback's alerts.jsonl) directly in run_dir.
+    # name="" and version="" put metrics.csv (and the callback's alerts file) directly in run_dir.
     logger = CSVLogger(str(run_dir), name="", version="", flush_logs_every_n_steps=max(50, cfg.log_every))
     callbacks: list[L.Callback] = [callback]
     if args.checkpoint_every:
@@ -525,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader)
 
     if trainer.is_global_zero:
-        alerts = run_dir / "alerts.jsonl"
+        alerts = run_dir / ALERTS_FILE
         if not alerts.exists():
             # The callback writes the file at the first alert; an empty one says "monitored, nothing raised".
             alerts.touch()

@@ -21,7 +21,10 @@ class Command(NamedTuple):
 
 
 def _report_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="directory a training run wrote (metrics.csv, alerts.jsonl)")
+    parser.add_argument(
+        "run_dir", metavar="RUN_DIR",
+        help="directory a training run wrote: its metrics CSV and the callback's alerts JSONL are found below it",
+    )
     parser.add_argument(
         "--out", metavar="DIR", default=None, help="where to write the PNGs and report.md (default: RUN_DIR)"
     )

@@ -8,13 +8,21 @@ and a ``CSVLogger`` leaves behind. :func:`build_report` finds the files like thi
   ``RUN_DIR/csv/version_N/metrics.csv``; a rerun adds a new ``version_N``, and the newest is the one
   you are looking at). Ties on the modification time go to the longer, then the larger path, so
   ``version_10`` wins over ``version_9``.
-- alerts: ``RUN_DIR/alerts.jsonl`` if present, else the most recently modified ``alerts.jsonl`` below.
+- alerts: the callback's ``stable_attn_alerts.jsonl`` (:data:`~stable_attn.monitor.names.ALERTS_FILE`;
+  older runs' ``alerts.jsonl`` is read too). The callback writes it in ``trainer.log_dir``, which with a
+  CSVLogger is the directory of ``metrics.csv``: the alerts file next to the chosen metrics file wins,
+  then one directly in ``RUN_DIR``, then the most recently modified one anywhere below (a TensorBoard
+  or no logger at all puts it in another directory than any CSV).
 
 The CSV has Lightning's shape: a ``step`` column, an optional ``epoch`` column, and one sparse
 column per metric (a row carries only the metrics logged together; the same step can span several
 rows). A metric logged with ``on_step``/``on_epoch`` suffixes (``train/loss_step``) is used when the
-plain name is absent. Nothing here needs torch; matplotlib draws with its Agg canvas directly, so
-building a report never touches the caller's pyplot state or needs a display.
+plain name is absent. Per-layer metrics are ``stable_attn/<stat>/<layer>`` for any layer name the
+callback writes (``layer0``, or ``model.layer0`` when a module holds several models).
+
+This module's own code uses no torch (numpy, and matplotlib for the plots), but importing it imports the
+``stable_attn`` package, which imports torch. matplotlib draws with its Agg canvas directly, so building
+a report never touches the caller's pyplot state or needs a display.
 """
 
 from __future__ import annotations
@@ -30,16 +38,25 @@ from pathlib import Path
 
 import numpy as np
 
-METRICS_FILE = "metrics.csv"
-ALERTS_FILE = "alerts.jsonl"
+from .monitor.names import (
+    ALERT_KINDS,
+    ALERTS_FILE,
+    LEGACY_ALERTS_FILES,
+    LOSS,
+    METRICS_FILE,
+    VAL_LOSS,
+    layer_metric,
+    parse_layer_metric,
+)
+
 REPORT_FILE = "report.md"
 LOSS_PNG = "loss.png"
 SATURATION_PNG = "saturation_heatmap.png"
 MAX_LOGIT_PNG = "max_logit.png"
 
-ALERT_KINDS = ("spike", "nonfinite", "early_warning")
-_KIND_COLORS = {"spike": "tab:red", "nonfinite": "black", "early_warning": "tab:orange"}
-_LAYER_METRIC = re.compile(r"^stable_attn/(saturation|fixed_rate|max_logit|sink_mass)/layer(\d+)$")
+_KIND_COLORS = {"spike": "tab:red", "nonfinite": "black", "early_warning": "tab:orange", "not_training": "tab:brown"}
+# Alert fields that hold floats; Alert.to_json writes non-finite ones as "nan", "inf", "-inf".
+_FLOAT_FIELDS = ("value", "baseline", "threshold", "score", "lr")
 _MAX_ALERT_ROWS = 100
 _MAX_ANNOTATED_ALERTS = 20
 
@@ -70,17 +87,27 @@ class RunData:
                 return self.metrics[candidate]
         return None
 
-    def layers(self) -> list[int]:
-        """Layer indices with any per-layer stable_attn metric, in numeric order."""
-        found = {int(m.group(2)) for m in map(_LAYER_METRIC.match, self.metrics) if m}
-        return sorted(found)
+    def layers(self) -> list[str]:
+        """Layer names with any per-layer stable_attn metric (``layer0``, ``model.layer1``, ...), in
+        natural order (``layer2`` before ``layer10``)."""
+        found = {parsed[1] for parsed in map(parse_layer_metric, self.metrics) if parsed}
+        return sorted(found, key=_natural_key)
+
+
+def _short(layer: str) -> str:
+    """``layer3`` as ``L3`` (``model.layer3`` as ``model.L3``), for the one-line console summary."""
+    return re.sub(r"\blayer(\d+)$", r"L\1", layer)
+
+
+def _natural_key(name: str) -> list[tuple[int, int | str]]:
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part]
 
 
 @dataclass
 class LayerSummary:
     """Per-layer numbers of the report over finite logged values; None where there are none."""
 
-    layer: int
+    layer: str
     mean_saturation: float | None
     max_saturation: float | None
     mean_fixed_rate: float | None
@@ -119,9 +146,22 @@ def find_metrics_csv(run_dir: str | os.PathLike) -> Path | None:
     return _newest(Path(run_dir), METRICS_FILE)
 
 
-def find_alerts_jsonl(run_dir: str | os.PathLike) -> Path | None:
-    """The alerts JSONL :func:`build_report` would use (see the module docstring), or None."""
-    return _newest(Path(run_dir), ALERTS_FILE)
+def find_alerts_jsonl(run_dir: str | os.PathLike, metrics_csv: str | os.PathLike | None = None) -> Path | None:
+    """The alerts JSONL :func:`build_report` would use (see the module docstring), or None.
+
+    ``metrics_csv``: the metrics file in use (default: :func:`find_metrics_csv`); an alerts file in its
+    directory is the same run's."""
+    root = Path(run_dir)
+    metrics = Path(metrics_csv) if metrics_csv is not None else find_metrics_csv(root)
+    names = (ALERTS_FILE, *LEGACY_ALERTS_FILES)
+    for directory in ([metrics.parent] if metrics is not None else []) + [root]:
+        for name in names:
+            if (directory / name).is_file():
+                return directory / name
+    found = [p for name in names for p in root.rglob(name) if p.is_file()]
+    if not found:
+        return None
+    return max(found, key=lambda p: (p.stat().st_mtime, len(str(p)), str(p)))
 
 
 def _to_float(text: str) -> float | None:
@@ -169,8 +209,10 @@ def read_alerts(path: str | os.PathLike) -> tuple[list[dict], int]:
     """Alerts from a JSONL file (one object per line) and the number of lines that were not alerts.
 
     Blank lines are ignored; a line that is not a JSON object with an integer-like ``step`` counts
-    as bad. Python's ``json`` writes NaN/Infinity literally and reads them back, so non-finite
-    values survive.
+    as bad. :meth:`~stable_attn.monitor.Alert.to_json` writes non-finite floats as the strings
+    ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON); they are read back as floats here, as are the
+    ``NaN``/``Infinity`` literals Python's ``json`` writes by default, so ``value``, ``baseline``,
+    ``threshold``, ``score`` and ``lr`` are floats (or None) in what this returns.
     """
     alerts = []
     bad = 0
@@ -181,6 +223,9 @@ def read_alerts(path: str | os.PathLike) -> tuple[list[dict], int]:
             try:
                 alert = json.loads(line)
                 alert["step"] = int(alert["step"])
+                for name in _FLOAT_FIELDS:
+                    if alert.get(name) is not None:
+                        alert[name] = float(alert[name])  # float() parses "nan", "inf", "-inf"
             except (ValueError, TypeError, KeyError):
                 bad += 1
                 continue
@@ -195,7 +240,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     if not root.is_dir():
         raise FileNotFoundError(
             f"run_dir={str(run_dir)!r} is not a directory; expected the directory a training run "
-            f"wrote (with a {METRICS_FILE} below it and usually an {ALERTS_FILE})"
+            f"wrote (with a {METRICS_FILE} below it and usually a {ALERTS_FILE})"
         )
     notes: list[str] = []
     metrics_path = find_metrics_csv(root)
@@ -213,10 +258,11 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                 f"Used the newest {METRICS_FILE}; {len(others)} older one(s) ignored: "
                 + ", ".join(f"`{_rel(p, root)}`" for p in sorted(others))
             )
-    alerts_path = find_alerts_jsonl(root)
+    alerts_path = find_alerts_jsonl(root, metrics_path)
     alerts: list[dict] = []
     if alerts_path is None:
-        notes.append(f"No {ALERTS_FILE} found: no alerts are shown (the run may not have had the callback).")
+        notes.append(f"No {ALERTS_FILE} found: no alerts are shown (the run may not have had the callback, "
+                     "or its alerts_file was None or renamed).")
     else:
         alerts, bad = read_alerts(alerts_path)
         if bad:
@@ -256,25 +302,25 @@ def summarize(run: RunData) -> RunSummary:
     alert_counts.update(sorted(counts.items()))
     layers = []
     for i in run.layers():
-        sat = run.metrics.get(f"stable_attn/saturation/layer{i}")
-        logit = run.metrics.get(f"stable_attn/max_logit/layer{i}")
+        sat = run.metrics.get(layer_metric("saturation", i))
+        logit = run.metrics.get(layer_metric("max_logit", i))
         final_logit = _last(logit, finite_only=True)
         layers.append(
             LayerSummary(
                 layer=i,
                 mean_saturation=_stat(sat, np.mean),
                 max_saturation=_stat(sat, np.max),
-                mean_fixed_rate=_stat(run.metrics.get(f"stable_attn/fixed_rate/layer{i}"), np.mean),
+                mean_fixed_rate=_stat(run.metrics.get(layer_metric("fixed_rate", i)), np.mean),
                 max_logit=_stat(logit, np.max),
                 final_max_logit=final_logit[1] if final_logit else None,
-                mean_sink_mass=_stat(run.metrics.get(f"stable_attn/sink_mass/layer{i}"), np.mean),
+                mean_sink_mass=_stat(run.metrics.get(layer_metric("sink_mass", i)), np.mean),
             )
         )
-    train = run.series("train/loss")
+    train = run.series(LOSS)
     return RunSummary(
         final_train_loss=_last(train),
         last_finite_train_loss=_last(train, finite_only=True),
-        final_val_loss=_last(run.series("val/loss")),
+        final_val_loss=_last(run.series(VAL_LOSS)),
         alert_counts=alert_counts,
         layers=layers,
     )
@@ -301,7 +347,7 @@ def format_summary(summary: RunSummary) -> str:
     if summary.layers:
         lines.append(
             "saturation:       "
-            + " ".join(f"L{s.layer}={fmt(s.mean_saturation)}" for s in summary.layers)
+            + " ".join(f"{_short(s.layer)}={fmt(s.mean_saturation)}" for s in summary.layers)
             + "  (mean fraction of rows with tied maxima)"
         )
     return "\n".join(lines)
@@ -351,8 +397,8 @@ def _mark_alerts(ax, alerts: list[dict], annotate: bool) -> None:
 
 
 def _plot_loss(run: RunData, path: Path) -> bool:
-    train = run.series("train/loss")
-    val = run.series("val/loss")
+    train = run.series(LOSS)
+    val = run.series(VAL_LOSS)
     if train is None and val is None:
         return False
     fig = _figure()
@@ -380,7 +426,7 @@ def _plot_loss(run: RunData, path: Path) -> bool:
     for alert in run.alerts:
         value = alert.get("value")
         # The alert's own value, where it is a loss this plot shows, pins the alert to the curve.
-        if alert.get("metric") in ("train/loss", "val/loss") and isinstance(value, (int, float)):
+        if alert.get("metric") in (LOSS, VAL_LOSS) and isinstance(value, (int, float)):
             if math.isfinite(value):
                 kind = str(alert.get("kind", "unknown"))
                 ax.plot([alert["step"]], [value], "o", color=_KIND_COLORS.get(kind, "tab:purple"), zorder=3)
@@ -394,10 +440,10 @@ def _plot_loss(run: RunData, path: Path) -> bool:
 
 
 def _layer_matrix(run: RunData, metric: str) -> tuple[list[int], np.ndarray, np.ndarray] | None:
-    layers = [i for i in run.layers() if f"stable_attn/{metric}/layer{i}" in run.metrics]
+    layers = [i for i in run.layers() if layer_metric(metric, i) in run.metrics]
     if not layers:
         return None
-    series = [run.metrics[f"stable_attn/{metric}/layer{i}"] for i in layers]
+    series = [run.metrics[layer_metric(metric, i)] for i in layers]
     steps = np.unique(np.concatenate([s.steps for s in series]))
     matrix = np.full((len(layers), steps.size), np.nan)
     for row, s in enumerate(series):
@@ -432,7 +478,7 @@ def _plot_saturation(run: RunData, path: Path) -> bool:
         shading="flat",
     )
     fig.colorbar(mesh, ax=ax, label="saturated rows / rows")
-    ax.set_yticks(np.arange(len(layers)), [f"layer{i}" for i in layers])
+    ax.set_yticks(np.arange(len(layers)), layers)
     _mark_alerts(ax, run.alerts, annotate=False)
     ax.set_xlabel("step")
     ax.set_title("Attention saturation (two or more keys tied at the row max), per layer")
@@ -455,7 +501,7 @@ def _plot_max_logit(run: RunData, path: Path) -> bool:
         ax.plot(
             steps[present],
             matrix[row, present],
-            label=f"layer{layer}",
+            label=layer,
             color=cmap(row / max(1, len(layers) - 1)),
         )
     _mark_alerts(ax, run.alerts, annotate=False)
@@ -517,9 +563,9 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         MAX_LOGIT_PNG: _plot_max_logit(run, out / MAX_LOGIT_PNG),
     }
     if run.metrics_path is not None:
-        if run.series("train/loss") is None:
+        if run.series(LOSS) is None:
             notes.append("The metrics have no `train/loss` column.")
-        if run.series("val/loss") is None:
+        if run.series(VAL_LOSS) is None:
             notes.append("The metrics have no `val/loss` column (no validation ran, or it was not logged).")
         if not plots[SATURATION_PNG]:
             notes.append(
@@ -571,7 +617,7 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         ]
         for s in summary.layers:
             md.append(
-                f"| layer{s.layer} | {fmt(s.mean_saturation)} | {fmt(s.max_saturation)} | "
+                f"| {_cell(s.layer)} | {fmt(s.mean_saturation)} | {fmt(s.max_saturation)} | "
                 f"{fmt(s.mean_fixed_rate)} | {fmt(s.max_logit)} | {fmt(s.final_max_logit)} | "
                 f"{fmt(s.mean_sink_mass)} |"
             )

@@ -22,7 +22,9 @@ from lightning.pytorch.loggers import CSVLogger
 from matplotlib.image import imread
 
 from stable_attn.cli import main
-from stable_attn.report import build_report, find_metrics_csv, fmt, load_run, read_alerts
+from stable_attn.monitor import Alert, JsonlChannel
+from stable_attn.monitor.names import ALERTS_FILE
+from stable_attn.report import build_report, find_alerts_jsonl, find_metrics_csv, fmt, load_run, read_alerts
 
 LAYERS = 4
 STEPS = 60
@@ -195,7 +197,7 @@ def test_missing_columns_nan_loss_and_no_alerts(tmp_path: Path) -> None:
 def test_empty_run_dir_gives_a_report_with_notes(tmp_path: Path) -> None:
     md = build_report(tmp_path).read_text()
     assert "No metrics.csv found" in md
-    assert "No alerts.jsonl found" in md
+    assert f"No {ALERTS_FILE} found" in md
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]
 
 
@@ -224,3 +226,58 @@ def test_bad_run_dir(tmp_path: Path) -> None:
     (tmp_path / "metrics.csv").write_text("a,b\n1,2\n")
     md = build_report(tmp_path).read_text()
     assert "has no 'step' column" in md
+
+
+def test_alerts_of_the_callbacks_layout_are_found_next_to_their_metrics(tmp_path: Path) -> None:
+    # The callback writes ALERTS_FILE in trainer.log_dir, i.e. next to the CSVLogger's metrics.csv:
+    # RUN_DIR/csv/version_N/. A rerun adds version_1; its own alerts are the ones shown, not version_0's.
+    old = write_run(tmp_path, seed=5)
+    new = write_run(tmp_path, seed=6)
+    os.utime(old, (1_000_000_000, 1_000_000_000))
+    for metrics, step in ((old, 11), (new, SPIKE_STEP)):
+        JsonlChannel(metrics.parent / ALERTS_FILE).send(Alert(step=step, kind="spike", metric="train/loss", value=9.0))
+    os.utime(new.parent / ALERTS_FILE, (1_000_000_000, 1_000_000_000))  # older than version_0's: still the one
+    assert find_alerts_jsonl(tmp_path) == new.parent / ALERTS_FILE
+    md = build_report(tmp_path).read_text()
+    assert table_row(md, "alerts: spike")[1] == "1"
+    assert table_row(md, str(SPIKE_STEP))[1:3] == ["spike", "train/loss"]
+    assert "| 11 |" not in md
+
+    # Without a CSV (a TensorBoard logger, or none), the newest alerts file anywhere below is used.
+    bare = tmp_path / "bare"
+    JsonlChannel(bare / "tb" / "version_0" / ALERTS_FILE).send(Alert(step=3, kind="nonfinite", metric="train/loss",
+                                                                   value=float("nan")))
+    assert find_alerts_jsonl(bare) == bare / "tb" / "version_0" / ALERTS_FILE
+    assert table_row(build_report(bare).read_text(), "alerts: nonfinite")[1] == "1"
+
+
+def test_non_finite_alert_values_read_back_as_floats(tmp_path: Path) -> None:
+    # Alert.to_json writes strict JSON ("nan", "inf" strings); older files may hold NaN literals.
+    path = tmp_path / ALERTS_FILE
+    JsonlChannel(path).send(Alert(step=4, kind="nonfinite", metric="train/grad_norm", value=float("inf"), lr=1e-3))
+    with open(path, "a") as f:
+        f.write(json.dumps(alert(5, "nonfinite", float("nan"))) + "\n")
+    assert '"value":"inf"' in path.read_text() and '"value": NaN' in path.read_text()
+    alerts, bad = read_alerts(path)
+    assert bad == 0
+    assert alerts[0]["value"] == math.inf and isinstance(alerts[0]["value"], float)
+    assert math.isnan(alerts[0]["baseline"]) and alerts[0]["lr"] == 1e-3
+    assert math.isnan(alerts[1]["value"]) and alerts[1]["score"] == 9.0
+    assert Alert.from_dict(alerts[0]).value == math.inf
+
+
+def test_layer_names_of_several_models(tmp_path: Path) -> None:
+    # With several models in one LightningModule the callback names layers "<model path>.layer<i>".
+    logger = CSVLogger(save_dir=str(tmp_path), name="csv")
+    names = ["model.layer0", "model.layer2", "model.layer10", "encoder.layer1"]
+    for step in range(3):
+        logger.log_metrics({"train/loss": 3.0 - 0.1 * step}, step=step)
+        logger.log_metrics({f"stable_attn/saturation/{n}": 0.01 * (k + 1) for k, n in enumerate(names)}
+                           | {f"stable_attn/max_logit/{n}": 5.0 + k for k, n in enumerate(names)}, step=step)
+    logger.save()
+    run = load_run(tmp_path)
+    assert run.layers() == ["encoder.layer1", "model.layer0", "model.layer2", "model.layer10"]
+    md = build_report(tmp_path).read_text()
+    assert float(table_row(md, "model.layer10")[1]) == pytest.approx(0.03)
+    assert float(table_row(md, "encoder.layer1")[4]) == pytest.approx(8.0)
+    assert (tmp_path / "saturation_heatmap.png").is_file() and (tmp_path / "max_logit.png").is_file()

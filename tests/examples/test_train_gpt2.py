@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from stable_attn.monitor.names import ALERTS_FILE
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt2.py"
 STEPS = 160
 SPIKE_AT = 130
@@ -68,7 +70,7 @@ def _metrics(run_dir: Path) -> dict[str, dict[int, float]]:
 def _alerts(run_dir: Path) -> list[dict]:
     import json
 
-    text = (run_dir / "alerts.jsonl").read_text()
+    text = (run_dir / ALERTS_FILE).read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
