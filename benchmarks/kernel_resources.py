@@ -1,20 +1,32 @@
-"""Shared memory, registers and spills of every Triton kernel variant, compiled for a GPU on any machine.
+"""Shared memory, registers, spills and the static issue/tensor ratio of every Triton kernel variant.
 
 Each variant is compiled ahead of time for sm_80 (A100) and/or sm_90 (H100/H200) with the block
 configuration the launchers would pick (stable_attn/kernels/triton_attention.py), then
 ``cuobjdump --dump-resource-usage`` (shipped inside Triton's package) reads REG, STACK and LOCAL
 from the cubin: non-zero STACK/LOCAL means register spills. ``wgmma`` says whether the sm_90 PTX
-uses Hopper's warpgroup matrix instructions. No GPU is needed; this measures no speed.
+uses Hopper's warpgroup matrix instructions. ``loop_sass`` counts the SASS instructions one warp
+issues per iteration of the steady-state loop (the unmasked stretch; how it is found:
+``triton_aot.steady_loop``), and ``R = (warps * loop_sass / 4) / (tensor FLOPs / 4096)`` compares
+the schedulers' clocks with the tensor cores' clocks per iteration on an H100/H200 SM (model:
+``triton_aot``); R above 1 means the loop is issue-bound. No GPU is needed; this measures no speed.
 
     python benchmarks/kernel_resources.py                       # bf16, D 64/128/256, sm_80 + sm_90
+    python benchmarks/kernel_resources.py --cc 90 --d 64 128 --json /tmp/kr.json --jobs 1
     python benchmarks/kernel_resources.py --dtype fp16 --cc 90 --d 128 --jobs 4
+
+``--json PATH`` writes one row per variant (fields: kernel, d, mode, stats, cc, regs, spill_bytes,
+shared, wgmma, warps, loop_sass, mma_clk, issue_clk, R, cubin, and more) and keeps the cubins in
+``PATH`` without ``.json`` plus ``_cubins/``. The backward kernels make no stabilization decision,
+so they have one variant for every mode (``mode`` null).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -43,6 +55,23 @@ def variants(args) -> list[Variant]:
     return out
 
 
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a Markdown table."""
+    lines = ["| variant | tile m x n, warps | shared B | limit B | regs | spill B | wgmma | loop SASS | MMA clk | "
+             "issue clk | R | compile s |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['block_m']} x {r['block_n']}, {r['warps']} | {r['shared']} | "
+                     f"{r['limit']} | {r['regs']} | {r['spill_bytes']} | {'yes' if r['wgmma'] else 'no'} | "
+                     f"{_num(r['loop_sass'], 'd')} | {_num(r['mma_clk'], '.0f')} | {_num(r['issue_clk'], '.0f')} | "
+                     f"{_num(r['R'], '.2f')} | {r['compile_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cc", type=int, nargs="+", default=[80, 90], choices=sorted(SHARED_LIMIT))
@@ -52,25 +81,24 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["off", "exact", "paper"], choices=sorted(MODES))
     p.add_argument("--no-stats", dest="stats", action="store_false", help="skip the stats-on forward")
     p.add_argument("--jobs", type=int, default=2, help="parallel compiles")
+    p.add_argument("--json", help="write the rows here (and the cubins next to it)")
     args = p.parse_args()
 
     vs = variants(args)
     print(f"triton {triton.__version__}, torch {torch.__version__}; {len(vs)} variants")
+    cubin_dir = (os.path.splitext(args.json)[0] + "_cubins") if args.json else tempfile.mkdtemp(prefix="cubins_")
+    os.makedirs(cubin_dir, exist_ok=True)
     if os.environ.get("TRITON_INTERPRET") == "1":  # interpreted kernels cannot be compiled here
-        rows = describe_in_subprocess(vs)
+        rows = describe_in_subprocess(vs, cubin_dir)
     else:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            rows = list(pool.map(describe, vs))
-    header = "| variant | shared B | limit B | regs | stack | local | spills | wgmma | compile s |"
-    print(header)
-    print("|---|---:|---:|---:|---:|---:|---|---|---:|")
-    bad = 0
-    for r in rows:
-        spills = r["stack"] > 0 or r["local"] > 0
-        over = r["shared"] > r["limit"]
-        bad += over
-        print(f"| {r['variant']} | {r['shared']} | {r['limit']} | {r['regs']} | {r['stack']} | {r['local']} | "
-              f"{'YES' if spills else 'no'} | {'yes' if r['wgmma'] else 'no'} | {r['compile_s']:.1f} |")
+            rows = list(pool.map(describe, vs, [cubin_dir] * len(vs)))
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {args.json} (cubins in {cubin_dir})")
+    bad = sum(r["shared"] > r["limit"] for r in rows)
     if bad:
         print(f"{bad} variant(s) exceed the shared-memory limit")
         sys.exit(1)

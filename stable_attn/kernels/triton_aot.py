@@ -6,6 +6,14 @@ register spills of every variant are caught on a machine without a GPU (the comp
 benchmarks/kernel_resources.py use this module). It builds the same signature and compile-time
 constants the launchers in ``triton_attention.py`` pass at run time, with the pointer and stride
 alignment hints Triton derives for contiguous tensors whose head dim is a multiple of 16.
+
+Static speed model (:func:`describe`). The SASS of the cubin (Triton's bundled ``cuobjdump -sass``)
+gives ``loop_sass``, the instructions one warp issues per iteration of the kernel's steady-state
+loop (:func:`steady_loop`). Per SM of an H100/H200 the tensor cores do 4096 dense 16-bit FLOP per
+clock and four schedulers issue one warp-instruction each per clock, so one iteration needs
+``mma_clk = tensor FLOPs / 4096`` on the tensor cores and ``issue_clk = warps * loop_sass / 4`` on
+the schedulers; ``R = issue_clk / mma_clk`` above 1 means the tile cannot keep the tensor cores busy
+even with perfect overlap. It ignores latency, memory and occupancy: a bound, not a timing.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,8 +64,12 @@ class Variant:
     features: bool = False  # window, softcap, key padding mask and dropout all on
 
     @property
+    def mode_name(self) -> str:
+        return {rules.MODE_OFF: "off", rules.MODE_EXACT: "exact", rules.MODE_PAPER: "paper"}[self.mode]
+
+    @property
     def name(self) -> str:
-        mode = {rules.MODE_OFF: "off", rules.MODE_EXACT: "exact", rules.MODE_PAPER: "paper"}[self.mode]
+        mode = self.mode_name
         dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
         parts = [self.kind, dt, f"D{self.head_dim}", "causal" if self.causal else "full"]
         if self.kind == "fwd":
@@ -90,6 +103,14 @@ def _signature(fn, dtype: torch.dtype, constexprs: dict) -> tuple[dict, dict]:
 
 def source(v: Variant) -> tuple[ASTSource, dict]:
     """The ASTSource and compile options (warps, stages) of a variant."""
+    consts, opts = _constants(v)
+    fn = _KERNELS[v.kind]
+    sig, attrs = _signature(fn, v.dtype, consts)
+    return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), opts
+
+
+def _constants(v: Variant) -> tuple[dict, dict]:
+    """The compile-time constants and compile options of a variant, as the launchers pass them."""
     block_d = head_block(v.head_dim)
     f = v.features
     common = dict(CAUSAL=v.causal, WINDOW=f, SOFTCAP=f, HAS_KPM=f, DROPOUT=f, HEAD_D=v.head_dim,
@@ -108,9 +129,7 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
                                                                                                c.stages2)
         consts = dict(common, BLOCK_M=m, BLOCK_N=n)
         opts = dict(num_warps=warps, num_stages=stages)
-    fn = _KERNELS[v.kind]
-    sig, attrs = _signature(fn, v.dtype, consts)
-    return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), opts
+    return consts, opts
 
 
 def compile_variant(v: Variant):
@@ -123,21 +142,133 @@ _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def describe(v: Variant) -> dict:
-    """Compile ``v`` and report shared memory, registers, spills (cubin via cuobjdump) and wgmma use."""
-    t0 = time.perf_counter()
-    kernel = compile_variant(v)
-    seconds = time.perf_counter() - t0
+# Dense 16-bit tensor-core FLOP per clock per SM (H100/H200) and warp-instructions issued per clock.
+TENSOR_FLOP_PER_CLK = 4096
+ISSUE_PER_CLK = 4
+# SASS opcodes of the matrix units: mma.sync (sm_80+) and wgmma (sm_90)
+_MMA_OPS = ("HMMA", "HGMMA")
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.+?)\s*;")
+_BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:[^;]*?,\s*)?(0x[0-9a-f]+)$")
+
+
+class Loop(NamedTuple):
+    """A loop of the SASS: instructions ``[start, end]`` (byte addresses), ``end`` the backward branch."""
+
+    start: int
+    end: int
+    sass: int  # instructions in the body, one warp's issue count per iteration
+    mma: int  # of which tensor-core instructions
+
+
+def sass_of(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of a cubin (the SASS ptxas produced, as text)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
+            f.write(cubin)
+        return subprocess.run([CUOBJDUMP, "-sass", path], capture_output=True, text=True, check=True).stdout
+
+
+def parse_sass(text: str) -> list[tuple[int, str]]:
+    """``(address, instruction)`` of the one function in a ``cuobjdump -sass`` listing."""
+    if text.count("Function :") != 1:
+        raise ValueError(f"expected one kernel in the SASS listing, found {text.count('Function :')}")
+    return [(int(a, 16), ins.strip()) for a, ins in _INSTR.findall(text)]
+
+
+def find_loops(instrs: list[tuple[int, str]]) -> list[Loop]:
+    """Every loop: a branch back to a lower address, before the kernel's last ``EXIT``.
+
+    Code after the last ``EXIT`` is out-of-line (ptxas moves slow paths such as barrier-wait retries
+    there, and they branch back into the loop they came from): a branch from there is no loop.
+    A branch to itself (the trap after the end) is none either.
+    """
+    exits = [a for a, ins in instrs if _opcode(ins) == "EXIT"]
+    last_exit = max(exits) if exits else max(a for a, _ in instrs)
+    loops = []
+    for addr, ins in instrs:
+        m = _BRANCH.match(ins)
+        if not m or addr > last_exit:
+            continue
+        target = int(m.group(1), 16)
+        if target < addr:
+            body = [i for a, i in instrs if target <= a <= addr]
+            loops.append(Loop(target, addr, len(body), sum(_opcode(i) in _MMA_OPS for i in body)))
+    return loops
+
+
+def _opcode(ins: str) -> str:
+    """``HGMMA`` of ``@P0 HGMMA.64x64x16.F32.BF16 ...``: the operation without predicate or modifiers."""
+    words = ins.split()
+    return (words[1] if words[0].startswith("@") and len(words) > 1 else words[0]).split(".")[0]
+
+
+def steady_loop(instrs: list[tuple[int, str]]) -> Loop:
+    """The steady-state inner loop: the shortest loop that issues tensor-core instructions itself.
+
+    Candidates are the loops with matrix instructions (``HMMA``/``HGMMA``) that contain no other such
+    loop: so the dK/dV kernel's outer loop over the G query heads drops out (its body holds the key
+    loops), and barrier-wait spin loops without matrix instructions never count. Each kernel walks
+    its blocks in stretches compiled as separate loops of the same body, with (masked stretches: the
+    causal diagonal, the sliding window's edge, the end of the keys) or without the structural mask,
+    so the shortest candidate is the unmasked stretch, where a long causal sequence spends nearly all
+    its iterations.
+    """
+    mma = [lp for lp in find_loops(instrs) if lp.mma > 0]
+    inner = [lp for lp in mma if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in mma)]
+    if not inner:
+        raise ValueError("no loop with tensor-core instructions in the SASS")
+    return min(inner, key=lambda lp: (lp.sass, lp.start))
+
+
+def iteration_flops(kind: str, block_m: int, block_n: int, block_d: int) -> int:
+    """Tensor FLOPs of one loop iteration over a ``block_m x block_n`` score tile at padded head dim.
+
+    fwd: ``S = Q K^T`` and ``P V``; dK/dV: ``S^T``, ``dP^T = V dO^T``, ``dV += P^T dO``, ``dK += dS^T Q``;
+    dQ: ``S``, ``dP = dO V^T``, ``dQ += dS K``. Each product is ``2 * m * n * d``.
+    """
+    gemms = {"fwd": 2, "bwd_dkdv": 4, "bwd_dq": 3}[kind]
+    return gemms * 2 * block_m * block_n * block_d
+
+
+def tiling(v: Variant) -> tuple[int, int, int]:
+    """``(block_m, block_n, num_warps)`` the launchers use for a variant."""
+    consts, opts = _constants(v)
+    return consts["BLOCK_M"], consts.get("BLOCK_N", 0), opts["num_warps"]
+
+
+def describe(v: Variant, cubin_dir: str | None = None) -> dict:
+    """Compile ``v`` and report shared memory, registers, spills (cubin via cuobjdump), wgmma use and,
+    for the gradient and forward kernels, the steady-state loop and its issue/tensor ratio ``R``.
+
+    ``cubin_dir``: where to keep the cubin (``<variant>.cubin``; ``cubin`` in the result is its path).
+    """
+    t0 = time.perf_counter()
+    kernel = compile_variant(v)
+    seconds = time.perf_counter() - t0
+    cubin = kernel.asm["cubin"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(cubin_dir or tmp, v.name + ".cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
         dump = subprocess.run([CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True,
                               check=True).stdout
     fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump))
-    return dict(variant=v.name, shared=kernel.metadata.shared, limit=SHARED_LIMIT[v.cc], regs=int(fields["REG"]),
-                stack=int(fields["STACK"]), local=int(fields["LOCAL"]), wgmma="wgmma" in kernel.asm["ptx"],
-                cubin_bytes=len(kernel.asm["cubin"]), compile_s=seconds)
+    block_m, block_n, warps = tiling(v)
+    row = dict(variant=v.name, kernel=v.kind, d=v.head_dim, dtype=_encode(v)["dtype"], causal=v.causal,
+               mode=v.mode_name if v.kind == "fwd" else None, stats=v.stats, cc=v.cc, block_m=block_m,
+               block_n=block_n, warps=warps, shared=kernel.metadata.shared, limit=SHARED_LIMIT[v.cc],
+               regs=int(fields["REG"]), stack=int(fields["STACK"]), local=int(fields["LOCAL"]),
+               spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]), wgmma="wgmma" in kernel.asm["ptx"],
+               cubin_bytes=len(cubin), cubin=os.path.abspath(path) if cubin_dir else None, compile_s=seconds,
+               loop_sass=None, loop_mma=None, mma_clk=None, issue_clk=None, R=None)
+    if v.kind in ("fwd", "bwd_dkdv", "bwd_dq") and v.dtype != torch.float32:  # fp32 runs no tensor cores
+        loop = steady_loop(parse_sass(sass_of(cubin)))
+        mma_clk = iteration_flops(v.kind, block_m, block_n, head_block(v.head_dim)) / TENSOR_FLOP_PER_CLK
+        issue_clk = warps * loop.sass / ISSUE_PER_CLK
+        row.update(loop_sass=loop.sass, loop_mma=loop.mma, mma_clk=mma_clk, issue_clk=issue_clk,
+                   R=issue_clk / mma_clk)
+    return row
 
 
 def _encode(v: Variant) -> dict:
@@ -146,7 +277,7 @@ def _encode(v: Variant) -> dict:
     return d
 
 
-def describe_in_subprocess(variants: list[Variant]) -> list[dict]:
+def describe_in_subprocess(variants: list[Variant], cubin_dir: str | None = None) -> list[dict]:
     """:func:`describe` in a fresh interpreter without ``TRITON_INTERPRET``.
 
     Under the interpreter ``@triton.jit`` yields functions that cannot be compiled, and the flag is
@@ -156,7 +287,8 @@ def describe_in_subprocess(variants: list[Variant]) -> list[dict]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, "-m", "stable_attn.kernels.triton_aot"],
-                          input=json.dumps([_encode(v) for v in variants]), env=env, capture_output=True,
+                          input=json.dumps(dict(variants=[_encode(v) for v in variants], cubin_dir=cubin_dir)),
+                          env=env, capture_output=True,
                           text=True)
     if done.returncode != 0:
         raise RuntimeError(f"compiling {[v.name for v in variants]} failed:\n{done.stderr[-4000:]}")
@@ -164,8 +296,9 @@ def describe_in_subprocess(variants: list[Variant]) -> list[dict]:
 
 
 def _main() -> None:
-    variants = [Variant(**dict(d, dtype=_DTYPE_NAMES[d["dtype"]])) for d in json.loads(sys.stdin.read())]
-    print(json.dumps([describe(v) for v in variants]))
+    job = json.loads(sys.stdin.read())
+    variants = [Variant(**dict(d, dtype=_DTYPE_NAMES[d["dtype"]])) for d in job["variants"]]
+    print(json.dumps([describe(v, job["cubin_dir"]) for v in variants]))
 
 
 if __name__ == "__main__":
