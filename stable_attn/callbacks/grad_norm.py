@@ -12,15 +12,21 @@ strategy's own wrapper knows. So this module asks it:
   DTensors is itself a DTensor whose ``full_tensor()`` performs the one reduction the placements
   require;
 - everything else: the norm of the local gradients.
+
+:func:`nonfinite_grads` is the cheap check for a run that does not monitor the norm: whether any local
+gradient holds a NaN or inf (the max-abs of each gradient, which reads every element once, squares
+nothing that could overflow, and propagates NaN). It is local on purpose: the callback shares each
+rank's flag, so a rank whose gradients went bad after the all-reduce is seen too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 
-__all__ = ["total_grad_norm"]
+__all__ = ["nonfinite_grads", "total_grad_norm"]
 
 
 def _local_total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -54,3 +60,19 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], strategy: object |
         norm = _local_total_norm(grads)
         return norm.full_tensor() if _is_dtensor(norm) else norm
     return _local_total_norm(grads).detach()
+
+
+def nonfinite_grads(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
+    """A 0-d float32 tensor on the gradients' device, 1.0 when any local gradient element of
+    ``parameters`` is NaN or inf, else 0.0; None when no parameter has a gradient.
+
+    Local to this rank (sharded gradients are checked shard by shard; no collective), and without a
+    host read: the caller decides when to look.
+    """
+    grads = [g.to_local() if _is_dtensor(g) else g for g in (p.grad for p in parameters if p.grad is not None)]
+    grads = [g.detach() for g in grads if g.numel()]  # max-abs has no identity on an empty tensor
+    if not grads:
+        return None
+    device = grads[0].device
+    peaks = torch._foreach_norm(grads, math.inf)  # one launch per device and dtype
+    return (~torch.isfinite(torch.stack([p.float().to(device) for p in peaks]))).any().float()

@@ -14,11 +14,12 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..monitor.names import LAYER_STATS
 from ..stats import AttentionStats
 
 __all__ = ["LayerStats", "STAT_NAMES"]
 
-STAT_NAMES = ("saturation", "fixed_rate", "max_logit", "sink_mass")
+STAT_NAMES = LAYER_STATS  # the order of the logged per-layer metrics
 # Columns of the tensor gathered across ranks: the sums are summed over ranks, the max is maxed.
 _ROWS, _SATURATED, _FIXED, _FIRST_KEY_PROB, _MAX_LOGIT = range(5)
 

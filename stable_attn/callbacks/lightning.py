@@ -8,11 +8,14 @@ how ranks agree. The order inside one optimizer step (automatic optimization):
 1. ``on_train_batch_start``: a monitored step switches the layers' AttentionStats on.
 2. ``on_before_backward``: the (accumulation-normalised) loss is remembered.
 3. ``on_before_optimizer_step``: gradients are complete and unscaled (AMP unscales before this
-   hook), the update has not happened yet. The loss and gradient norm go to the spike detectors,
-   one all-gather shares every rank's verdict, and a spike on any rank acts on all ranks: for
-   ``"skip"``, ``"rollback"`` and ``"stop"`` the gradients are dropped (``set_to_none``), so the
-   optimizer step that follows changes neither the weights nor the optimizer state (torch
+   hook), the update has not happened yet. One all-gather shares every rank's loss, gradient norm
+   and non-finite-gradient flag; every rank runs every rank's detectors over them, and a spike or a
+   non-finite value on any rank acts on all ranks: for a non-finite value always, and for a spike
+   with ``"skip"``, ``"rollback"`` and ``"stop"``, the gradients are dropped (``set_to_none``), so
+   the optimizer step that follows changes neither the weights nor the optimizer state (torch
    optimizers skip parameters without gradients: no moment update, no step count, no weight decay).
+   The verdict is read on the host before every update (one small device-to-host copy per step):
+   deciding later would let a NaN update through.
 4. ``on_train_batch_end`` (after the LR schedulers stepped): layer statistics are reduced across
    ranks and logged, the early-warning detectors see them, a rollback restores the snapshot, a stop
    saves a checkpoint, and a snapshot is taken every ``rollback_every`` steps.
@@ -28,7 +31,7 @@ import copy
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,19 +39,18 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..monitor import (
+    ALERT_KINDS,
     Alert,
     AlertDispatcher,
-    CallableChannel,
-    JsonlChannel,
-    LoggingChannel,
     SpikeDetector,
     SpikeEvent,
     SurgeDetector,
-    WebhookChannel,
+    names,
 )
-from .grad_norm import total_grad_norm
+from . import alerting
+from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import STAT_NAMES, LayerStats
-from .rollback import Snapshot, restore_snapshot, take_snapshot
+from .rollback import Snapshot, restore_snapshot, snapshot_from_state, snapshot_state, take_snapshot
 from .swap import find_hf_models, swap_attention
 
 __all__ = ["StableAttentionCallback"]
@@ -57,8 +59,16 @@ log = logging.getLogger("stable_attn")
 
 SpikeAction = Literal["warn", "skip", "rollback", "stop"]
 _ACTIONS = ("warn", "skip", "rollback", "stop")
-# What each rank shares every step: loss, gradient norm, whether it had a loss (a skipped backward has none).
-_FIELDS = 3
+# What each rank shares every step: loss, gradient norm, whether it had a loss (a skipped backward has none),
+# whether any of its gradients is NaN or inf.
+_FIELDS = 4
+
+
+@dataclass
+class _Verdict:
+    drop: bool  # the step's update is dropped
+    action: str  # what the step's alerts say is done: "warn", "skip", "rollback" or "stop"
+    not_training: bool  # the step counts towards the not-training streak (dropped, or a non-finite loss)
 
 
 @dataclass
@@ -81,12 +91,34 @@ def _backend(trainer: Trainer) -> str:
     return "triton (CUDA)" if trainer.strategy.root_device.type == "cuda" else "torch (CPU)"
 
 
+def _worst(values: list[float]) -> float:
+    """The value to log for several ranks' gradient norms: a non-finite one if any, else the largest."""
+    if not values:
+        return math.nan
+    return next((v for v in values if not math.isfinite(v)), max(values))
+
+
+def _where(ranks: list[int], world: int) -> str:
+    """Which ranks saw it, for an alert message (nothing in a single-process run)."""
+    if world == 1 or not ranks:
+        return ""
+    if len(ranks) == world:
+        return f"on all {world} ranks"
+    return f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world}"
+
+
+def _phase(detector: SpikeDetector) -> str:
+    """Which rule judges the detector's next value: "starting" (NaN/inf only), "gross" or "calibrated"."""
+    phase = getattr(detector, "phase", None)  # older detectors only know whether they are calibrated
+    return phase if phase is not None else ("calibrated" if detector.ready else "starting")
+
+
 class StableAttentionCallback(Callback):
     r"""Swap in the stabilized attention, monitor attention and training health, alert, and act on spikes.
 
     **Swap.** At setup, every Hugging Face ``PreTrainedModel`` inside the LightningModule is switched to
     ``attn_implementation="stable_attn"`` and gets per-layer :class:`~stable_attn.AttentionStats`; one
-    log line says how many models and attention layers were switched and which kernel backend runs.
+    WARNING line says how many models and attention layers were switched and which kernel backend runs.
 
     **Monitor.** Every ``log_every_n_steps`` optimizer steps (the Trainer's by default), the per-layer
     saturation rate, fixed-block rate, max logit and sink mass (measured by the kernel during the
@@ -95,9 +127,12 @@ class StableAttentionCallback(Callback):
     ``stable_attn/alerts``. Statistics are collected only on those steps. The alert count is shown in
     the progress bar.
 
-    **Detect.** The loss and the gradient norm of *every* step go to :class:`~stable_attn.monitor.SpikeDetector`\ s
-    (non-finite values always count). Each layer's saturation and max logit go to
-    :class:`~stable_attn.monitor.SurgeDetector`\ s on monitored steps (``kind="early_warning"``).
+    **Detect.** The loss and the gradient norm of *every* step, on *every* rank, go to
+    :class:`~stable_attn.monitor.SpikeDetector`\ s (one per rank and metric; non-finite values always
+    count): NaN and inf from the first step, gross jumps after the first few steps, the calibrated
+    rule once the detector has learnt the run's noise (see the detector for the numbers). Each layer's
+    saturation and max logit go to :class:`~stable_attn.monitor.SurgeDetector`\ s on monitored steps
+    (``kind="early_warning"``).
 
     **Alert.** The first step of each anomaly becomes an :class:`~stable_attn.monitor.Alert` (with the
     step, values, baseline, threshold, score, learning rate, and the layers whose saturation or max
@@ -117,6 +152,23 @@ class StableAttentionCallback(Callback):
       ``<log_dir>/stable_attn-stop-step=<step>.ckpt`` and the Trainer stops.
 
     Early warnings only alert.
+
+    **Never a non-finite update.** A NaN or inf loss on any rank, or a NaN or inf gradient on any
+    rank (seen in the gradient norm, or with ``monitor_grad_norm=False`` by a max-abs check of the
+    gradients), drops that step's update whatever ``on_spike`` says: ``"warn"`` skips it, the other
+    actions act as for a spike; the alert (``kind="nonfinite"``) says so. Under fp16 AMP the
+    GradScaler meets inf gradients by design and skips those steps itself: they are not alerts.
+
+    **Escalation.** When ``not_training_after`` optimizer steps in a row have had their update
+    dropped (for any reason) or a non-finite loss, one ``kind="not_training"`` alert says the run is
+    not training; when the streak reaches ``not_training_stop_after`` steps, a second one says so
+    and the callback stops as for ``"stop"`` (a checkpoint of the last weights that were applied,
+    ``<log_dir>/stable_attn-stop-step=<step>.ckpt``). A step that trains ends the streak.
+
+    **What the user sees.** WARNING lines on the ``stable_attn`` logger (Python prints WARNING and
+    above even without any logging set up): the swap; for each watched metric, when spike detection
+    becomes active (the gross-jump rule, then the calibrated rule); every alert; and at the end of
+    ``fit()`` one summary line (alerts by kind, updates skipped, rollbacks, the stop checkpoint).
 
     Args:
         on_spike: ``"warn"``, ``"skip"``, ``"rollback"`` or ``"stop"``.
@@ -142,8 +194,13 @@ class StableAttentionCallback(Callback):
         on_alert: a callable or callables, each called with every :class:`~stable_attn.monitor.Alert`.
         webhook_url: ``http(s)://`` URL that receives each alert as a JSON POST.
         webhook_timeout: seconds per webhook request.
-        alerts_file: file name of the alerts JSONL inside the run's log directory, or None for none.
+        alerts_file: file name of the alerts JSONL inside the run's log directory
+            (``trainer.log_dir``), or None for none; the default is what ``stable-attn report`` reads.
         layer_window: monitored steps over which layer changes are reported in alerts.
+        not_training_after: optimizer steps in a row without an applied update (or with a
+            non-finite loss) that raise the ``not_training`` alert.
+        not_training_stop_after: steps in a row after which the run is stopped with a checkpoint;
+            None never stops.
     """
 
     def __init__(
@@ -163,8 +220,11 @@ class StableAttentionCallback(Callback):
         on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None = None,
         webhook_url: str | None = None,
         webhook_timeout: float = 2.0,
-        alerts_file: str | None = "stable_attn_alerts.jsonl",
+        webhook_headers: Mapping[str, str] | None = None,
+        alerts_file: str | None = names.ALERTS_FILE,
         layer_window: int = 10,
+        not_training_after: int = 10,
+        not_training_stop_after: int | None = 100,
     ) -> None:
         if on_spike not in _ACTIONS:
             raise ValueError(f"on_spike={on_spike!r} is not supported; use one of {_ACTIONS}")
@@ -172,6 +232,8 @@ class StableAttentionCallback(Callback):
         _check_int("rollback_every", rollback_every, 1)
         _check_int("layer_window", layer_window, 2)
         _check_int("early_warning_warmup", early_warning_warmup, 0, allow_none=True)
+        _check_int("not_training_after", not_training_after, 1)
+        _check_int("not_training_stop_after", not_training_stop_after, not_training_after, allow_none=True)
         for name, flag in (("swap", swap), ("patch_sdpa", patch_sdpa), ("monitor_grad_norm", monitor_grad_norm),
                            ("attention_stats", attention_stats), ("early_warnings", early_warnings)):
             if not isinstance(flag, bool):
@@ -179,25 +241,9 @@ class StableAttentionCallback(Callback):
         for name, det in (("loss_detector", loss_detector), ("grad_norm_detector", grad_norm_detector)):
             if det is not None and not isinstance(det, SpikeDetector):
                 raise TypeError(f"{name}={det!r} is not supported; use a stable_attn.monitor.SpikeDetector or None")
-        if on_alert is None:
-            callbacks: list[Callable[[Alert], Any]] = []
-        elif callable(on_alert):
-            callbacks = [on_alert]
-        else:
-            try:
-                callbacks = list(on_alert)
-            except TypeError:
-                raise TypeError(f"on_alert={on_alert!r} is not supported; use a callable, a list of callables "
-                                "or None") from None
-        for fn in callbacks:
-            if not callable(fn):
-                raise TypeError(f"on_alert holds {fn!r}, which is not callable; each entry receives the Alert")
-        if webhook_url is not None:
-            WebhookChannel(webhook_url, timeout=webhook_timeout)  # validates url and timeout, starts nothing
-        if alerts_file is not None and (not isinstance(alerts_file, str) or not alerts_file
-                                        or os.path.basename(alerts_file) != alerts_file):
-            raise ValueError(f"alerts_file={alerts_file!r} is not supported; use a plain file name "
-                             "(it is written in the run's log directory) or None")
+        callbacks = alerting.check_on_alert(on_alert)
+        webhook_timeout, webhook_headers = alerting.check_webhook(webhook_url, webhook_timeout, webhook_headers)
+        alerting.check_alerts_file(alerts_file)
 
         self.on_spike = on_spike
         self.log_every_n_steps = log_every_n_steps
@@ -211,8 +257,11 @@ class StableAttentionCallback(Callback):
         self.on_alert = callbacks
         self.webhook_url = webhook_url
         self.webhook_timeout = webhook_timeout
+        self.webhook_headers = webhook_headers
         self.alerts_file = alerts_file
         self.layer_window = layer_window
+        self.not_training_after = not_training_after
+        self.not_training_stop_after = not_training_stop_after
         self.loss_detector = loss_detector if loss_detector is not None else SpikeDetector("train/loss")
         self.grad_norm_detector = (
             grad_norm_detector if grad_norm_detector is not None else SpikeDetector("train/grad_norm")
@@ -220,11 +269,15 @@ class StableAttentionCallback(Callback):
         self.surge_detectors: dict[str, SurgeDetector] = {}
 
         self.alert_count = 0
+        self.alert_kinds: dict[str, int] = dict.fromkeys(ALERT_KINDS, 0)
+        self.not_training_streak = 0  # optimizer steps in a row without an applied update
         self.skipped_steps: list[int] = []
         self.rollbacks: list[tuple[int, int]] = []  # (spiking step, snapshot step)
         self.stop_checkpoint: str | None = None
         self.layers: LayerStats | None = None
         self.dispatcher: AlertDispatcher | None = None
+        # per channel: delivered, failed, dropped, abandoned (closed channels and earlier runs of a resume)
+        self.alert_delivery: dict[str, dict[str, int]] = {}
         self.log_dir: str | None = None
 
         self._swapped: dict[int, str] = {}
@@ -239,12 +292,17 @@ class StableAttentionCallback(Callback):
         self._pending_rollback = False
         self._pending_stop = False
         self._last: dict[str, float] = {}
-        self._deferred: tuple[_StepRecord, torch.Tensor, Any] | None = None
-        # loss detectors of ranks 1, 2, ... (rank 0's is ``loss_detector``); made as ranks report
-        self._rank_loss_detectors: list[SpikeDetector] = [self.loss_detector]
-        self._pending_rank_states: dict[int, dict[str, Any]] = {}
-        self._ready_logged: set[str] = set()
+        # Each rank's loss and gradient norm have their own detectors (rank 0's are ``loss_detector``
+        # and ``grad_norm_detector``; the others are copies, made as ranks report).
+        self._rank_detectors: dict[str, list[SpikeDetector]] = {
+            names.LOSS: [self.loss_detector], names.GRAD_NORM: [self.grad_norm_detector]}
+        self._pending_rank_states: dict[str, dict[int, dict[str, Any]]] = {names.LOSS: {}, names.GRAD_NORM: {}}
+        self._phases: dict[str, str] = {}  # metric -> the detector phase last announced
+        self._grads_were_bad = False
         self._snapshot: Snapshot | None = None
+        self._snapshot_in_checkpoint = False
+        self._loaded_snapshot: Snapshot | None = None
+        self._resumed = False
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -254,8 +312,8 @@ class StableAttentionCallback(Callback):
 
             self._sdpa_patch = patch_sdpa()
             if trainer.is_global_zero:
-                log.info("StableAttentionCallback: torch.nn.functional.scaled_dot_product_attention now runs "
-                         "stable_attn (backend %s) until the end of %s", _backend(trainer), stage)
+                log.warning("StableAttentionCallback: torch.nn.functional.scaled_dot_product_attention now runs "
+                            "stable_attn (backend %s) until the end of %s", _backend(trainer), stage)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Models built in ``configure_model`` (FSDP) only exist now.
@@ -292,7 +350,7 @@ class StableAttentionCallback(Callback):
         if self.early_warnings and self.attention_stats:
             for name in stats:
                 for stat, make in (("saturation", SurgeDetector.saturation), ("max_logit", SurgeDetector.max_logit)):
-                    metric = f"stable_attn/{stat}/{name}"
+                    metric = names.layer_metric(stat, name)
                     if metric not in self.surge_detectors:
                         warmup = {} if self.early_warning_warmup is None else {"warmup": self.early_warning_warmup}
                         self.surge_detectors[metric] = make(metric, **warmup)
@@ -300,39 +358,61 @@ class StableAttentionCallback(Callback):
                 self._load_surge(self._pending_state.get("surge", {}))
         if trainer.is_global_zero:
             n_attention = sum(len(attention_modules(m)) for m in models.values())
-            names = ", ".join(type(m).__name__ for m in models.values())
+            found = ", ".join(type(m).__name__ for m in models.values())
             what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.swap else \
                 "monitoring %d transformers model(s) [%s] (attention not switched)"
-            log.info("StableAttentionCallback: " + what + ": %d attention layer(s), backend %s",
-                     len(models), names, n_attention, _backend(trainer))
+            log.warning("StableAttentionCallback: " + what + ": %d attention layer(s), backend %s",
+                        len(models), found, n_attention, _backend(trainer))
 
     def _build_dispatcher(self) -> AlertDispatcher:
-        channels: list[Any] = [LoggingChannel()]
-        if self.alerts_file is not None:
-            channels.append(JsonlChannel(os.path.join(self.log_dir, self.alerts_file)))
-        channels.extend(CallableChannel(fn) for fn in self.on_alert)
-        if self.webhook_url is not None:
-            channels.append(WebhookChannel(self.webhook_url, timeout=self.webhook_timeout))
-        return AlertDispatcher(channels)
+        return alerting.build_dispatcher(self.log_dir or ".", self.alerts_file, self.on_alert, self.webhook_url,
+                                         self.webhook_timeout, self.webhook_headers)
 
+    # ------------------------------------------------------------- end of run
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        # A run that dies (e.g. on a NaN raised by user code) still delivers the alerts that explain it.
-        if self.dispatcher is not None:
-            self.dispatcher.flush(timeout=2 * self.webhook_timeout)
+        # Lightning calls no teardown hook when fit() raises (KeyboardInterrupt included): end the run here.
+        self._end_run(f"after fit() raised {type(exception).__name__}")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.dispatcher is not None:
-            self.dispatcher.close()  # delivers queued webhook alerts (bounded wait)
-            self.dispatcher = None
-        if self._sdpa_patch is not None:
-            self._sdpa_patch.restore()
-            self._sdpa_patch = None
+        self._end_run(f"at the end of {getattr(stage, 'value', stage)}()")
+
+    def _end_run(self, when: str) -> None:
+        """Close the alert channels (within one webhook timeout in all), say what they did not deliver,
+        put back ``F.scaled_dot_product_attention`` and switch statistics off. Idempotent."""
+        dispatcher, self.dispatcher = self.dispatcher, None
+        if dispatcher is not None:
+            delivered = alerting.close_dispatcher(dispatcher, self.webhook_timeout, when)
+            self.alert_delivery = alerting.add_counts(self.alert_delivery, delivered)
+        patch, self._sdpa_patch = self._sdpa_patch, None
+        if patch is not None:
+            try:
+                patch.restore()
+            except RuntimeError as exc:  # another patch_sdpa was installed on top of ours during the run
+                log.warning("StableAttentionCallback: torch.nn.functional.scaled_dot_product_attention not restored "
+                            "%s: %s", when, exc)
         if self.layers is not None:
             self.layers.enable(False)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.on_spike == "rollback":
-            self._snapshot = take_snapshot(trainer, pl_module)
+        loaded, self._loaded_snapshot = self._loaded_snapshot, None
+        resumed, self._resumed = self._resumed, False
+        # A snapshot of one process is the whole state; several ranks (DDP, FSDP) each hold their own, and a
+        # checkpoint keeps rank zero's only.
+        self._snapshot_in_checkpoint = trainer.world_size == 1
+        if self.on_spike != "rollback":
+            return
+        if loaded is not None:
+            self._snapshot = loaded
+            if trainer.is_global_zero:
+                log.info("StableAttentionCallback: rollback snapshot of global_step %d restored from the checkpoint",
+                         loaded.step)
+            return
+        self._snapshot = take_snapshot(trainer, pl_module)
+        if resumed and trainer.is_global_zero:
+            log.warning("StableAttentionCallback: rollback history starts afresh at global_step %d: the checkpoint "
+                        "holds no rollback snapshot (one is saved only by single-process runs with "
+                        "on_spike='rollback'), so a spike rolls back to no earlier state than this one",
+                        trainer.global_step)
 
     # ------------------------------------------------------------ each step
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -355,11 +435,16 @@ class StableAttentionCallback(Callback):
         step = trainer.global_step
         device = trainer.strategy.root_device
         grad_norm = total_grad_norm(pl_module.parameters(), trainer.strategy) if self.monitor_grad_norm else None
+        # The norm is non-finite exactly when a gradient is (or its sum of squares overflows): no second
+        # pass then; without it, a max-abs pass over the local gradients.
+        bad_grads = (~torch.isfinite(grad_norm)).float() if grad_norm is not None else \
+            nonfinite_grads(pl_module.parameters())
         nan = torch.full((), math.nan, device=device)
         mine = torch.stack([
             self._loss.to(device) if self._loss is not None else nan,
             grad_norm.float().to(device) if grad_norm is not None else nan,
             torch.full((), float(self._loss is not None), device=device),
+            bad_grads.to(device) if bad_grads is not None else torch.zeros((), device=device),
         ]).double()
         # Every rank shares its raw values (one collective per step, issued whatever the values are) and
         # every rank runs the same detectors over all of them, so all ranks reach the same verdict.
@@ -367,95 +452,138 @@ class StableAttentionCallback(Callback):
         lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else math.nan
         scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         record = _StepRecord(step, grad_norm is not None, lr, scaler)
-
-        previous, self._deferred = self._deferred, None
-        if previous is not None:
-            self._process(trainer, *previous)
-        if self.on_spike == "warn" and table.is_cuda and not self._monitor_now:
-            # Nothing to decide before the update: read the values one step late, without stalling the
-            # device (a blocking read here would stop the host from queueing the next step's kernels).
-            host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
-            host.copy_(table, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            self._deferred = (record, host, done)
-        elif self._process(trainer, record, table.cpu(), None) and self.on_spike != "warn":
+        verdict = self._process(trainer, record, table.cpu())
+        if verdict.drop:
             # No gradients, no update: torch optimizers skip parameters whose .grad is None.
             optimizer.zero_grad(set_to_none=True)
             self._acted = True
-            if self.on_spike == "skip":
+            if verdict.action == "skip":
                 self.skipped_steps.append(step)
-            elif self.on_spike == "rollback":
+            elif verdict.action == "rollback":
                 self._pending_rollback = True
             else:
                 self._pending_stop = True
+        self._escalate(trainer, step, verdict.not_training)
         self._stepped = True
 
-    def _process(self, trainer: Trainer, record: _StepRecord, table: torch.Tensor, done: Any) -> bool:
-        """Run the detectors on one step's values from every rank; alert; True if the step spiked."""
-        if done is not None:
-            done.synchronize()
-        rows = table.tolist()  # [rank][loss, grad norm, has loss]
+    def _process(self, trainer: Trainer, record: _StepRecord, table: torch.Tensor) -> _Verdict:
+        """Run every rank's detectors on one step's values from every rank, alert, and decide."""
+        rows = table.tolist()  # [rank][loss, grad norm, has loss, non-finite gradients]
         step, world = record.step, len(rows)
-        norm = rows[0][1]
-        losses = [r[0] for r in rows if r[2] and math.isfinite(r[0])]
+        losses = [r[0] for r in rows if r[2]]
+        norms = [r[1] for r in rows] if record.has_norm else []
         self._last = {
-            "train/loss": sum(losses) / len(losses) if losses else (math.nan if not any(r[2] for r in rows) else
-                                                                    next(r[0] for r in rows if r[2])),
-            "train/grad_norm": norm,
-            "train/lr": record.lr,
+            names.LOSS: sum(losses) / len(losses) if losses else math.nan,  # a NaN on any rank shows
+            names.GRAD_NORM: _worst(norms),
+            names.LR: record.lr,
         }
-        self._loss_detector(world - 1)  # every rank's detector exists before any sees this step
-        loss_events = []
-        for rank, row in enumerate(rows):
-            if row[2]:
-                event = self._loss_detector(rank).update(step, row[0])
-                if event is not None:
-                    loss_events.append((rank, event))
-        norm_event = None
+        loss_detectors, norm_detectors = self._detectors(names.LOSS, world), self._detectors(names.GRAD_NORM, world)
+        loss_events = [(rank, loss_detectors[rank].update(step, r[0])) for rank, r in enumerate(rows) if r[2]]
+        norm_events = []
         # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
-        if record.has_norm and not (record.scaler and not math.isfinite(norm)):
-            norm_event = self.grad_norm_detector.update(step, norm)
-        self._note_ready(trainer, step)
-        note = self._action_note(step)
-        new_loss = [(rank, e) for rank, e in loss_events if e.is_new]
-        if new_loss:
-            rank, event = new_loss[0]
-            self._alert(trainer, event, self.on_spike, (f"on rank {rank} of {world}" if world > 1 else "") + note)
-        if norm_event is not None and norm_event.is_new:
-            self._alert(trainer, norm_event, self.on_spike, note)
-        return bool(loss_events) or norm_event is not None
+        if record.has_norm:
+            norm_events = [(rank, norm_detectors[rank].update(step, r[1])) for rank, r in enumerate(rows)
+                           if not (record.scaler and not math.isfinite(r[1]))]
+        loss_events = [(rank, e) for rank, e in loss_events if e is not None]
+        norm_events = [(rank, e) for rank, e in norm_events if e is not None]
+        bad_grad_ranks = [] if record.scaler else [rank for rank, r in enumerate(rows) if r[3]]
+        nonfinite_loss = any(r[2] and not math.isfinite(r[0]) for r in rows)
+        nonfinite = nonfinite_loss or bool(bad_grad_ranks)
+        spiked = bool(loss_events or norm_events)
+        drop = nonfinite or (spiked and self.on_spike != "warn")
+        action = self.on_spike if self.on_spike != "warn" else ("skip" if drop else "warn")
+        note = self._action_note(step, action)
+        if nonfinite and self.on_spike == "warn":
+            note += " (a non-finite update is never applied, whatever on_spike says)"
+        self._note_phases(trainer, step)
+        for events in (loss_events, norm_events):
+            new = [(rank, e) for rank, e in events if e.is_new]
+            if new:
+                self._alert(trainer, new[0][1], action, _where([rank for rank, _ in events], world) + note)
+        if bad_grad_ranks and not record.has_norm and not self._grads_were_bad:
+            self._emit(trainer, Alert(
+                step=step, kind="nonfinite", metric=names.GRADIENTS, value=math.nan, lr=record.lr, action=action,
+                message=("NaN or inf in the gradients " + _where(bad_grad_ranks, world) + note).strip()))
+        self._grads_were_bad = bool(bad_grad_ranks) and not record.has_norm
+        return _Verdict(drop=drop, action=action, not_training=drop or nonfinite_loss)
 
-    def _note_ready(self, trainer: Trainer, step: int) -> None:
-        """Say once when each spike detector has calibrated: before that, only non-finite values alert."""
-        for detector in (self.loss_detector, self.grad_norm_detector):
-            if detector.metric not in self._ready_logged and detector.ready:
-                self._ready_logged.add(detector.metric)
-                if trainer.is_global_zero:
-                    log.info("StableAttentionCallback: %s spike detection active from step %d", detector.metric, step)
+    def _escalate(self, trainer: Trainer, step: int, not_training: bool) -> None:
+        """Count the optimizer steps in a row that did not train; alert, then stop, when there are many."""
+        self.not_training_streak = self.not_training_streak + 1 if not_training else 0
+        streak = self.not_training_streak
+        stop = self.not_training_stop_after
+        if streak not in (self.not_training_after, stop):
+            return
+        action = "stop" if streak == stop else "warn"
+        if action == "stop":
+            self._pending_stop = True
+        then = f"; stopping, checkpoint {self._stop_path(step)}" if action == "stop" else (
+            f"; the run stops after {stop} such steps" if stop is not None else "")
+        self._emit(trainer, Alert(
+            step=step, kind="not_training", metric=names.NOT_TRAINING, value=streak,
+            threshold=self.not_training_after, lr=self._last.get(names.LR), action=action,
+            message=f"the run is not training: {streak} optimizer steps in a row (steps {step - streak + 1}..{step}) "
+                    f"had their update dropped or a non-finite loss{then}"))
 
-    def _loss_detector(self, rank: int) -> SpikeDetector:
-        """Rank ``rank``'s loss detector (each rank's loss has its own level and noise)."""
-        while len(self._rank_loss_detectors) <= rank:
-            detector = copy.deepcopy(self.loss_detector)
-            pending = self._pending_rank_states.get(len(self._rank_loss_detectors))
+    def _note_phases(self, trainer: Trainer, step: int) -> None:
+        """One WARNING line when the rule that judges a watched metric changes: NaN/inf only at first,
+        then gross jumps, then the calibrated rule (see SpikeDetector)."""
+        watched = [self.loss_detector] + ([self.grad_norm_detector] if self.monitor_grad_norm else [])
+        changed: dict[str, list[str]] = {}
+        for detector in watched:
+            phase = _phase(detector)
+            if self._phases.get(detector.metric) != phase:
+                self._phases[detector.metric] = phase
+                changed.setdefault(phase, []).append(detector.metric)
+        if not trainer.is_global_zero:
+            return
+        for phase, metrics in changed.items():
+            which = ", ".join(metrics)
+            if phase == "gross":
+                ratio = getattr(self.loss_detector, "gross_ratio", None)
+                rule = f"a value above {ratio:g}x its recent median, and NaN/inf" if ratio else "NaN/inf"
+                log.warning("StableAttentionCallback: spike detection active from step %d on %s: %s alert now; "
+                            "the calibrated rule takes over once it has learnt the run's noise", step, which, rule)
+            elif phase == "calibrated":
+                log.warning("StableAttentionCallback: calibrated spike detection active from step %d on %s",
+                            step, which)
+
+    def _detectors(self, metric: str, world: int) -> list[SpikeDetector]:
+        """The ``metric`` detectors of ranks 0..world-1 (each rank's values have their own level and noise)."""
+        detectors = self._rank_detectors[metric]
+        while len(detectors) < world:
+            detector = copy.deepcopy(detectors[0])
+            pending = self._pending_rank_states[metric].get(len(detectors))
             if pending is not None:
                 detector.load_state_dict(pending)
-            self._rank_loss_detectors.append(detector)
-        return self._rank_loss_detectors[rank]
+            detectors.append(detector)
+        return detectors
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        previous, self._deferred = self._deferred, None
-        if previous is not None:
-            self._process(trainer, *previous)
+        if trainer.is_global_zero:
+            log.warning("StableAttentionCallback: %s", self.summary())
 
-    def _action_note(self, step: int) -> str:
-        if self.on_spike == "skip":
+    def summary(self) -> str:
+        """One line: the alerts of the run by kind, the updates skipped, rollbacks and the stop checkpoint."""
+        kinds = ", ".join(f"{kind} {n}" for kind, n in self.alert_kinds.items())
+        line = f"{self.alert_count} alert(s) ({kinds}); {len(self.skipped_steps)} update(s) skipped"
+        if self.skipped_steps:
+            shown = ", ".join(map(str, self.skipped_steps[:5])) + (", ..." if len(self.skipped_steps) > 5 else "")
+            line += f" (steps {shown})"
+        line += f", {len(self.rollbacks)} rollback(s)"
+        if self.stop_checkpoint is not None:
+            line += f"; stopped, checkpoint {self.stop_checkpoint}"
+        if self.alerts_file is not None and self.alert_count and self.log_dir is not None:
+            line += f"; alerts in {os.path.join(self.log_dir, self.alerts_file)}"
+        return line
+
+    def _action_note(self, step: int, action: str) -> str:
+        if action == "skip":
             return "; update skipped"
-        if self.on_spike == "rollback":
+        if action == "rollback":
             at = self._snapshot.step if self._snapshot is not None else "?"
             return f"; rolling back to the state at global_step {at}"
-        if self.on_spike == "stop":
+        if action == "stop":
             return f"; stopping, checkpoint {self._stop_path(step)}"
         return ""
 
@@ -494,62 +622,82 @@ class StableAttentionCallback(Callback):
                 log.warning("StableAttentionCallback: stopped training at step %d; checkpoint %s", step, path)
 
         if (self._monitor_now or self.alert_count != alerts_before) and trainer.progress_bar_callback is not None:
-            pl_module.log("stable_attn/alerts", float(self.alert_count), prog_bar=True, logger=False,
+            pl_module.log(names.ALERT_COUNT, float(self.alert_count), prog_bar=True, logger=False,
                           on_step=True, on_epoch=False)
         if self.layers is not None:
             self.layers.enable(False)
 
     def _monitor(self, trainer: Trainer, step: int) -> None:
-        metrics = {k: v for k, v in self._last.items() if not (k == "train/grad_norm" and not self.monitor_grad_norm)}
+        metrics = {k: v for k, v in self._last.items() if not (k == names.GRAD_NORM and not self.monitor_grad_norm)}
         if self.layers is not None and len(self.layers):
             gather = trainer.strategy.all_gather if trainer.world_size > 1 else None
             per_layer = self.layers.collect(step, gather, trainer.strategy.root_device)
             for name, values in per_layer.items():
                 for stat in STAT_NAMES:
-                    metrics[f"stable_attn/{stat}/{name}"] = values[stat]
+                    metrics[names.layer_metric(stat, name)] = values[stat]
                 for stat in ("saturation", "max_logit"):
-                    detector = self.surge_detectors.get(f"stable_attn/{stat}/{name}")
+                    detector = self.surge_detectors.get(names.layer_metric(stat, name))
                     event = detector.update(step, values[stat]) if detector is not None else None
                     if event is not None and event.is_new:
                         self._alert(trainer, event, "warn", "")
-        metrics["stable_attn/alerts"] = float(self.alert_count)
+        metrics[names.ALERT_COUNT] = float(self.alert_count)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
     def _alert(self, trainer: Trainer, event: SpikeEvent, action: str, message: str) -> None:
+        """An alert from a detector's event, with the step's learning rate and the layers that moved."""
+        layers = self.layers.most_changed() if self.layers is not None else []
+        self._emit(trainer, Alert.from_event(event, lr=self._last.get(names.LR), layers=layers, action=action,
+                                             message=message.lstrip("; ")))
+
+    def _emit(self, trainer: Trainer, alert: Alert) -> None:
         """Count the alert on every rank (the count is shown and logged), deliver it on rank zero."""
         self.alert_count += 1
-        if self.dispatcher is None:
-            return
-        layers = self.layers.most_changed() if self.layers is not None else []
-        self.dispatcher.emit(
-            Alert.from_event(event, lr=self._last.get("train/lr"), layers=layers, action=action,
-                             message=message.lstrip("; "))
-        )
+        self.alert_kinds[alert.kind] = self.alert_kinds.get(alert.kind, 0) + 1
+        if self.dispatcher is not None:
+            self.dispatcher.emit(alert)
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
         return {
             "loss_detector": self.loss_detector.state_dict(),
             # every rank runs every rank's detector, so rank zero's copy of them is everyone's
-            "other_rank_loss_detectors": [d.state_dict() for d in self._rank_loss_detectors[1:]],
+            "other_rank_loss_detectors": [d.state_dict() for d in self._rank_detectors[names.LOSS][1:]],
             "grad_norm_detector": self.grad_norm_detector.state_dict(),
+            "other_rank_grad_norm_detectors": [d.state_dict() for d in self._rank_detectors[names.GRAD_NORM][1:]],
+            "alert_kinds": dict(self.alert_kinds),
+            "not_training_streak": self.not_training_streak,
             "surge": {name: det.state_dict() for name, det in self.surge_detectors.items()},
             "alert_count": self.alert_count,
             "skipped_steps": list(self.skipped_steps),
             "rollbacks": [list(r) for r in self.rollbacks],
             "stop_checkpoint": self.stop_checkpoint,
             "layers": self.layers.state_dict() if self.layers is not None else {},
+            "alert_delivery": self._delivery(),
+            **({"rollback_snapshot": snapshot_state(self._snapshot)} if self._snapshot is not None
+               and self._snapshot_in_checkpoint and self.on_spike == "rollback" else {}),
         }
 
+    def _delivery(self) -> dict[str, dict[str, int]]:
+        """Per-channel delivery counts so far: closed channels, earlier runs, and the open channels."""
+        live = self.dispatcher.delivery() if self.dispatcher is not None else {}
+        return alerting.add_counts(self.alert_delivery, {k: v for k, v in live.items() if any(v.values())})
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed = True
+        self.alert_delivery = alerting.add_counts({}, state_dict.get("alert_delivery", {}))
+        snapshot = state_dict.get("rollback_snapshot")
+        self._loaded_snapshot = snapshot_from_state(snapshot) if snapshot is not None else None
         self.loss_detector.load_state_dict(state_dict["loss_detector"])
-        others = state_dict.get("other_rank_loss_detectors", [])
-        self._pending_rank_states = {rank: st for rank, st in enumerate(others, start=1)}
-        del self._rank_loss_detectors[1:]  # rebuilt from the saved states as ranks report
         self.grad_norm_detector.load_state_dict(state_dict["grad_norm_detector"])
+        for metric, key in ((names.LOSS, "other_rank_loss_detectors"),
+                            (names.GRAD_NORM, "other_rank_grad_norm_detectors")):
+            self._pending_rank_states[metric] = dict(enumerate(state_dict.get(key, []), start=1))
+            del self._rank_detectors[metric][1:]  # rebuilt from the saved states as ranks report
         self.alert_count = int(state_dict.get("alert_count", 0))
+        self.alert_kinds = dict.fromkeys(ALERT_KINDS, 0) | dict(state_dict.get("alert_kinds", {}))
+        self.not_training_streak = int(state_dict.get("not_training_streak", 0))
         self.skipped_steps = list(state_dict.get("skipped_steps", []))
         self.rollbacks = [tuple(r) for r in state_dict.get("rollbacks", [])]
         self.stop_checkpoint = state_dict.get("stop_checkpoint")

@@ -15,12 +15,14 @@ __all__ = [
     "ALERTS_FILE",
     "ALERT_COUNT",
     "ALERT_KINDS",
+    "GRADIENTS",
     "GRAD_NORM",
     "LAYER_STATS",
     "LEGACY_ALERTS_FILES",
     "LOSS",
     "LR",
     "METRICS_FILE",
+    "NOT_TRAINING",
     "VAL_LOSS",
     "layer_metric",
     "parse_layer_metric",
@@ -43,6 +45,10 @@ METRICS_FILE = "metrics.csv"
 # -------------------------------------------------------------------------------------------- metrics
 LOSS = "train/loss"
 GRAD_NORM = "train/grad_norm"
+#: The metric of a ``nonfinite`` alert raised by the gradient check when the norm is not monitored.
+GRADIENTS = "train/gradients"
+#: The metric of ``not_training`` alerts: optimizer steps in a row without an applied update.
+NOT_TRAINING = "train/steps_not_training"
 LR = "train/lr"
 VAL_LOSS = "val/loss"
 ALERT_COUNT = "stable_attn/alerts"

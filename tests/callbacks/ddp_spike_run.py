@@ -1,4 +1,6 @@
-"""A 2-process DDP run (gloo, CPU) in which only rank 1 sees a corrupted batch.
+"""A 2-process DDP run (gloo, CPU) in which only rank 1 sees a corrupted batch, and only rank 1's
+gradients go wrong after the all-reduce (user code or faulty hardware): 100x too large at GRAD_STEP,
+one NaN at NAN_STEP.
 
 Run by test_callback_ddp.py as ``python ddp_spike_run.py WEIGHTS OUT_DIR``: Lightning's ``strategy="ddp"``
 starts the second process by running this script again, so it must be a script, not a pytest test.
@@ -23,6 +25,8 @@ from stable_attn.monitor import SpikeDetector
 
 STEPS = 60
 BAD = 50
+GRAD_STEP = 40
+NAN_STEP = 55
 RANK_OFFSET = 100  # rank r reads batches 100*r .. 100*r + STEPS - 1: different data on each rank
 
 
@@ -32,6 +36,16 @@ class RankLM(ByteLM):
         first = RANK_OFFSET * rank
         corrupt = [first + BAD] if rank == 1 else []
         return batches_loader(range(first, first + STEPS), corrupt_batches=corrupt)
+
+    def on_after_backward(self):
+        # DDP has all-reduced the gradients by now: what happens here is seen by this rank only.
+        if self.trainer.global_rank != 1:
+            return
+        if self.trainer.global_step == GRAD_STEP:
+            for p in self.parameters():
+                p.grad.mul_(100.0)
+        elif self.trainer.global_step == NAN_STEP:
+            self.model.lm_head.weight.grad[3, 5] = float("nan")
 
 
 def digest(module: torch.nn.Module) -> str:

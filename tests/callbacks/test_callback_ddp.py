@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):
-    from ddp_spike_run import BAD, STEPS
+    from ddp_spike_run import BAD, GRAD_STEP, NAN_STEP, STEPS
 
     path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
@@ -23,9 +23,9 @@ def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
 
-    # both ranks finished (no deadlock) and both skipped the step that only rank 1 saw spike
+    # both ranks finished (no deadlock) and both skipped the steps that only rank 1 saw go wrong
     assert r0["global_step"] == r1["global_step"] == STEPS
-    assert r0["skipped_steps"] == r1["skipped_steps"] == [BAD]
+    assert r0["skipped_steps"] == r1["skipped_steps"] == [GRAD_STEP, BAD, NAN_STEP]
     assert r0["unchanged_at_bad"] and r1["unchanged_at_bad"]
     assert r0["final"] == r1["final"]  # replicas still identical: the decision was the same everywhere
     assert r0["alert_count"] == r1["alert_count"] >= 1
@@ -34,7 +34,12 @@ def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):
     assert r0["had_dispatcher"] and not r1["had_dispatcher"]
     with open(os.path.join(r0["log_dir"], "stable_attn_alerts.jsonl"), encoding="utf-8") as f:
         alerts = [json.loads(line) for line in f]
-    assert {a["step"] for a in alerts} == {BAD}
+    assert {a["step"] for a in alerts} == {GRAD_STEP, BAD, NAN_STEP}
     loss = [a for a in alerts if a["metric"] == "train/loss"]
     assert len(loss) == 1 and "on rank 1 of 2" in loss[0]["message"] and loss[0]["action"] == "skip"
+    # rank 1's gradient norm alone decided these two (rank 0's was normal)
+    norm = {a["step"]: a for a in alerts if a["metric"] == "train/grad_norm" and a["step"] != BAD}
+    assert norm.keys() == {GRAD_STEP, NAN_STEP}
+    assert norm[GRAD_STEP]["kind"] == "spike" and norm[NAN_STEP]["kind"] == "nonfinite"
+    assert all("on rank 1 of 2" in a["message"] and a["action"] == "skip" for a in norm.values())
     assert len(alerts) == r0["alert_count"]

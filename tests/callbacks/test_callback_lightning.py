@@ -14,6 +14,7 @@ import http.server
 import json
 import logging
 import os
+import re
 import socket
 import threading
 
@@ -203,8 +204,18 @@ def test_monitor_metrics_alert_jsonl_and_webhook(tmp_path, pretrained, caplog):
     assert all(set(d) == ALERT_KEYS for d in lines)
     assert [(d["step"], d["metric"]) for d in webhook] == [(BAD, "train/loss"), (BAD, "train/grad_norm")]
     assert any(r.levelno == logging.WARNING and "spike at step 50: train/loss" in r.message for r in caplog.records)
-    active = [r.message for r in caplog.records if "spike detection active from step" in r.message]
-    assert len(active) == 2 and all(int(m.rsplit(" ", 1)[1]) < BAD for m in active)
+    # what the user sees: WARNING lines for the swap, for detection becoming active, and a summary at the end
+    shown = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("switched 1 transformers model(s)" in m for m in shown)
+    gross = [m for m in shown if re.match(r"StableAttentionCallback: spike detection active from step \d+ on", m)]
+    assert len(gross) == 1 and int(gross[0].split("from step ")[1].split()[0]) < 10, gross
+    calibrated = {}
+    for m in shown:
+        found = re.match(r"StableAttentionCallback: calibrated spike detection active from step (\d+) on (.+)$", m)
+        if found:
+            calibrated.update(dict.fromkeys(found.group(2).split(", "), int(found.group(1))))
+    assert calibrated.keys() == {"train/loss", "train/grad_norm"} and max(calibrated.values()) < BAD
+    assert shown[-1].startswith("StableAttentionCallback: 2 alert(s) (spike 2, nonfinite 0, early_warning 0")
 
 
 def test_skip_leaves_weights_and_optimizer_state_unchanged(tmp_path, pretrained, caplog):

@@ -1,0 +1,72 @@
+"""StableAttentionCallback with its DEFAULT arguments, as a new user runs it: a real Lightning Trainer on
+the CPU, the tiny byte-level GPT-2 of callback_lm.py, real text.
+
+- a corrupted batch (the text garbled as if decoded with the wrong codec) at step 10, 50 or 110 of a
+  fine-tuning run is alerted on that very step, and nothing before it;
+- healthy runs (fine-tuning, and training from scratch at lr 3e-3) raise no alert of any kind;
+- ``stable-attn report`` on the run directory shows the alert the callback wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import pytest
+from callback_lm import ByteLM, batches_loader, trainer
+
+from stable_attn.callbacks import StableAttentionCallback
+from stable_attn.cli import main
+from stable_attn.monitor import Alert
+from stable_attn.monitor.names import ALERTS_FILE
+
+
+def fit_defaults(tmp_path, weights, steps: int, corrupt=(), **callback_kwargs):
+    received: list[Alert] = []
+    cb = StableAttentionCallback(on_alert=received.append, **callback_kwargs)
+    L.seed_everything(0, verbose=False)
+    t = trainer(tmp_path, [cb], steps, log_every_n_steps=50)  # the Trainer's default logging interval
+    t.fit(ByteLM(weights=weights), batches_loader(range(steps), corrupt_batches=corrupt))
+    return t, cb, received
+
+
+@pytest.mark.parametrize("bad", [10, 50, 110])
+def test_a_corrupted_batch_is_caught_on_its_step(tmp_path, pretrained, bad):
+    t, cb, received = fit_defaults(tmp_path, pretrained, bad + 2, corrupt=(bad,))
+    assert t.global_step == bad + 2
+    assert received, f"no alert for the corrupted batch at step {bad}"
+    assert {a.step for a in received} == {bad}, [a.format() for a in received]
+    assert "train/loss" in {a.metric for a in received if a.kind == "spike"}
+
+
+def test_a_healthy_fine_tuning_run_raises_no_alert(tmp_path, pretrained, caplog):
+    with caplog.at_level(logging.WARNING, logger="stable_attn"):
+        t, cb, received = fit_defaults(tmp_path, pretrained, 150)
+    assert t.global_step == 150
+    assert received == [], [a.format() for a in received]
+    assert cb.alert_count == 0 and cb.skipped_steps == []
+    # what the user sees: the swap, detection becoming active, and the summary, all at WARNING
+    messages = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("switched 1 transformers model(s)" in m for m in messages)
+    assert any("spike detection active from step" in m and "train/loss" in m for m in messages)
+    assert messages[-1].startswith("StableAttentionCallback: 0 alert(s) (spike 0, nonfinite 0")
+
+
+def test_training_from_scratch_at_a_high_learning_rate_raises_no_alert(tmp_path):
+    t, cb, received = fit_defaults(tmp_path, None, 150)
+    assert t.global_step == 150
+    assert received == [], [a.format() for a in received]
+
+
+def test_the_report_shows_the_alert_of_a_default_run(tmp_path, pretrained, capsys):
+    bad = 30
+    t, cb, received = fit_defaults(tmp_path, pretrained, bad + 3, corrupt=(bad,))
+    assert (t.log_dir.rstrip("/").rsplit("/", 1)[-1]) == "version_0"  # trainer.log_dir: RUN_DIR/run/version_0
+    assert (tmp_path / "run" / "version_0" / ALERTS_FILE).is_file()
+    assert main(["report", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    n_spikes = sum(a.kind == "spike" for a in received)
+    assert n_spikes >= 1 and f"spike {n_spikes}" in printed
+    md = (tmp_path / "report.md").read_text()
+    assert f"| {bad} | spike | train/loss |" in md
+    assert f"| alerts: spike | {n_spikes} |" in md
