@@ -2,12 +2,13 @@
 
 Not a pytest test (CI has no GPU): run on a CUDA machine as ``python tests/callbacks/gpu_check.py OUT_DIR``.
 It fine-tunes the tiny byte-level GPT-2 of the CPU tests with ``strategy=FSDPStrategy()`` on one GPU,
-feeds a garbled batch at step 90, and checks that: the model runs on stable_attn with the CUDA
-(Triton) backend, per-layer statistics reach the CSV, the gradient norm goes through FSDP's own
-reduction and equals the norm of the unsharded gradients, the spike is alerted at step 90 and
-nowhere else, and ``on_spike="skip"`` leaves the weights unchanged on that step; then the same
-without FSDP and with ``on_spike="warn"``, where values are read one step late. Prints one line per
-check and exits non-zero on the first failure.
+feeds a garbled batch at step 90, and checks, with the callback's default detectors, that: the model
+runs on stable_attn with the CUDA (Triton) backend, per-layer statistics reach the CSV, the gradient
+norm goes through FSDP's own reduction and equals the norm of the unsharded gradients, the spike is
+alerted at step 90 and nowhere else, and ``on_spike="skip"`` leaves the weights unchanged on that
+step; then the same without FSDP and with ``on_spike="warn"``, where step 90 trains and a NaN put
+into one gradient at step 95 is still skipped (no NaN update, whatever ``on_spike`` says). Prints one
+line per check and exits non-zero if any failed.
 """
 
 from __future__ import annotations
@@ -29,9 +30,23 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 
 from stable_attn.callbacks import StableAttentionCallback  # noqa: E402
-from stable_attn.monitor import SpikeDetector  # noqa: E402
 
-STEPS, BAD = 100, 90
+STEPS, BAD, NAN_STEP = 100, 90, 95
+
+
+class NanGradLM(ByteLM):
+    """ByteLM with one NaN in one gradient at ``nan_step`` (user code or faulty hardware)."""
+
+    def __init__(self, weights: str, nan_step: int | None) -> None:
+        super().__init__(weights=weights)
+        self.nan_step = nan_step
+
+    def on_after_backward(self):
+        if self.trainer.global_step == self.nan_step:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.view(-1)[0] = float("nan")
+                    break
 
 
 def digest(module: torch.nn.Module) -> str:
@@ -47,25 +62,22 @@ class Probe(Callback):
         self.norm_pairs: list[tuple[float, float]] = []
         self.ready: list[tuple[int, bool, bool]] = []
         self.series: list[tuple[int, float, float]] = []
+        self.at: dict[int, str] = {}  # digest of the weights at the start of a step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == BAD:
-            self.before = digest(pl_module)
+        if trainer.global_step in (BAD, BAD + 1, NAN_STEP, NAN_STEP + 1):
+            self.at[trainer.global_step] = digest(pl_module)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         # runs after the callback: compare its norm with the unsharded gradients (one device: all local)
         self.ready.append((trainer.global_step, self.cb.loss_detector.ready, self.cb.grad_norm_detector.ready))
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if self.cb._deferred is None:  # values of a deferred step are read one step later
-            last = self.cb._last
-            self.series.append((trainer.global_step, round(last["train/loss"], 3), round(last["train/grad_norm"], 3)))
-        if grads and self.cb._deferred is None:
+        last = self.cb._last
+        self.series.append((trainer.global_step, round(last["train/loss"], 3), round(last["train/grad_norm"], 3)))
+        if grads:
             local = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
             self.norm_pairs.append((self.cb._last["train/grad_norm"], float(local)))
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == BAD + 1:
-            self.after = digest(pl_module)
 
 
 FAILED: list[str] = []
@@ -82,8 +94,6 @@ def fit(out: str, weights: str, on_spike: str, fsdp: bool):
     alerts = []
     cb = StableAttentionCallback(
         on_spike=on_spike, log_every_n_steps=5, on_alert=alerts.append,
-        loss_detector=SpikeDetector("train/loss", warmup=20),
-        grad_norm_detector=SpikeDetector("train/grad_norm", warmup=20),
     )
     probe = Probe(cb)
     # STABLE_ATTN_GPU_CHECK_ON_CPU=1 runs the same script on the CPU without FSDP, to check the script itself
@@ -97,7 +107,7 @@ def fit(out: str, weights: str, on_spike: str, fsdp: bool):
         callbacks=[cb, probe], log_every_n_steps=5, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )
-    module = ByteLM(weights=weights)
+    module = NanGradLM(weights, nan_step=None if fsdp else NAN_STEP)
     trainer.fit(module, batches_loader(range(STEPS), corrupt_batches=[BAD]))
     return cb, probe, trainer, module, alerts, dry
 
@@ -127,18 +137,22 @@ def main(out: str) -> None:
     print(f"detectors ready from step: loss {armed[0]}, grad norm {armed[1]}")
     print("(step, loss, grad norm):", probe.series)
     diffs = [abs(a - b) / max(b, 1e-12) for a, b in probe.norm_pairs]
-    # the skipped step has no gradients left when the probe runs
-    check("grad norm through FSDP", len(diffs) == STEPS - 1 and max(diffs) < 1e-4,
+    # skipped steps have no gradients left when the probe runs
+    check("grad norm through FSDP", len(diffs) == STEPS - len(cb.skipped_steps) and max(diffs) < 1e-4,
           f"{len(diffs)} steps with gradients, max rel diff {max(diffs):.2e}")
     check("alerts at step 90 only", sorted({a.step for a in alerts}) == [BAD], str([a.format() for a in alerts]))
-    check("skip", cb.skipped_steps == [BAD] and probe.before == probe.after,
-          f"skipped {cb.skipped_steps}, weights unchanged {probe.before == probe.after}")
+    unchanged = probe.at[BAD] == probe.at[BAD + 1]
+    check("skip", cb.skipped_steps == [BAD] and unchanged, f"skipped {cb.skipped_steps}, weights unchanged {unchanged}")
 
-    # 2. one GPU, on_spike="warn": values are read one step late (no host sync per step)
+    # 2. one GPU, on_spike="warn": the spike only alerts, the NaN gradient is skipped all the same
     cb, probe, trainer, module, alerts, dry = fit(out, weights, "warn", fsdp=False)
-    check("warn: alerts at step 90 only", sorted({a.step for a in alerts}) == [BAD] and len(alerts) >= 1,
+    check("warn: alerts at steps 90 and 95 only", sorted({a.step for a in alerts}) == [BAD, NAN_STEP],
           str([a.format() for a in alerts]))
-    check("warn: step 90 trained", probe.before != probe.after)
+    check("warn: step 90 trained", probe.at[BAD] != probe.at[BAD + 1])
+    check("warn: NaN step skipped", cb.skipped_steps == [NAN_STEP] and probe.at[NAN_STEP] == probe.at[NAN_STEP + 1],
+          f"skipped {cb.skipped_steps}")
+    finite = all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    check("warn: weights finite", finite)
     if FAILED:
         sys.exit(f"failed: {FAILED}")
 
