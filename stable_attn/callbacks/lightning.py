@@ -147,11 +147,32 @@ class StableAttentionCallback(Callback):
       still advance, as with an AMP overflow);
     - ``"rollback"``: the step's update is dropped and the model, optimizer, LR-scheduler, grad-scaler
       and RNG state kept in memory every ``rollback_every`` steps is restored; the batches consumed
-      since that snapshot are not replayed, training goes on with the next batch;
+      since that snapshot are not replayed, training goes on with the next batch. In a
+      single-process run the last snapshot is saved with every checkpoint (in the callback's state),
+      so a resumed run rolls back to the same state as one never interrupted; this adds one more copy
+      of the weights and optimizer state to the checkpoint (about doubling its size). With several
+      ranks it is not saved, and a resumed run says at WARNING that rollback history starts afresh;
     - ``"stop"``: the step's update is dropped, a checkpoint is saved to
       ``<log_dir>/stable_attn-stop-step=<step>.ckpt`` and the Trainer stops.
 
     Early warnings only alert.
+
+    **Delivery.** Every channel counts its alerts: delivered, failed, dropped (the webhook's queue was
+    full) and abandoned (still pending when the run ended, or handed over while the webhook was
+    paused after repeated failures); see :data:`~stable_attn.monitor.alerts.DELIVERY_COUNTS`. The
+    counts are in :attr:`alert_delivery` and the callback's ``state_dict``, and at the end of ``fit()``
+    one line per channel names it (the file path, the webhook's scheme, host and port, never its path
+    or query) with its counts: a WARNING for a channel that did not deliver every alert. The JSONL
+    file is written synchronously. ``on_alert`` callables run on the training thread, in order;
+    one call longer than :data:`~stable_attn.monitor.alerts.SLOW_CALLABLE_S` (0.1 s) logs one
+    WARNING naming the callable. The webhook never blocks training (a background thread; see
+    :mod:`stable_attn.monitor.webhook` for the request, the payload and the time limits).
+
+    **End of run.** At the end of ``fit()``, and when ``fit()`` raises (user code, KeyboardInterrupt:
+    Lightning's ``on_exception``), the callback closes the channels within one ``webhook_timeout``
+    in all (the webhook thread has ended when ``fit()`` returns), puts back
+    ``torch.nn.functional.scaled_dot_product_attention`` if ``patch_sdpa`` replaced it, and switches
+    the attention statistics off. Models it switched to ``"stable_attn"`` stay switched.
 
     **Never a non-finite update.** A NaN or inf loss on any rank, or a NaN or inf gradient on any
     rank (seen in the gradient norm, or with ``monitor_grad_norm=False`` by a max-abs check of the
@@ -191,9 +212,14 @@ class StableAttentionCallback(Callback):
             scratch forms its attention sinks in its first ~100 steps, which is learning, not an
             anomaly: give such runs a warm-up that covers them.
         rollback_every: optimizer steps between snapshots for ``on_spike="rollback"``.
-        on_alert: a callable or callables, each called with every :class:`~stable_attn.monitor.Alert`.
-        webhook_url: ``http(s)://`` URL that receives each alert as a JSON POST.
-        webhook_timeout: seconds per webhook request.
+        on_alert: a callable or callables, each called with every :class:`~stable_attn.monitor.Alert`
+            on the training thread (keep them fast: see **Delivery**).
+        webhook_url: ``http(s)://`` URL that receives each alert as a JSON POST (ASCII, no spaces,
+            control characters or ``user:password@``; redirects are not followed).
+        webhook_timeout: seconds for each webhook connect and read, in (0, 60]; also the most the
+            end of ``fit()`` waits for undelivered webhook alerts.
+        webhook_headers: HTTP headers sent with each webhook request, to ``webhook_url``'s host only
+            (e.g. ``{"Authorization": "Bearer <token>"}``); never logged.
         alerts_file: file name of the alerts JSONL inside the run's log directory
             (``trainer.log_dir``), or None for none; the default is what ``stable-attn report`` reads.
         layer_window: monitored steps over which layer changes are reported in alerts.
@@ -529,18 +555,17 @@ class StableAttentionCallback(Callback):
         """One WARNING line when the rule that judges a watched metric changes: NaN/inf only at first,
         then gross jumps, then the calibrated rule (see SpikeDetector)."""
         watched = [self.loss_detector] + ([self.grad_norm_detector] if self.monitor_grad_norm else [])
-        changed: dict[str, list[str]] = {}
+        changed: dict[tuple[str, float | None], list[str]] = {}  # metrics that changed at once share a line
         for detector in watched:
             phase = _phase(detector)
             if self._phases.get(detector.metric) != phase:
                 self._phases[detector.metric] = phase
-                changed.setdefault(phase, []).append(detector.metric)
+                changed.setdefault((phase, getattr(detector, "gross_ratio", None)), []).append(detector.metric)
         if not trainer.is_global_zero:
             return
-        for phase, metrics in changed.items():
+        for (phase, ratio), metrics in changed.items():
             which = ", ".join(metrics)
             if phase == "gross":
-                ratio = getattr(self.loss_detector, "gross_ratio", None)
                 rule = f"a value above {ratio:g}x its recent median, and NaN/inf" if ratio else "NaN/inf"
                 log.warning("StableAttentionCallback: spike detection active from step %d on %s: %s alert now; "
                             "the calibrated rule takes over once it has learnt the run's noise", step, which, rule)
