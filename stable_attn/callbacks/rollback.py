@@ -8,19 +8,21 @@ same weights, same optimizer moments, same schedule position, and the same rando
 for the batches that follow.
 
 Snapshots live in memory on the parameters' own device (a copy is fast, and a spike must be undone
-within one step); they cost one extra copy of the model and optimizer state. They are not written to
-checkpoints: a resumed run takes a fresh snapshot when training starts.
+within one step); they cost one extra copy of the model and optimizer state. :func:`snapshot_state`
+and :func:`snapshot_from_state` turn one into plain tensors and dicts for a checkpoint and back (the
+callback saves the last one with its state, so a resumed run rolls back to the same state as a run
+that was never interrupted).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-__all__ = ["Snapshot", "restore_snapshot", "take_snapshot"]
+__all__ = ["Snapshot", "restore_snapshot", "snapshot_from_state", "snapshot_state", "take_snapshot"]
 
 
 @dataclass
@@ -73,3 +75,17 @@ def restore_snapshot(trainer: Any, pl_module: torch.nn.Module, snapshot: Snapsho
     torch.set_rng_state(snapshot.cpu_rng)
     if snapshot.cuda_rng is not None:
         torch.cuda.set_rng_state_all(snapshot.cuda_rng)
+
+
+def snapshot_state(snapshot: Snapshot) -> dict[str, Any]:
+    """The snapshot as a dict of tensors, lists and numbers (what ``torch.load(weights_only=True)`` reads);
+    it shares the snapshot's tensors (a checkpoint writes them, nothing changes them)."""
+    return {f.name: getattr(snapshot, f.name) for f in fields(Snapshot)}
+
+
+def snapshot_from_state(state: dict[str, Any]) -> Snapshot:
+    """The inverse of :func:`snapshot_state`; ValueError naming what is missing from a damaged state."""
+    missing = [f.name for f in fields(Snapshot) if f.name not in state]
+    if missing:
+        raise ValueError(f"rollback snapshot state lacks {missing}; it was not written by snapshot_state")
+    return Snapshot(**{f.name: state[f.name] for f in fields(Snapshot)})

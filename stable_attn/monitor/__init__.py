@@ -10,15 +10,16 @@ Pure Python (no torch): the Lightning callback builds on these; they work in any
 
 from .alerts import (
     ALERT_KINDS,
+    DELIVERY_COUNTS,
     Alert,
     AlertChannel,
     AlertDispatcher,
     CallableChannel,
     JsonlChannel,
     LoggingChannel,
-    WebhookChannel,
 )
 from .spikes import SpikeDetector, SpikeEvent, SurgeDetector
+from .webhook import WebhookChannel
 
 __all__ = [
     "ALERT_KINDS",
@@ -26,6 +27,7 @@ __all__ = [
     "AlertChannel",
     "AlertDispatcher",
     "CallableChannel",
+    "DELIVERY_COUNTS",
     "JsonlChannel",
     "LoggingChannel",
     "SpikeDetector",

@@ -3,7 +3,8 @@
 An :class:`Alert` is one record of something worth a human's attention during training (a loss spike,
 a NaN, a surge in attention saturation). An :class:`AlertDispatcher` hands each alert to every
 channel and shields training from channel failures: a full disk, a raising user callback or an
-unreachable webhook is logged, never raised. Only the standard library is used (urllib for HTTP).
+unreachable webhook is logged, never raised, and counted (:data:`DELIVERY_COUNTS`). The webhook channel
+lives in :mod:`stable_attn.monitor.webhook`. Only the standard library is used.
 
 JSON encoding (JSONL lines and webhook bodies, via :meth:`Alert.to_dict`): non-finite floats are
 written as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON has no NaN/Infinity, and a
@@ -14,16 +15,13 @@ unknown; ``layers`` is a list of ``[name, change]`` pairs; ``time`` is seconds s
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
-import queue
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,13 +32,15 @@ from .spikes import SpikeEvent
 
 __all__ = [
     "ALERT_KINDS",
+    "DELIVERY_COUNTS",
+    "SLOW_CALLABLE_S",
     "Alert",
     "AlertChannel",
     "AlertDispatcher",
     "CallableChannel",
     "JsonlChannel",
     "LoggingChannel",
-    "WebhookChannel",
+    "callable_name",
 ]
 
 logger = logging.getLogger("stable_attn")
@@ -208,15 +208,47 @@ class Alert:
         return self.format()
 
 
+#: What every channel counts, in this order: ``delivered`` (the channel finished with the alert),
+#: ``failed`` (it tried and the write, call or request failed), ``dropped`` (refused without trying:
+#: the webhook's queue was full, or the channel was already closed) and ``abandoned`` (accepted but
+#: never finished: still queued or in flight when the channel closed, or handed over while a webhook
+#: was paused after repeated failures).
+DELIVERY_COUNTS = ("delivered", "failed", "dropped", "abandoned")
+
+#: Seconds an ``on_alert`` callable may take before :class:`CallableChannel` warns (once per callable):
+#: callables run on the training thread, so a slow one delays the step that alerted.
+SLOW_CALLABLE_S = 0.1
+
+
 class AlertChannel:
     """Where alerts go. Subclasses implement :meth:`send`; :meth:`flush` and :meth:`close` default to no-ops.
 
-    ``send`` may raise: :class:`AlertDispatcher` catches and logs it. Channels that do slow work
-    (the webhook) must not block the caller.
+    ``send`` may raise: :meth:`deliver` (what :class:`AlertDispatcher` calls) counts the alert as
+    ``failed`` and re-raises, the dispatcher logs it. A channel that does slow work (the webhook) must
+    not block the caller: it sets ``asynchronous = True``, overrides :meth:`deliver` and counts its
+    alerts itself. The counts are those of :data:`DELIVERY_COUNTS`.
     """
+
+    asynchronous = False
+    delivered = 0
+    failed = 0
+    dropped = 0
+    abandoned = 0
+    #: short text of the latest failure (no secrets: file paths are fine, webhook paths never appear)
+    last_failure: str | None = None
 
     def send(self, alert: Alert) -> None:
         raise NotImplementedError
+
+    def deliver(self, alert: Alert) -> None:
+        """:meth:`send` and count the outcome (an exception is counted, then re-raised)."""
+        try:
+            self.send(alert)
+        except Exception as exc:
+            self.failed += 1
+            self.last_failure = _describe_exception(exc)
+            raise
+        self.delivered += 1
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued alerts are delivered (or failed); True if nothing is left pending."""
@@ -224,6 +256,21 @@ class AlertChannel:
 
     def close(self) -> None:
         """Release resources; later sends are dropped."""
+
+    def describe(self) -> str:
+        """What the channel is, for log lines and summaries (never a secret)."""
+        return type(self).__name__
+
+    def counts(self) -> dict[str, int]:
+        """The :data:`DELIVERY_COUNTS` of this channel so far."""
+        return {name: int(getattr(self, name)) for name in DELIVERY_COUNTS}
+
+
+def _describe_exception(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
 class LoggingChannel(AlertChannel):
@@ -240,13 +287,19 @@ class LoggingChannel(AlertChannel):
     def send(self, alert: Alert) -> None:
         self.logger.log(self.level, "%s", alert.format())
 
+    def describe(self) -> str:
+        return f"log (logger {self.logger.name!r})"
+
 
 class JsonlChannel(AlertChannel):
     """Appends one JSON object per alert to ``path`` (see the module docstring for the encoding).
 
-    The file is opened, written and closed per alert: each alert is on disk when ``send`` returns,
-    even if training dies right after, and no handle is held between the (rare) alerts. Parent
-    directories are created on the first alert.
+    Synchronous: the file is opened, written in full and closed within ``send``, so each alert is in
+    the file (the OS's page cache) when ``send`` returns, even if training dies right after, and no
+    handle is held between the (rare) alerts. Parent directories are created on the first alert. A
+    failed write (disk full, read-only file system, a folder at ``path``) raises, is counted ``failed``
+    and logged by the dispatcher with the file's path; a line that a failed write left cut short is
+    ended before the next alert is appended, so every later line still parses.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -256,175 +309,74 @@ class JsonlChannel(AlertChannel):
         self._lock = threading.Lock()
 
     def send(self, alert: Alert) -> None:
-        line = alert.to_json() + "\n"
+        data = (alert.to_json() + "\n").encode("utf-8")
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line)
-                f.flush()
+            # Unbuffered: a write error surfaces here, not in a later flush or close.
+            with open(self.path, "a+b", buffering=0) as f:
+                if f.seek(0, os.SEEK_END) > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        data = b"\n" + data
+                view = memoryview(data)
+                while view:
+                    written = f.write(view)
+                    if not written:
+                        raise OSError(errno.EIO, f"no bytes written to {self.path}")
+                    view = view[written:]
+
+    def describe(self) -> str:
+        return f"alerts file {self.path}"
+
+    def __repr__(self) -> str:
+        return f"JsonlChannel({str(self.path)!r})"
+
+
+def callable_name(fn: Any) -> str:
+    """``module.qualname`` of a function or method, else its ``repr`` (for log lines)."""
+    qualname = getattr(fn, "__qualname__", None)
+    if qualname is None:
+        return repr(fn)
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{qualname}" if module else qualname
 
 
 class CallableChannel(AlertChannel):
-    """Calls ``fn(alert)`` for each alert (e.g. a user's ``on_alert`` hook)."""
+    """Calls ``fn(alert)`` for each alert (e.g. a user's ``on_alert`` hook), on the caller's thread.
 
-    def __init__(self, fn: Callable[[Alert], Any]) -> None:
-        if not callable(fn):
-            raise TypeError(f"fn must be callable (it receives the Alert), got {fn!r}")
-        self.fn = fn
-
-    def send(self, alert: Alert) -> None:
-        self.fn(alert)
-
-    def __repr__(self) -> str:
-        return f"CallableChannel({getattr(self.fn, '__qualname__', self.fn)!r})"
-
-
-_STOP = object()
-
-
-class WebhookChannel(AlertChannel):
-    """POSTs each alert as JSON to ``url`` from a background daemon thread.
-
-    ``send`` only enqueues (bounded queue of ``max_queue`` alerts; when full, the alert is dropped and
-    a warning logged), so training never waits on the network. Each POST has ``timeout`` seconds.
-    Failures (connection refused, timeout, HTTP error status) are counted in ``failed`` and logged at
-    WARNING once per kind of failure (later ones of the same kind at DEBUG); they are never raised.
-    Call :meth:`flush` to wait for delivery (tests, end of training) and :meth:`close` at shutdown.
-    Log lines and ``repr`` show only the URL's scheme, host and port: webhook paths often hold a token.
-
-    Args:
-        url: ``http://`` or ``https://`` endpoint.
-        timeout: seconds per request.
-        max_queue: alerts waiting for delivery before new ones are dropped.
-        headers: extra HTTP headers (e.g. authorization).
-        payload: maps an alert to the JSON body; default :meth:`Alert.to_dict`. For a Slack-style
-            incoming webhook use ``payload=lambda a: {"text": a.format()}``.
+    The call is synchronous (the alert reaches ``fn`` before training goes on, in order), so a slow
+    ``fn`` delays the training step that alerted: when one call takes longer than ``budget`` seconds
+    (default :data:`SLOW_CALLABLE_S`), a WARNING naming ``fn`` says so, once per channel. Hand slow
+    work (network, disk) to a thread of your own, or use :class:`WebhookChannel`, which never blocks.
     """
 
-    def __init__(
-        self,
-        url: str,
-        timeout: float = 2.0,
-        *,
-        max_queue: int = 64,
-        headers: Mapping[str, str] | None = None,
-        payload: Callable[[Alert], Any] | None = None,
-    ) -> None:
-        if not isinstance(url, str):
-            raise TypeError(f"url must be a str, got {url!r}")
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"url must be an http:// or https:// URL with a host, got {url!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-            raise ValueError(f"max_queue must be an int >= 1, got {max_queue!r}")
-        if payload is not None and not callable(payload):
-            raise TypeError(f"payload must be callable (Alert -> JSON-serialisable object), got {payload!r}")
-        self.url = url
-        # Webhook paths often carry a secret token (Slack, Discord): logs and reprs show host only.
-        host = parsed.hostname or ""
-        self._safe_url = f"{parsed.scheme}://{host}{f':{parsed.port}' if parsed.port else ''}/..."
-        self.timeout = float(timeout)
-        self.headers = {"Content-Type": "application/json", "User-Agent": "stable_attn-alerts"}
-        self.headers.update(headers or {})
-        self.payload = payload or Alert.to_dict
-        self.sent = 0
-        self.failed = 0
-        self.dropped = 0
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
-        self._pending = 0
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._reported: set[str] = set()
+    def __init__(self, fn: Callable[[Alert], Any], budget: float = SLOW_CALLABLE_S) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn must be callable (it receives the Alert), got {fn!r}")
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf:
+            raise ValueError(f"budget={budget!r} is not supported; use a finite number of seconds > 0")
+        self.fn = fn
+        self.budget = float(budget)
+        self._warned_slow = False
 
     def send(self, alert: Alert) -> None:
-        if self._closed:
-            self._report("closed", "webhook channel is closed; alert at step %s dropped", alert.step)
-            self.dropped += 1
-            return
-        body = json.dumps(self.payload(alert), allow_nan=False).encode("utf-8")
-        with self._cond:
-            self._start()
-            try:
-                self._queue.put_nowait(body)
-            except queue.Full:
-                self.dropped += 1
-                self._report("queue full", "webhook %s is behind (queue full); alert at step %s dropped",
-                              self._safe_url, alert.step)
-                return
-            self._pending += 1
+        start = time.perf_counter()
+        try:
+            self.fn(alert)
+        finally:
+            took = time.perf_counter() - start
+            if took > self.budget and not self._warned_slow:
+                self._warned_slow = True
+                logger.warning(
+                    "on_alert callable %s took %.2f s on the alert at step %s (budget %.2g s): alert callables run "
+                    "on the training thread and delay the step; hand slow work to a thread, or use a webhook "
+                    "(warned once)", callable_name(self.fn), took, alert.step, self.budget)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def close(self, timeout: float | None = None) -> None:
-        """Deliver what is queued (waiting up to ``timeout``, default twice the request timeout), stop."""
-        if self._closed:
-            return
-        wait = 2 * self.timeout if timeout is None else timeout
-        self.flush(wait)
-        self._closed = True
-        thread = self._thread
-        if thread is not None:
-            try:
-                self._queue.put(_STOP, timeout=max(wait, 0.01))
-            except queue.Full:
-                return  # the daemon thread ends with the interpreter
-            thread.join(wait)
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._worker, name="stable_attn-webhook", daemon=True)
-            self._thread.start()
-
-    def _worker(self) -> None:
-        while True:
-            body = self._queue.get()
-            if body is _STOP:
-                return
-            try:
-                self._post(body)
-                self.sent += 1
-            except Exception as exc:  # every failure is logged, none may escape
-                self.failed += 1
-                self._report(_failure_kind(exc), "webhook %s failed: %s (alerts keep going to other channels)",
-                             self._safe_url, exc)
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
-
-    def _post(self, body: bytes) -> None:
-        request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            response.read()
-
-    def _report(self, kind: str, msg: str, *args: Any) -> None:
-        if kind in self._reported:
-            logger.debug(msg, *args)
-        else:
-            self._reported.add(kind)
-            logger.warning(msg, *args)
+    def describe(self) -> str:
+        return f"on_alert callable {callable_name(self.fn)}"
 
     def __repr__(self) -> str:
-        return f"WebhookChannel({self._safe_url!r}, timeout={self.timeout!r})"
-
-
-def _failure_kind(exc: BaseException) -> str:
-    if isinstance(exc, urllib.error.HTTPError):
-        return f"HTTP {exc.code}"
-    if isinstance(exc, urllib.error.URLError):
-        return f"URLError:{type(exc.reason).__name__}"
-    return type(exc).__name__
+        return f"CallableChannel({callable_name(self.fn)!r})"
 
 
 class AlertDispatcher:
@@ -454,38 +406,77 @@ class AlertDispatcher:
         self._reported: set[tuple[int, str]] = set()
 
     def emit(self, alert: Alert) -> int:
-        """Send ``alert`` to every channel; return how many accepted it without raising."""
+        """Hand ``alert`` to every channel; return how many accepted it without raising."""
         if not isinstance(alert, Alert):
             raise TypeError(f"alert must be an Alert, got {alert!r}")
         self.emitted += 1
-        delivered = 0
+        accepted = 0
         for channel in self.channels:
             try:
-                channel.send(alert)
-                delivered += 1
+                channel.deliver(alert)
+                accepted += 1
             except Exception as exc:  # a channel must never crash training
                 self.errors += 1
                 key = (id(channel), type(exc).__name__)
                 level = logging.DEBUG if key in self._reported else logging.WARNING
                 self._reported.add(key)
-                logger.log(level, "alert channel %r failed on the alert at step %s: %r", channel, alert.step, exc)
-        return delivered
+                logger.log(level, "alert channel %s failed on the alert at step %s: %s (alerts keep going to the "
+                           "other channels)", _describe(channel), alert.step, _describe_exception(exc))
+        return accepted
 
     def flush(self, timeout: float | None = None) -> bool:
         """Flush every channel (each gets up to ``timeout``); True if all are drained."""
         return all([self._safe(channel.flush, timeout) for channel in self.channels])
 
-    def close(self) -> None:
-        """Close every channel (pending webhook alerts get a short grace period)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Close every channel, within ``timeout`` seconds in all (None: each asynchronous channel
+        takes its own default, one request timeout for a webhook). Queued alerts not delivered by then
+        are counted ``abandoned``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for channel in self.channels:
-            self._safe(channel.close)
+            if channel.asynchronous:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._safe(channel.close, left)
+            else:
+                self._safe(channel.close)
+
+    def delivery(self) -> dict[str, dict[str, int]]:
+        """``{channel description: its DELIVERY_COUNTS}`` (a repeated description gets `` #2``, ...)."""
+        out: dict[str, dict[str, int]] = {}
+        for channel in self.channels:
+            name = _describe(channel)
+            key, n = name, 1
+            while key in out:
+                n += 1
+                key = f"{name} #{n}"
+            out[key] = _counts(channel)
+        return out
+
+    def log_summary(self, when: str = "at the end of the run") -> None:
+        """One line per channel: a WARNING naming each channel that did not deliver every alert (with
+        the counts and the last failure), INFO for the others."""
+        for channel in self.channels:
+            counts = _counts(channel)
+            total = sum(counts.values())
+            lost = total - counts["delivered"]
+            level = logging.WARNING if lost else logging.INFO
+            line = f"stable_attn alerts {when}: {_describe(channel)} delivered {counts['delivered']} of {total}"
+            if lost:
+                line += (f"; not delivered: {counts['failed']} failed, {counts['dropped']} dropped (queue full or "
+                         f"closed), {counts['abandoned']} abandoned (paused after repeated failures, or still "
+                         "pending at close)")
+                if channel.last_failure:
+                    line += f"; last failure: {channel.last_failure}"
+            logger.log(level, "%s", line)
 
     def _safe(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             result = fn(*args)
             return True if result is None else result
         except Exception as exc:  # flush/close must not raise either
-            logger.warning("alert channel call %r failed: %r", fn, exc)
+            owner = getattr(fn, "__self__", None)
+            logger.warning("alert channel %s: %s failed: %s", _describe(owner) if owner is not None else fn,
+                           getattr(fn, "__name__", "call"), _describe_exception(exc))
             return False
 
     def __enter__(self) -> AlertDispatcher:
@@ -494,3 +485,16 @@ class AlertDispatcher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _describe(channel: Any) -> str:
+    try:
+        return str(channel.describe())
+    except Exception:  # a user channel's describe must not break logging either
+        return type(channel).__name__
+
+
+def _counts(channel: Any) -> dict[str, int]:
+    try:
+        return channel.counts()
+    except Exception:
+        return dict.fromkeys(DELIVERY_COUNTS, 0)
