@@ -330,9 +330,15 @@ def test_rollback_snapshot_survives_a_resume(tmp_path, pretrained):
 
 def test_resume_without_a_snapshot_says_rollback_history_starts_afresh(tmp_path, pretrained, caplog):
     ckpt = str(tmp_path / "warn.ckpt")
-    run(tmp_path / "a", pretrained, [make_callback(), SaveAt(4, ckpt)], 4)
+    first = make_callback()
+    run(tmp_path / "a", pretrained, [first, SaveAt(4, ckpt)], 4, nan_steps=(1,))
     resumed = make_callback(on_spike="rollback", rollback_every=4)
     with caplog.at_level(logging.WARNING, logger="stable_attn"):
-        run(tmp_path / "b", pretrained, [resumed], 6, ckpt_path=ckpt, batch_ids=range(4, 6))
+        run(tmp_path / "b", pretrained, [resumed], 6, ckpt_path=ckpt, batch_ids=range(4, 6), nan_steps=(5,))
     (line,) = [r for r in caplog.records if "rollback history starts afresh" in r.getMessage()]
     assert line.levelno == logging.WARNING and "global_step 4" in line.getMessage()
+    # the delivery counts add up over the resume (the log channel is the same in both runs)
+    log_channel = "log (logger 'stable_attn')"
+    new_alerts = resumed.alert_count - first.alert_count
+    assert first.alert_count >= 1 and new_alerts >= 1
+    assert resumed.alert_delivery[log_channel]["delivered"] == first.alert_count + new_alerts

@@ -419,6 +419,18 @@ def test_hanging_webhook_close_takes_one_timeout_and_counts_the_rest(caplog) -> 
     assert channel.dropped == 1
 
 
+def test_https_to_a_plain_http_server_fails_cleanly(caplog) -> None:
+    with local_server() as server:  # speaks HTTP, so the TLS handshake fails
+        channel = WebhookChannel(f"https://127.0.0.1:{server.server_port}/hook/SECRET", timeout=2.0)
+        with caplog.at_level(logging.WARNING, logger="stable_attn"):
+            channel.send(make_alert())
+            assert channel.flush(10.0)
+            channel.close()
+    assert channel.counts() == {"delivered": 0, "failed": 1, "dropped": 0, "abandoned": 0}
+    assert channel.describe() == f"webhook https://127.0.0.1:{server.server_port}"
+    assert "SSL" in channel.last_failure and "SECRET" not in caplog.text
+
+
 def test_connect_that_gets_no_answer_is_cut_off_at_close() -> None:
     with unanswered_connect() as port:
         channel = WebhookChannel(f"http://127.0.0.1:{port}/", timeout=MAX_TIMEOUT_S)
