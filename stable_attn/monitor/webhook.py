@@ -210,7 +210,9 @@ class WebhookChannel(AlertChannel):
                 return
             self._pending += 1
 
-    deliver = send  # counted by the worker, not by the caller
+    def deliver(self, alert: Alert) -> None:
+        """Enqueue; the worker thread counts the outcome (the caller never waits for it)."""
+        self.send(alert)
 
     def flush(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
