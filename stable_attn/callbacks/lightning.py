@@ -199,18 +199,21 @@ class StableAttentionCallback(Callback):
         patch_sdpa: also route ``torch.nn.functional.scaled_dot_product_attention`` to the
             stabilized kernel (for attention modules that are not transformers models); undone at
             teardown.
-        loss_detector: detector for the training loss; default ``SpikeDetector("train/loss")``.
-        grad_norm_detector: detector for the gradient norm; default
-            ``SpikeDetector("train/grad_norm")``; None with ``monitor_grad_norm=False`` skips it.
+        loss_detector: detector for the training loss; default ``SpikeDetector.loss()``.
+        grad_norm_detector: detector for the gradient norm; default ``SpikeDetector.grad_norm()``
+            (a wider gross-jump ratio: a healthy run's early gradient norm swings by several times
+            from step to step); None with ``monitor_grad_norm=False`` skips it.
         monitor_grad_norm: compute the gradient norm every step (one pass over the gradients).
         attention_stats: collect per-layer attention statistics on monitored steps (the kernel
             computes them as side outputs of the forward; on the CPU path they cost a few percent of
             a monitored step).
         early_warnings: run surge detectors on each layer's saturation and max logit.
         early_warning_warmup: monitored steps each surge detector watches before it can fire; None
-            keeps :class:`~stable_attn.monitor.SurgeDetector`'s default (10). A model trained from
-            scratch forms its attention sinks in its first ~100 steps, which is learning, not an
-            anomaly: give such runs a warm-up that covers them.
+            keeps :class:`~stable_attn.monitor.SurgeDetector`'s default (10). The callback also gives
+            each surge detector the step's training loss: an early warning needs the loss to have
+            stopped improving (a max logit that grows while the loss falls is learning), so a surge
+            detector stays silent until it has seen 50 monitored steps' losses. Its time constants
+            count monitored steps: with ``log_every_n_steps=50`` that is 2,500 optimizer steps.
         rollback_every: optimizer steps between snapshots for ``on_spike="rollback"``.
         on_alert: a callable or callables, each called with every :class:`~stable_attn.monitor.Alert`
             on the training thread (keep them fast: see **Delivery**).
@@ -288,10 +291,8 @@ class StableAttentionCallback(Callback):
         self.layer_window = layer_window
         self.not_training_after = not_training_after
         self.not_training_stop_after = not_training_stop_after
-        self.loss_detector = loss_detector if loss_detector is not None else SpikeDetector("train/loss")
-        self.grad_norm_detector = (
-            grad_norm_detector if grad_norm_detector is not None else SpikeDetector("train/grad_norm")
-        )
+        self.loss_detector = loss_detector if loss_detector is not None else SpikeDetector.loss()
+        self.grad_norm_detector = grad_norm_detector if grad_norm_detector is not None else SpikeDetector.grad_norm()
         self.surge_detectors: dict[str, SurgeDetector] = {}
 
         self.alert_count = 0
@@ -662,7 +663,8 @@ class StableAttentionCallback(Callback):
                     metrics[names.layer_metric(stat, name)] = values[stat]
                 for stat in ("saturation", "max_logit"):
                     detector = self.surge_detectors.get(names.layer_metric(stat, name))
-                    event = detector.update(step, values[stat]) if detector is not None else None
+                    loss = self._last.get(names.LOSS)  # a NaN loss is ignored by the detector
+                    event = detector.update(step, values[stat], loss=loss) if detector is not None else None
                     if event is not None and event.is_new:
                         self._alert(trainer, event, "warn", "")
         metrics[names.ALERT_COUNT] = float(self.alert_count)
