@@ -76,8 +76,8 @@ def main(weights: str, out: str) -> None:
     L.seed_everything(0, verbose=False)
     cb = StableAttentionCallback(
         on_spike="skip", log_every_n_steps=5,
-        loss_detector=SpikeDetector("train/loss", warmup=20),
-        grad_norm_detector=SpikeDetector("train/grad_norm", warmup=20),
+        loss_detector=SpikeDetector.loss(warmup=20),
+        grad_norm_detector=SpikeDetector.grad_norm(warmup=20),
     )
     probe = Probe(cb)
     trainer = L.Trainer(

@@ -36,8 +36,8 @@ ALERT_KEYS = {"step", "kind", "metric", "value", "baseline", "threshold", "score
 
 
 def make_callback(**kwargs) -> StableAttentionCallback:
-    kwargs.setdefault("loss_detector", SpikeDetector("train/loss", warmup=20))
-    kwargs.setdefault("grad_norm_detector", SpikeDetector("train/grad_norm", warmup=20))
+    kwargs.setdefault("loss_detector", SpikeDetector.loss(warmup=20))
+    kwargs.setdefault("grad_norm_detector", SpikeDetector.grad_norm(warmup=20))
     return StableAttentionCallback(**kwargs)
 
 
@@ -207,8 +207,12 @@ def test_monitor_metrics_alert_jsonl_and_webhook(tmp_path, pretrained, caplog):
     # what the user sees: WARNING lines for the swap, for detection becoming active, and a summary at the end
     shown = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert any("switched 1 transformers model(s)" in m for m in shown)
-    gross = [m for m in shown if re.match(r"StableAttentionCallback: spike detection active from step \d+ on", m)]
-    assert len(gross) == 1 and int(gross[0].split("from step ")[1].split()[0]) < 10, gross
+    gross = {}
+    for m in shown:
+        found = re.match(r"StableAttentionCallback: spike detection active from step (\d+) on ([^:]+): a value", m)
+        if found:
+            gross.update(dict.fromkeys(found.group(2).split(", "), int(found.group(1))))
+    assert gross.keys() == {"train/loss", "train/grad_norm"} and max(gross.values()) < 10, gross
     calibrated = {}
     for m in shown:
         found = re.match(r"StableAttentionCallback: calibrated spike detection active from step (\d+) on (.+)$", m)
