@@ -1,8 +1,8 @@
 """StableAttentionCallback with its DEFAULT arguments, as a new user runs it: a real Lightning Trainer on
 the CPU, the tiny byte-level GPT-2 of callback_lm.py, real text.
 
-- a corrupted batch (the text garbled as if decoded with the wrong codec) at step 10, 50 or 110 of a
-  fine-tuning run is alerted on that very step, and nothing before it;
+- a corrupted batch (the text garbled as if decoded with the wrong codec) at step 10, 20, 50, 90, 110 or
+  130 of a fine-tuning run is alerted on that very step, and nothing before it;
 - healthy runs (fine-tuning, and training from scratch at lr 3e-3) raise no alert of any kind;
 - ``stable-attn report`` on the run directory shows the alert the callback wrote.
 """
@@ -31,7 +31,8 @@ def fit_defaults(tmp_path, weights, steps: int, corrupt=(), log_every: int = 50)
     return t, cb, received
 
 
-@pytest.mark.parametrize("bad", [10, 50, 110])
+# 10-90: the gross-jump rule's time; 110-130: around the calibrated rule's take-over (~100-130 steps)
+@pytest.mark.parametrize("bad", [10, 20, 50, 90, 110, 130])
 def test_a_corrupted_batch_is_caught_on_its_step(tmp_path, pretrained, bad):
     t, cb, received = fit_defaults(tmp_path, pretrained, bad + 2, corrupt=(bad,))
     assert t.global_step == bad + 2
