@@ -140,6 +140,44 @@ class _Problem:
         return keep_mask(self.opts.seed, offset, self.opts.dropout_p)
 
 
+def row_top2(s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest and second-largest score of each row of a block (two equal values for a tie).
+
+    ``count(s2 >= t) >= 2`` iff ``second >= t``: every tie test of the algorithm is one comparison
+    per row with these two numbers (the Triton twin is ``triton_forward.row_top2``).
+    """
+    if s2.shape[-1] < 2:
+        return s2[..., 0], torch.full_like(s2[..., 0], -math.inf)
+    top = torch.topk(s2, 2, dim=-1).values
+    return top[..., 0], top[..., 1]
+
+
+def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, mode):
+    """The stabilization rule for one key block: ``(r_new, fire)`` per row (docs/ALGORITHM.md, forward 2-4).
+
+    ``r`` is the offset so far, ``m_new`` the running max including this block, ``m_blk`` and
+    ``m2_blk`` the block's largest and second-largest score. The Triton kernel calls its twin
+    ``triton_forward.block_offset`` with the same arguments; tests/kernels/test_rule_functions.py checks that
+    both give the same bits.
+    """
+    has_key = m_blk > -math.inf
+    if mode == rules.MODE_EXACT:
+        r_cand = torch.maximum(r, m_blk)
+        # P-bar would round to exactly 1.0 at two or more keys of this block: shift the offset
+        fire = (m2_blk >= r_cand - tie2) & has_key
+        r_new = torch.where(fire, rules.shifted_offset(m_new, beta, min_shift2, max_shift2), r_cand)
+    elif mode == rules.MODE_PAPER:
+        fire = (m2_blk >= m_blk - tie2) & has_key
+        m_adj = torch.where(fire & (m_blk > 0), beta * m_blk,
+                            torch.where(fire & (m_blk < 0), torch.zeros_like(m_blk), m_blk))
+        fire = fire & (m_blk != 0)
+        r_new = torch.maximum(r, m_adj)
+    else:
+        fire = torch.zeros_like(has_key)
+        r_new = torch.maximum(r, m_blk)
+    return r_new, fire
+
+
 def _grouped(x: torch.Tensor, p: _Problem) -> torch.Tensor:
     return x.view(p.B, p.Hkv, p.G, p.Nq, x.shape[-1])
 
@@ -183,34 +221,20 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             s2, _ = p.scores(q_c, k_b, q0, q1, j0, j1)
             if j0 == 0:
                 s_first = s2[..., 0]
-            m_blk = s2.amax(dim=-1)
+            m_blk, m2_blk = row_top2(s2)
             m_new = torch.maximum(m, m_blk)
-            has_key = m_blk > neg_inf
-
-            if opts.mode == rules.MODE_EXACT:
-                r_cand = torch.maximum(r, m_blk)
-                # P-bar would be exactly 1.0 at two or more keys of this block
-                fire = ((s2 >= (r_cand - tie2)[..., None]).sum(-1, dtype=torch.int32) >= 2) & has_key
-                r_new = torch.where(fire, rules.shifted_offset(m_new, opts.beta, min_shift2, max_shift2),
-                                    r_cand)
-            elif opts.mode == rules.MODE_PAPER:
-                fire = ((s2 >= (m_blk - tie2)[..., None]).sum(-1, dtype=torch.int32) > 1) & has_key
-                m_adj = torch.where(fire & (m_blk > 0), opts.beta * m_blk,
-                                    torch.where(fire & (m_blk < 0), torch.zeros_like(m_blk), m_blk))
-                fire = fire & (m_blk != 0)
-                r_new = torch.maximum(r, m_adj)
-            else:
-                fire = None
-                r_new = torch.maximum(r, m_blk)
+            r_new, fire = block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, opts.beta,
+                                       opts.mode)
 
             if with_stats:
-                # keys within the tie tolerance of the true max, saturating at 2 (exact, see ALGORITHM.md)
-                in_blk = (s2 >= (m_new - sat_tol2)[..., None]).sum(-1, dtype=torch.int32)
+                # keys within the tie tolerance of the true max, saturating at 2 (exact, see ALGORITHM.md);
+                # min(2, count) of this block is read off its top two scores
+                sat_thr = m_new - sat_tol2
+                in_blk = (m_blk >= sat_thr).to(torch.int32) + (m2_blk >= sat_thr).to(torch.int32)
                 carried = torch.where(m_new == m, near_max,
                                       (m >= m_new - sat_tol2).to(torch.int32))
                 near_max = torch.clamp(carried + in_blk, max=2)
-                if fire is not None:
-                    fixed += fire.to(torch.int32)
+                fixed += fire.to(torch.int32)
 
             r_safe = torch.where(r_new == neg_inf, torch.zeros_like(r_new), r_new)
             alpha = torch.exp2(r - r_safe)  # 0 while no key was seen (r = -inf)

@@ -70,9 +70,13 @@ def sat_tolerance2(dtype: torch.dtype) -> float:
 def shifted_offset(m2: torch.Tensor, beta: float, min_shift2: float, max_shift2: float) -> torch.Tensor:
     """The offset subtracted when the rule fires, for a row whose true running max is ``m2``.
 
-    The published rule subtracts ``beta*m`` (m > 0) or ``0`` (m < 0), i.e. shifts the offset above
-    the max by ``(beta-1)*m`` or ``-m``. We clamp that shift to ``[min_shift, max_shift]``. The
-    result is non-decreasing in ``m``, which keeps the running offset monotone (see ALGORITHM.md).
+    docs/ALGORITHM.md, forward step 4: the published rule subtracts ``beta*m`` (m > 0) or ``0``
+    (m < 0), i.e. shifts the offset above the max by ``(beta-1)*m`` or ``-m``. We clamp that shift to
+    ``[min_shift, max_shift]``. The result is non-decreasing in ``m``, which keeps the running offset
+    monotone. ``beta - 1`` is formed in fp32 from the fp32 ``beta``, as the kernel does with its fp32
+    argument, so both backends shift by the same bits for any ``beta``. The Triton twin is
+    ``triton_forward.shifted_offset``.
     """
-    paper_shift = torch.where(m2 > 0, (beta - 1.0) * m2, -m2)
+    beta_m1 = float(torch.tensor(beta, dtype=torch.float32)) - 1.0  # exact in double; rounds to fp32 below
+    paper_shift = torch.where(m2 > 0, torch.tensor(beta_m1, dtype=torch.float32) * m2, -m2)
     return m2 + paper_shift.clamp(min=min_shift2, max=max_shift2)

@@ -28,6 +28,7 @@ MODE_EXACT = tl.constexpr(rules.MODE_EXACT)
 MODE_PAPER = tl.constexpr(rules.MODE_PAPER)
 LOG2E = tl.constexpr(rules.LOG2E)
 TWO_LOG2E = tl.constexpr(2.0 * rules.LOG2E)
+L_COLS = tl.constexpr(16)  # columns of the tensor-core row sum (tl.dot's smallest N)
 
 
 @triton.jit
@@ -113,9 +114,58 @@ def key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL: tl.constexpr, WINDOW: tl
 
 
 @triton.jit
+def _top2_combine(a1, a2, b1, b2):
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
+
+
+@triton.jit
+def row_top2(s2):
+    """Largest and second-largest score of each row of a tile (two equal values for a tie).
+
+    ``count(s2 >= t) >= 2`` iff ``second >= t``: the trigger and the saturation statistic become one
+    comparison per row instead of a count per element (the PyTorch twin is ``reference.row_top2``).
+    """
+    a, b = tl.split(tl.reshape(s2, [s2.shape[0], s2.shape[1] // 2, 2]))
+    return tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, _top2_combine)
+
+
+@triton.jit
+def shifted_offset(m2, beta, min_shift2, max_shift2):
+    """The offset when the rule fires: ``m + clamp(shift_paper(m), MIN_SHIFT, MAX_SHIFT)``.
+
+    docs/ALGORITHM.md, forward step 4; the same bits as ``rules.shifted_offset`` (``beta - 1`` in fp32).
+    """
+    # beta - 1 in fp32 (the cast: the interpreter would otherwise subtract Python floats in double)
+    paper_shift = tl.where(m2 > 0, (tl.cast(beta, tl.float32) - 1.0) * m2, -m2)
+    return m2 + tl.minimum(tl.maximum(paper_shift, min_shift2), max_shift2)
+
+
+@triton.jit
+def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MODE: tl.constexpr):
+    """The stabilization rule for one key block: ``(r_new, fire)`` per row (docs/ALGORITHM.md, forward 2-4).
+
+    The twin of ``reference.block_offset`` (same arguments, same bits; tests/kernels/test_rule_functions.py).
+    """
+    if MODE == MODE_EXACT:
+        r_cand = tl.maximum(r, m_blk)
+        # P-bar would round to exactly 1.0 at two or more keys of this block: shift the offset
+        fire = (m2_blk >= r_cand - tie2) & (m_blk > float("-inf"))
+        r_new = tl.where(fire, shifted_offset(m_new, beta, min_shift2, max_shift2), r_cand)
+    elif MODE == MODE_PAPER:
+        fire = (m2_blk >= m_blk - tie2) & (m_blk > float("-inf"))
+        m_adj = tl.where(fire & (m_blk > 0), beta * m_blk, tl.where(fire & (m_blk < 0), 0.0, m_blk))
+        fire = fire & (m_blk != 0)
+        r_new = tl.maximum(r, m_adj)
+    else:
+        fire = m_blk < float("-inf")  # all False; only read by the statistics
+        r_new = tl.maximum(r, m_blk)
+    return r_new, fire
+
+
+@triton.jit
 def fwd_block(acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
               offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-              tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, drop_row,
+              tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
               HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
@@ -142,29 +192,19 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_p
     s2, _ = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
                         MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
 
-    m_blk = tl.max(s2, 1)
-    m_new = tl.maximum(m_i, m_blk)
-    if MODE == MODE_EXACT:
-        r_cand = tl.maximum(r_i, m_blk)
-        # P-bar would round to exactly 1.0 at two or more keys of this block: shift the offset
-        ties = tl.sum((s2 >= (r_cand - tie2)[:, None]).to(tl.int32), 1)
-        fire = (ties >= 2) & (m_blk > float("-inf"))
-        shift = tl.where(m_new > 0, beta_m1 * m_new, -m_new)
-        shift = tl.minimum(tl.maximum(shift, min_shift2), max_shift2)
-        r_new = tl.where(fire, m_new + shift, r_cand)
-    elif MODE == MODE_PAPER:
-        ties = tl.sum((s2 >= (m_blk - tie2)[:, None]).to(tl.int32), 1)
-        fire = (ties > 1) & (m_blk > float("-inf"))
-        m_adj = tl.where(fire & (m_blk > 0), beta * m_blk, tl.where(fire & (m_blk < 0), 0.0, m_blk))
-        fire = fire & (m_blk != 0)
-        r_new = tl.maximum(r_i, m_adj)
+    if MODE == MODE_OFF and not STATS:
+        m_blk = tl.max(s2, 1)
+        m2_blk = m_blk  # unused: plain FA2 makes no tie test
     else:
-        fire = m_blk < float("-inf")  # all False; only read by the statistics
-        r_new = m_new
+        m_blk, m2_blk = row_top2(s2)
+    m_new = tl.maximum(m_i, m_blk)
+    r_new, fire = block_offset(r_i, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MODE)
 
     if STATS:
-        # keys within the tie tolerance of the true max, saturating at 2 (reference.py, same carry)
-        in_blk = tl.sum((s2 >= (m_new - sat2)[:, None]).to(tl.int32), 1)
+        # keys within the tie tolerance of the true max, saturating at 2 (reference.py, same carry);
+        # min(2, count) of this block is read off its top two scores
+        sat_thr = m_new - sat2
+        in_blk = (m_blk >= sat_thr).to(tl.int32) + (m2_blk >= sat_thr).to(tl.int32)
         carried = tl.where(m_new == m_i, near, (m_i >= m_new - sat2).to(tl.int32))
         near = tl.minimum(carried + in_blk, 2)
         fixed += fire.to(tl.int32)
@@ -177,8 +217,11 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_p
     # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
     p_cast = round_to(p, DTYPE, UPCAST)
     if MODE == MODE_EXACT:
-        # consistent normalisation: the row sum adds exactly the weights that multiply V
-        l_i = l_i * alpha + tl.sum(p_cast.to(tl.float32), 1)
+        # consistent normalisation: the row sum adds exactly the weights that multiply V. As P-bar @ 1
+        # on the tensor cores it reads the P-bar registers the P-bar V product reads, instead of
+        # widening every element back to fp32; every column of l_i holds the same row sum.
+        ones = tl.full([p_cast.shape[1], L_COLS], 1.0, p_cast.dtype)
+        l_i = tl.dot(p_cast, ones, l_i * alpha[:, None], input_precision=PREC)
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:  # a 0/1 mask keeps P-bar exact; 1/(1-p) is applied once, at the end
@@ -202,7 +245,7 @@ def attn_fwd_kernel(
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
     Hq, G, Nq, Nk, window,
-    qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, beta_m1,
+    qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
     seed, drop_p, keep_frac,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
@@ -235,7 +278,10 @@ def attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # true running max
     r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # offset subtracted before exp2
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if MODE == MODE_EXACT:
+        l_i = tl.zeros([BLOCK_M, L_COLS], tl.float32)  # the row sum, as a tensor-core accumulator
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     near = tl.zeros([BLOCK_M], tl.int32)
     fixed = tl.zeros([BLOCK_M], tl.int32)
@@ -247,24 +293,26 @@ def attn_fwd_kernel(
             acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
                 acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, drop_row,
+                window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                 UPCAST, PREC)
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
             acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-            window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, drop_row,
+            window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC)
     for start_n in range(mid_hi, hi_al, BLOCK_N):
         acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
             acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-            window, tie2, sat2, min_shift2, max_shift2, beta, beta_m1, seed, drop_p, drop_row,
+            window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC)
 
+    if MODE == MODE_EXACT:
+        l_i = tl.max(l_i, 1)
     seen = m_i > float("-inf")
     # a row that sees no key outputs zeros; an underflowed row sum (paper mode) stays NaN
     if DROPOUT:
