@@ -34,7 +34,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import reference, rules
-from .triton_attention import _TL_DTYPE, bwd_config, fwd_config, head_block
+from .triton_attention import _TL_DTYPE, FWD_COMPILE_OPTIONS, bwd_config, fwd_config, head_block
 from .triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess
 from .triton_forward import attn_fwd_kernel
 
@@ -119,7 +119,7 @@ def _constants(v: Variant) -> tuple[dict, dict]:
     if v.kind == "fwd":
         cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc)
         consts = dict(common, MODE=v.mode, STATS=v.stats, BLOCK_M=cfg.block_m, BLOCK_N=v.block_n)
-        opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
     elif v.kind == "bwd_pre":
         consts = dict(HEAD_D=v.head_dim, BLOCK_D=block_d, BLOCK_M=64)
         opts = dict(num_warps=4, num_stages=1)
