@@ -142,7 +142,7 @@ class StableAttentionCallback(Callback):
 
     **Act.** On every spiking step (loss or gradient norm, on any rank), per ``on_spike``:
 
-    - ``"warn"``: alert only;
+    - ``"warn"``: alert only (but a non-finite step is skipped, see below);
     - ``"skip"``: the step's update is dropped (weights and optimizer state unchanged; LR schedulers
       still advance, as with an AMP overflow);
     - ``"rollback"``: the step's update is dropped and the model, optimizer, LR-scheduler, grad-scaler
