@@ -564,15 +564,16 @@ class StableAttentionCallback(Callback):
                 changed.setdefault((phase, getattr(detector, "gross_ratio", None)), []).append(detector.metric)
         if not trainer.is_global_zero:
             return
+        following = step + 1  # the phase judges the values after the one that changed it
         for (phase, ratio), metrics in changed.items():
             which = ", ".join(metrics)
             if phase == "gross":
-                rule = f"a value above {ratio:g}x its recent median, and NaN/inf" if ratio else "NaN/inf"
-                log.warning("StableAttentionCallback: spike detection active from step %d on %s: %s alert now; "
-                            "the calibrated rule takes over once it has learnt the run's noise", step, which, rule)
+                rule = f"a value above {ratio:g}x its recent median, or NaN/inf, alerts" if ratio else "NaN/inf alert"
+                log.warning("StableAttentionCallback: spike detection active from step %d on %s: %s; the calibrated "
+                            "rule takes over once it has learnt the run's noise", following, which, rule)
             elif phase == "calibrated":
                 log.warning("StableAttentionCallback: calibrated spike detection active from step %d on %s",
-                            step, which)
+                            following, which)
 
     def _detectors(self, metric: str, world: int) -> list[SpikeDetector]:
         """The ``metric`` detectors of ranks 0..world-1 (each rank's values have their own level and noise)."""
