@@ -2,8 +2,10 @@
 gradients go wrong after the all-reduce (user code or faulty hardware): 100x too large at GRAD_STEP,
 one NaN at NAN_STEP.
 
-Run by test_callback_ddp.py as ``python ddp_spike_run.py WEIGHTS OUT_DIR``: Lightning's ``strategy="ddp"``
-starts the second process by running this script again, so it must be a script, not a pytest test.
+Run by test_callback_ddp.py as ``python ddp_spike_run.py WEIGHTS OUT_DIR [no-norm]`` (``no-norm``: with
+``monitor_grad_norm=False``, and without the 100x step, which only a gradient norm can see): Lightning's
+``strategy="ddp"`` starts the second process by running this script again, so it must be a script, not a
+pytest test.
 Each rank writes ``OUT_DIR/rank{r}.json`` with what it saw and did.
 """
 
@@ -31,6 +33,8 @@ RANK_OFFSET = 100  # rank r reads batches 100*r .. 100*r + STEPS - 1: different 
 
 
 class RankLM(ByteLM):
+    scale_grads = True
+
     def train_dataloader(self):
         rank = self.trainer.global_rank
         first = RANK_OFFSET * rank
@@ -41,7 +45,7 @@ class RankLM(ByteLM):
         # DDP has all-reduced the gradients by now: what happens here is seen by this rank only.
         if self.trainer.global_rank != 1:
             return
-        if self.trainer.global_step == GRAD_STEP:
+        if self.trainer.global_step == GRAD_STEP and self.scale_grads:
             for p in self.parameters():
                 p.grad.mul_(100.0)
         elif self.trainer.global_step == NAN_STEP:
@@ -71,11 +75,11 @@ class Probe(Callback):
         self.had_dispatcher = self.cb.dispatcher is not None
 
 
-def main(weights: str, out: str) -> None:
+def main(weights: str, out: str, monitor_grad_norm: bool = True) -> None:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     cb = StableAttentionCallback(
-        on_spike="skip", log_every_n_steps=5,
+        on_spike="skip", log_every_n_steps=5, monitor_grad_norm=monitor_grad_norm,
         loss_detector=SpikeDetector.loss(warmup=20),
         grad_norm_detector=SpikeDetector.grad_norm(warmup=20),
     )
@@ -86,6 +90,7 @@ def main(weights: str, out: str) -> None:
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=5,
     )
     module = RankLM(weights=weights)
+    module.scale_grads = monitor_grad_norm
     trainer.fit(module)
     result = {
         "rank": trainer.global_rank,
@@ -102,4 +107,4 @@ def main(weights: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], monitor_grad_norm=sys.argv[3:] != ["no-norm"])

@@ -11,17 +11,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):
-    from ddp_spike_run import BAD, GRAD_STEP, NAN_STEP, STEPS
-
+def run_ddp(tmp_path, pretrained, *extra):
     path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "ddp_spike_run.py"), pretrained, str(tmp_path)],
+        [sys.executable, os.path.join(HERE, "ddp_spike_run.py"), pretrained, str(tmp_path), *extra],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def read_alerts(log_dir):
+    with open(os.path.join(log_dir, "stable_attn_alerts.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):
+    from ddp_spike_run import BAD, GRAD_STEP, NAN_STEP, STEPS
+
+    r0, r1 = run_ddp(tmp_path, pretrained)
 
     # both ranks finished (no deadlock) and both skipped the steps that only rank 1 saw go wrong
     assert r0["global_step"] == r1["global_step"] == STEPS
@@ -32,8 +41,7 @@ def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):
 
     # side effects on rank zero only: one JSONL, written by rank 0, naming rank 1 as the source
     assert r0["had_dispatcher"] and not r1["had_dispatcher"]
-    with open(os.path.join(r0["log_dir"], "stable_attn_alerts.jsonl"), encoding="utf-8") as f:
-        alerts = [json.loads(line) for line in f]
+    alerts = read_alerts(r0["log_dir"])
     assert {a["step"] for a in alerts} == {GRAD_STEP, BAD, NAN_STEP}
     loss = [a for a in alerts if a["metric"] == "train/loss"]
     assert len(loss) == 1 and "on rank 1 of 2" in loss[0]["message"] and loss[0]["action"] == "skip"
@@ -43,3 +51,16 @@ def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):
     assert norm[GRAD_STEP]["kind"] == "spike" and norm[NAN_STEP]["kind"] == "nonfinite"
     assert all("on rank 1 of 2" in a["message"] and a["action"] == "skip" for a in norm.values())
     assert len(alerts) == r0["alert_count"]
+
+
+def test_ddp_nan_gradient_on_one_rank_without_norm_monitoring(tmp_path, pretrained):
+    # monitor_grad_norm=False: each rank's max-abs check of its own gradients is shared with the others
+    from ddp_spike_run import BAD, NAN_STEP, STEPS
+
+    r0, r1 = run_ddp(tmp_path, pretrained, "no-norm")
+    assert r0["global_step"] == r1["global_step"] == STEPS
+    assert r0["skipped_steps"] == r1["skipped_steps"] == [BAD, NAN_STEP]
+    assert r0["final"] == r1["final"]
+    grads = [a for a in read_alerts(r0["log_dir"]) if a["metric"] == "train/gradients"]
+    assert [(a["step"], a["kind"], a["action"]) for a in grads] == [(NAN_STEP, "nonfinite", "skip")]
+    assert "on rank 1 of 2" in grads[0]["message"]
