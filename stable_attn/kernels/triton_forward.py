@@ -67,7 +67,10 @@ def scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, p
 
     ``kp`` is the key padding mask of the block (bool ``[BLOCK_N]``) when ``HAS_KPM``.
     """
-    x = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if k is None:  # q already holds the products (the sink's score in the epilogue)
+        x = q
+    else:
+        x = tl.dot(q, tl.trans(k), input_precision=PREC)
     if SOFTCAP:
         t = tanh_f32(x * cap_scale)
         s2 = t * cap_log2e
@@ -163,7 +166,7 @@ def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MO
 
 
 @triton.jit
-def fwd_block(acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
+def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
               offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
               tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -208,8 +211,6 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_p
         carried = tl.where(m_new == m_i, near, (m_i >= m_new - sat2).to(tl.int32))
         near = tl.minimum(carried + in_blk, 2)
         fixed += fire.to(tl.int32)
-        if start_n == 0:
-            s_first = tl.max(tl.where(offs_n[None, :] == 0, s2, float("-inf")), 1)
 
     r_safe = tl.where(r_new == float("-inf"), 0.0, r_new)
     alpha = tl.exp2(r_i - r_safe)  # 0 while the row has seen no key (r = -inf)
@@ -236,7 +237,7 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_p
     if UPCAST:
         v = v.to(tl.float32)
     acc = tl.dot(p_cast, v, acc * alpha[:, None], input_precision=PREC)
-    return acc, l_i, m_new, r_new, near, fixed, s_first
+    return acc, l_i, m_new, r_new, near, fixed
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
@@ -285,27 +286,26 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     near = tl.zeros([BLOCK_M], tl.int32)
     fixed = tl.zeros([BLOCK_M], tl.int32)
-    s_first = tl.full([BLOCK_M], float("-inf"), tl.float32)
 
     lo, mid_lo, mid_hi, hi_al = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     if WINDOW:
         for start_n in range(lo, mid_lo, BLOCK_N):
-            acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
-                acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            acc, l_i, m_i, r_i, near, fixed = fwd_block(
+                acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
                 window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                 UPCAST, PREC)
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
-        acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
-            acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+        acc, l_i, m_i, r_i, near, fixed = fwd_block(
+            acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC)
     for start_n in range(mid_hi, hi_al, BLOCK_N):
-        acc, l_i, m_i, r_i, near, fixed, s_first = fwd_block(
-            acc, l_i, m_i, r_i, near, fixed, s_first, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+        acc, l_i, m_i, r_i, near, fixed = fwd_block(
+            acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
@@ -329,4 +329,15 @@ def attn_fwd_kernel(
         tl.store(StSat + row_ptr, ((near >= 2) & seen).to(tl.int8), mask=row_ok)
         tl.store(StFixed + row_ptr, fixed, mask=row_ok)
         tl.store(StMax + row_ptr, m_i / LOG2E, mask=row_ok)
-        tl.store(StP0 + row_ptr, tl.exp2(s_first - lse), mask=row_ok)
+        # the sink's score, recomputed from key 0 alone: the loops then carry no test for block 0
+        # (fp32 sum in another order than the tile's dot: within summation-order differences)
+        k0 = tl.load(K + b64 * stride_kb + hkv * stride_kh + offs_d, mask=offs_d < HEAD_D, other=0.0)
+        q_again = tl.load(q_ptrs, mask=q_mask, other=0.0)  # reloaded: q itself need not stay in registers
+        x0 = tl.sum(q_again.to(tl.float32) * k0.to(tl.float32)[None, :], 1)
+        key0 = tl.zeros([1], tl.int32)
+        kp0 = key0 < 0  # placeholder, only read when HAS_KPM
+        if HAS_KPM:
+            kp0 = tl.load(KPM + b64 * stride_kpmb + key0) != 0
+        s_first, _ = scores_tile(x0[:, None], None, offs_m, key0, kp0, qk_scale2, cap_scale, cap_log2e, Nk,
+                                 pos_offset, window, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
+        tl.store(StP0 + row_ptr, tl.exp2(tl.max(s_first, 1) - lse), mask=row_ok)
