@@ -13,6 +13,7 @@ the schedulers' clocks with the tensor cores' clocks per iteration on an H100/H2
     python benchmarks/kernel_resources.py                       # bf16, D 64/128/256, sm_80 + sm_90
     python benchmarks/kernel_resources.py --cc 90 --d 64 128 --json /tmp/kr.json --jobs 1
     python benchmarks/kernel_resources.py --dtype fp16 --cc 90 --d 128 --jobs 4
+    python benchmarks/kernel_resources.py --kernels bwd_dkdv bwd_dq --features false true --jobs 1
 
 ``--json PATH`` writes one row per variant (fields: kernel, d, mode, stats, cc, regs, spill_bytes,
 shared, wgmma, warps, loop_sass, mma_clk, issue_clk, R, cubin, and more) and keeps the cubins in
@@ -39,6 +40,7 @@ from stable_attn.kernels.triton_aot import SHARED_LIMIT, Variant, describe, desc
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = {"off": rules.MODE_OFF, "exact": rules.MODE_EXACT, "paper": rules.MODE_PAPER}
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 
 
 def variants(args) -> list[Variant]:
@@ -47,11 +49,16 @@ def variants(args) -> list[Variant]:
         for dt in args.dtype:
             for d in args.d:
                 for causal in args.causal:
-                    for mode in args.modes:
-                        out.append(Variant("fwd", DTYPES[dt], d, causal, MODES[mode], False, cc))
-                    if "exact" in args.modes and args.stats:
-                        out.append(Variant("fwd", DTYPES[dt], d, causal, rules.MODE_EXACT, True, cc))
-                    out += [Variant(k, DTYPES[dt], d, causal, cc=cc) for k in ("bwd_dkdv", "bwd_dq")]
+                    for features in args.features:
+                        if "fwd" in args.kernels:
+                            for mode in args.modes:
+                                out.append(Variant("fwd", DTYPES[dt], d, causal, MODES[mode], False, cc,
+                                                   features=features))
+                            if "exact" in args.modes and args.stats:
+                                out.append(Variant("fwd", DTYPES[dt], d, causal, rules.MODE_EXACT, True, cc,
+                                                   features=features))
+                        out += [Variant(k, DTYPES[dt], d, causal, cc=cc, features=features)
+                                for k in ("bwd_dkdv", "bwd_dq") if k in args.kernels]
     return out
 
 
@@ -80,6 +87,9 @@ def main() -> None:
     p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[True])
     p.add_argument("--modes", nargs="+", default=["off", "exact", "paper"], choices=sorted(MODES))
     p.add_argument("--no-stats", dest="stats", action="store_false", help="skip the stats-on forward")
+    p.add_argument("--kernels", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], choices=KERNELS)
+    p.add_argument("--features", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False],
+                   help="window, softcap, padding mask and dropout all on (true) or all off (false)")
     p.add_argument("--jobs", type=int, default=2, help="parallel compiles")
     p.add_argument("--json", help="write the rows here (and the cubins next to it)")
     args = p.parse_args()

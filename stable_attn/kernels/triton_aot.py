@@ -79,12 +79,16 @@ class Variant:
         return "-".join(parts) + f"-sm{self.cc}"
 
 
-def _signature(fn, dtype: torch.dtype, constexprs: dict) -> tuple[dict, dict]:
+def _signature(fn, dtype: torch.dtype, constexprs: dict, descriptors: dict | None = None) -> tuple[dict, dict]:
+    """Argument types; ``descriptors`` maps the arguments passed as tensor descriptors to their block shape."""
     elem = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    descriptors = descriptors or {}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in descriptors:
+            sig[name] = f"tensordesc<{elem[1:]}[{', '.join(map(str, descriptors[name]))}]>"
         elif name.startswith("stride"):
             sig[name] = "i32"
             if name != "stride_kpmb":  # the padding mask's row stride is Nk: no alignment promised
@@ -105,7 +109,12 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
     """The ASTSource and compile options (warps, stages) of a variant."""
     consts, opts = _constants(v)
     fn = _KERNELS[v.kind]
-    sig, attrs = _signature(fn, v.dtype, consts)
+    descriptors = {}
+    if consts.get("TMA"):  # the launcher's descriptors: one (batch, head) row block of [B, H, N, D]
+        rows = consts["BLOCK_M"] if v.kind == "bwd_dkdv" else consts["BLOCK_N"]
+        names = ("Q", "DO") if v.kind == "bwd_dkdv" else ("K", "V")
+        descriptors = {n: (1, 1, rows, consts["BLOCK_D"]) for n in names}
+    sig, attrs = _signature(fn, v.dtype, consts, descriptors)
     return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), opts
 
 
@@ -124,10 +133,10 @@ def _constants(v: Variant) -> tuple[dict, dict]:
         consts = dict(HEAD_D=v.head_dim, BLOCK_D=block_d, BLOCK_M=64)
         opts = dict(num_warps=4, num_stages=1)
     else:
-        c = bwd_config(block_d, v.dtype, v.cc)
+        c = bwd_config(block_d, v.dtype, v.cc, heavy=f)
         m, n, warps, stages = (c.m1, c.n1, c.warps1, c.stages1) if v.kind == "bwd_dkdv" else (c.m2, c.n2, c.warps2,
                                                                                                c.stages2)
-        consts = dict(common, BLOCK_M=m, BLOCK_N=n)
+        consts = dict(common, BLOCK_M=m, BLOCK_N=n, TMA=c.tma)
         opts = dict(num_warps=warps, num_stages=stages)
     return consts, opts
 

@@ -55,7 +55,9 @@ class FwdConfig:
 @dataclass(frozen=True)
 class BwdConfig:
     """Backward tiling: dK/dV programs hold ``n1`` keys and step over ``m1`` queries (``warps1``,
-    ``stages1``); dQ programs hold ``m2`` queries and step over ``n2`` keys (``warps2``, ``stages2``)."""
+    ``stages1``); dQ programs hold ``m2`` queries and step over ``n2`` keys (``warps2``, ``stages2``).
+    ``tma``: the streamed tiles (Q, dO for dK/dV; K, V for dQ) come through tensor descriptors
+    (sm_90 only; the launcher falls back to pointers where the strides do not allow it)."""
 
     m1: int
     n1: int
@@ -65,6 +67,7 @@ class BwdConfig:
     n2: int
     warps2: int
     stages2: int
+    tma: bool = False
 
 
 def head_block(d: int) -> int:
@@ -91,13 +94,26 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int) -> FwdCo
     return cfg
 
 
-def bwd_config(block_d: int, dtype: torch.dtype, cc: int) -> BwdConfig:
+def bwd_config(block_d: int, dtype: torch.dtype, cc: int, tma: bool = True, heavy: bool = False) -> BwdConfig:
     """Backward tiling by padded head dim and compute capability (no partition constraint here).
 
-    The dK/dV kernel keeps two fp32 accumulators and the K, V tiles in registers for its whole
-    loop, so it runs without software pipelining (``stages1 = 1``): every pipelined configuration
-    tried spilled registers (benchmarks/kernel_resources.py).
+    sm_90, 16-bit, D <= 128 (``tma``: the launcher found the strides TMA-compatible): the streamed
+    tiles come through tensor descriptors, so no per-element addresses occupy registers, and the
+    tiles are wide enough for wgmma and pipelined in 2 stages. dK/dV keeps a 128-key tile (two
+    fp32 ``[128, D]`` accumulators, K and V in shared memory) and steps over 64 queries at D=64, 32 at
+    D=128, the widest steps without spills; dQ holds 64 (D=64) or 128 (D=128) queries and steps over
+    128 or 64 keys. ``heavy`` (dropout or softcap: Philox counters or the tanh tile stay live) takes
+    narrower steps (16 queries for dK/dV; dQ 128 x 64 at D=64, 128 x 32 at D=128), again the widest
+    without spills. Chosen by benchmarks/kernel_resources.py (R, registers, spills; docs/BENCHMARKS.md).
+    Elsewhere (sm_80, fp32, D=256, strides TMA cannot take) pointer loads with the smaller tiles
+    below, where the dK/dV kernel runs unpipelined (``stages1 = 1``): pipelined ones spilled.
     """
+    if tma and cc >= 90 and dtype != torch.float32 and block_d <= 128:
+        if heavy:
+            return BwdConfig(16, 128, 8, 2, 128, 64 if block_d <= 64 else 32, 8, 2, tma=True)
+        if block_d <= 64:
+            return BwdConfig(64, 128, 8, 2, 64, 128, 4, 2, tma=True)
+        return BwdConfig(32, 128, 8, 2, 128, 64, 8, 2, tma=True)
     if block_d <= 64:
         cfg = BwdConfig(32, 64, 4, 1, 64, 64, 4, 3)
     elif block_d <= 128:
@@ -109,6 +125,19 @@ def bwd_config(block_d: int, dtype: torch.dtype, cc: int) -> BwdConfig:
         cfg = BwdConfig(max(16, cfg.m1 // 2), cfg.n1, cfg.warps1, 1, cfg.m2, max(16, cfg.n2 // 2), cfg.warps2,
                         max(1, cfg.stages2 - 1))
     return cfg
+
+
+def tma_compatible(*xs: torch.Tensor) -> bool:
+    """Whether TMA can address these ``[B, H, N, D]`` tensors: 16-byte aligned base and outer strides."""
+    return all(x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+               for x in xs)
+
+
+def _descriptor(x: torch.Tensor, rows: int, block_d: int):
+    """A TMA descriptor over ``[B, H, N, D]`` loading ``rows x block_d`` tiles of one (batch, head)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, block_d])
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -230,7 +259,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dtype = q.dtype
     upcast = interpreting()
     block_d = head_block(D)
-    cfg = config or bwd_config(block_d, dtype, _capability(q.device))
+    cfg = config or bwd_config(block_d, dtype, _capability(q.device), tma_compatible(q, k, v, do),
+                               heavy=opts.dropout_p > 0 or opts.softcap is not None)
 
     delta = _empty((B, Hq, Nq), torch.float32, q.device)
     attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, B)](
@@ -250,13 +280,16 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                opts.scale, sc["seed"], sc["drop_p"], sc["keep_scale"])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    # with cfg.tma the streamed operands go in as descriptors (the kernels read the pointers otherwise)
+    q_in, do_in = (_descriptor(q, cfg.m1, block_d), _descriptor(do, cfg.m1, block_d)) if cfg.tma else (q, do)
+    k_in, v_in = (_descriptor(k, cfg.n2, block_d), _descriptor(v, cfg.n2, block_d)) if cfg.tma else (k, v)
     attn_bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.n1), Hkv, B)](
-        q, k, v, kpm, do, lse2, delta, dk, dv, *qkv_strides,
+        q_in, k, v, kpm, do_in, lse2, delta, dk, dv, *qkv_strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *scalars,
-        BLOCK_M=cfg.m1, BLOCK_N=cfg.n1, num_warps=cfg.warps1, num_stages=cfg.stages1, **common,
+        BLOCK_M=cfg.m1, BLOCK_N=cfg.n1, num_warps=cfg.warps1, num_stages=cfg.stages1, TMA=cfg.tma, **common,
     )
     attn_bwd_dq_kernel[(triton.cdiv(Nq, cfg.m2), Hq, B)](
-        q, k, v, kpm, do, lse2, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2), *scalars,
-        BLOCK_M=cfg.m2, BLOCK_N=cfg.n2, num_warps=cfg.warps2, num_stages=cfg.stages2, **common,
+        q, k_in, v_in, kpm, do, lse2, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2), *scalars,
+        BLOCK_M=cfg.m2, BLOCK_N=cfg.n2, num_warps=cfg.warps2, num_stages=cfg.stages2, TMA=cfg.tma, **common,
     )
     return dq, dk, dv

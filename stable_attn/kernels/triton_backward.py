@@ -9,7 +9,13 @@ Three launches, no atomics, so the gradients are deterministic:
 3. ``attn_bwd_dq_kernel``: one program per (query block, batch, query head), looping over the key
    blocks like the forward and accumulating dQ in fp32.
 
-Both gradient kernels recompute ``P = exp2(s2 - lse2)`` from the saved base-2 log-sum-exp. The
+Both gradient kernels recompute ``P = exp2(s2 - lse2)`` from the saved base-2 log-sum-exp. With
+``TMA`` (sm_90, strides the Tensor Memory Accelerator accepts; the launcher decides) the tiles that
+stream through the inner loop (Q and dO for dK/dV, K and V for dQ) arrive through 4D tensor
+descriptors over ``[B, H, N, D]``: no per-element addresses in registers, which is what lets a
+128-key dK/dV tile run on wgmma without spills; the hardware zero-fills rows past ``N`` and columns
+past ``HEAD_D``, as the masked loads of the pointer path do. The
+
 stabilization does not appear here: it changed only the offset, not ``O`` or ``lse``. Rounding
 points as in the reference: ``P`` (after dropout scaling) is cast to the input dtype before
 ``P^T dO``; ``dS * scale`` is cast to the input dtype before ``dS K`` and ``dS^T Q``.
@@ -40,20 +46,33 @@ def attn_bwd_preprocess(Out, DO, Delta, stride_ob, stride_oh, stride_on, stride_
 
 
 @triton.jit
-def dkdv_block(dk, dv, k, v, kp, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n, offs_d,
-               stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
+def load_tile(desc, ptrs, b, h, start, stride, offs_r0, offs_d, n_rows, ROWS: tl.constexpr, HEAD_D: tl.constexpr,
+              BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``[start, start + ROWS)`` of one (batch, head) of a ``[B, H, N, D]`` tensor, zero past ``N``
+    and past ``HEAD_D``: through the tensor descriptor ``desc`` (``TMA``) or the pointers ``ptrs``."""
+    if TMA:
+        x = desc.load([b, h, start, 0]).reshape(ROWS, BLOCK_D)
+    else:
+        mask = (start + offs_r0)[:, None] < n_rows
+        if HEAD_D != BLOCK_D:
+            mask = mask & (offs_d[None, :] < HEAD_D)
+        x = tl.load(ptrs + start * stride, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
+               offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
                seed, drop_p, keep_scale, drop_head,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-               DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+               BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+               TMA: tl.constexpr):
     """One query block's contribution to dK, dV of a key block, in transposed ``[BLOCK_N, BLOCK_M]`` tiles."""
     offs_m = start_m + offs_m0
     row_ok = offs_m < Nq
-    q_mask = row_ok[:, None]
-    if HEAD_D != BLOCK_D:
-        q_mask = q_mask & (offs_d[None, :] < HEAD_D)
-    q = tl.load(q_ptrs + start_m * stride_qn, mask=q_mask, other=0.0)
-    do = tl.load(do_ptrs + start_m * stride_don, mask=q_mask, other=0.0)
+    q = load_tile(Q, q_ptrs, b, h, start_m, stride_qn, offs_m0, offs_d, Nq, BLOCK_M, HEAD_D, BLOCK_D, TMA)
+    do = load_tile(DO, do_ptrs, b, h, start_m, stride_don, offs_m0, offs_d, Nq, BLOCK_M, HEAD_D, BLOCK_D, TMA)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -78,16 +97,18 @@ def dkdv_block(dk, dv, k, v, kp, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, o
             vis = vis & (offs_n[:, None] > pos - window)
         s2 = tl.where(vis, s2, float("-inf"))
     p = tl.exp2(s2 - lse[None, :])
-    dp = tl.dot(v, tl.trans(do), input_precision=PREC)
     if DROPOUT:
+        dp = tl.dot(v, tl.trans(do), input_precision=PREC)
         keep = tl.rand(seed, drop_head + offs_m[None, :].to(tl.int64) * Nk + offs_n[:, None]) >= drop_p
         p_drop = tl.where(keep, p * keep_scale, 0.0)
-        dp = tl.where(keep, dp * keep_scale, 0.0)
+        dp = tl.where(keep, dp * keep_scale, 0.0) - delta[None, :]
     else:
+        # dP - delta with the product accumulated onto -delta: no separate delta tile in registers
+        dp = tl.dot(v, tl.trans(do), tl.zeros_like(s2) - delta[None, :], input_precision=PREC)
         p_drop = p
     p_cast = round_to(p_drop, DTYPE, UPCAST)
     dv = tl.dot(p_cast, do, dv, input_precision=PREC)
-    ds = p * (dp - delta[None, :])
+    ds = p * dp
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
     ds_cast = round_to(ds * scale, DTYPE, UPCAST)
@@ -103,11 +124,13 @@ def attn_bwd_dkdv_kernel(
     stride_kpmb, Hq, G, Nq, Nk, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
+    """dK, dV of one key block; with ``TMA``, ``Q`` and ``DO`` are descriptors (block ``[1, 1, BLOCK_M, BLOCK_D]``)."""
     start_n = tl.program_id(0) * BLOCK_N
     hkv = tl.program_id(1)
-    b64 = tl.program_id(2).to(tl.int64)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
     pos_offset = Nk - Nq
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -142,34 +165,43 @@ def attn_bwd_dkdv_kernel(
     q_lo = tl.minimum(q_lo, q_hi)
     mid_lo = tl.minimum(tl.maximum(full_lo, q_lo), q_hi)
     mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), q_hi)
-    if start_n + BLOCK_N > Nk:  # a partial key block is masked everywhere
-        mid_hi = mid_lo
+    if start_n + BLOCK_N > Nk:  # a partial key block is masked everywhere: all in the first stretch
+        mid_lo = q_hi
+        mid_hi = q_hi
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(0, G):
         h = hkv * G + g
-        q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m0[:, None] * stride_qn + offs_d[None, :]
-        do_ptrs = DO + b64 * stride_dob + h * stride_doh + offs_m0[:, None] * stride_don + offs_d[None, :]
+        if TMA:
+            q_ptrs = Q
+            do_ptrs = DO
+        else:
+            q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m0[:, None] * stride_qn + offs_d[None, :]
+            do_ptrs = DO + b64 * stride_dob + h * stride_doh + offs_m0[:, None] * stride_don + offs_d[None, :]
         row0 = (b64 * Hq + h) * Nq
         lse_ptr = Lse + row0
         delta_ptr = Delta + row0
         drop_head = row0 * Nk
         for start_m in range(q_lo, mid_lo, BLOCK_M):
-            dk, dv = dkdv_block(dk, dv, k, v, kp, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
-                                offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale,
-                                cap_log2e, scale, seed, drop_p, keep_scale, drop_head, True, CAUSAL, WINDOW,
-                                SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC)
+            dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
+                                offs_m0, offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window,
+                                qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, drop_head, True,
+                                CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE, UPCAST,
+                                PREC, TMA)
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
-            dk, dv = dkdv_block(dk, dv, k, v, kp, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
-                                offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale,
-                                cap_log2e, scale, seed, drop_p, keep_scale, drop_head, False, CAUSAL, WINDOW,
-                                SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC)
-        for start_m in range(mid_hi, q_hi, BLOCK_M):
-            dk, dv = dkdv_block(dk, dv, k, v, kp, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
-                                offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale,
-                                cap_log2e, scale, seed, drop_p, keep_scale, drop_head, True, CAUSAL, WINDOW,
-                                SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC)
+            dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
+                                offs_m0, offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window,
+                                qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, drop_head, False,
+                                CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE, UPCAST,
+                                PREC, TMA)
+        if WINDOW:  # without a window every query block past the diagonal sees the whole key block
+            for start_m in range(mid_hi, q_hi, BLOCK_M):
+                dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
+                                    offs_m0, offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window,
+                                    qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, drop_head,
+                                    True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE,
+                                    UPCAST, PREC, TMA)
 
     tl.store(DK + b64 * stride_dkb + hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
              round_to(dk, DTYPE, UPCAST).to(DTYPE), mask=kv_mask)
@@ -178,19 +210,17 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
-             stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
-             drop_row, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-             HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-             DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d,
+             stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p,
+             keep_scale, drop_row, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+             SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, HEAD_D: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+             PREC: tl.constexpr, TMA: tl.constexpr):
     """One key block's contribution to dQ of a query block."""
     offs_n = start_n + offs_n0
-    if MASK:
-        kv_mask = offs_n[:, None] < Nk
-        if HEAD_D != BLOCK_D:
-            kv_mask = kv_mask & (offs_d[None, :] < HEAD_D)
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
+    if TMA or MASK:
+        k = load_tile(K, k_ptrs, b, hkv, start_n, stride_kn, offs_n0, offs_d, Nk, BLOCK_N, HEAD_D, BLOCK_D, TMA)
+        v = load_tile(V, v_ptrs, b, hkv, start_n, stride_vn, offs_n0, offs_d, Nk, BLOCK_N, HEAD_D, BLOCK_D, TMA)
     elif HEAD_D != BLOCK_D:
         k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_D, other=0.0)
         v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_d[None, :] < HEAD_D, other=0.0)
@@ -228,11 +258,13 @@ def attn_bwd_dq_kernel(
     stride_kpmb, Hq, G, Nq, Nk, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
+    """dQ of one query block; with ``TMA``, ``K`` and ``V`` are descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``)."""
     start_m = tl.program_id(0)
     h = tl.program_id(1)
-    b64 = tl.program_id(2).to(tl.int64)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
     hkv = h // G
     pos_offset = Nk - Nq
 
@@ -254,27 +286,32 @@ def attn_bwd_dq_kernel(
     row_ptr = (b64 * Hq + h) * Nq + offs_m
     lse = tl.load(Lse + row_ptr, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + row_ptr, mask=row_ok, other=0.0)
-    k_ptrs = K + b64 * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b64 * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    if TMA:
+        k_ptrs = K
+        v_ptrs = V
+    else:
+        k_ptrs = K + b64 * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = V + b64 * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
     kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
     drop_row = row_ptr * Nk
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, mid_lo, mid_hi, hi = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
-    for start_n in range(lo, mid_lo, BLOCK_N):
-        dq = dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
-                      stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p,
-                      keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D,
-                      DTYPE, UPCAST, PREC)
+    if WINDOW:  # blocks cut by the window's left edge (lo == mid_lo == 0 without a window)
+        for start_n in range(lo, mid_lo, BLOCK_N):
+            dq = dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+                          offs_n0, offs_d, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale,
+                          cap_log2e, scale, seed, drop_p, keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP,
+                          HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
-        dq = dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
-                      stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p,
-                      keep_scale, drop_row, False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D,
-                      DTYPE, UPCAST, PREC)
+        dq = dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
+                      offs_d, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
+                      seed, drop_p, keep_scale, drop_row, False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D,
+                      BLOCK_D, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
     for start_n in range(mid_hi, hi, BLOCK_N):
-        dq = dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
-                      stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p,
-                      keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D,
-                      DTYPE, UPCAST, PREC)
+        dq = dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
+                      offs_d, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
+                      seed, drop_p, keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D,
+                      BLOCK_D, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
     tl.store(DQ + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
              round_to(dq, DTYPE, UPCAST).to(DTYPE), mask=q_mask)

@@ -60,6 +60,26 @@ def test_representative_variants_compile(representative, i):
     check(REPRESENTATIVE[i], representative[i])
 
 
+# Issue 11's static targets for the backward on Hopper (bf16, causal): wgmma, no spills, and at D=128
+# an issue-to-tensor clock ratio R (triton_aot.describe) of at most 0.80 for both gradient kernels.
+BACKWARD_TARGETS = [Variant(kind, BF16, d, True, cc=90) for kind in ("bwd_dkdv", "bwd_dq") for d in (64, 128)]
+
+
+@pytest.fixture(scope="module")
+def backward_targets():
+    return describe_in_subprocess(BACKWARD_TARGETS)
+
+
+@pytest.mark.parametrize("i", range(len(BACKWARD_TARGETS)), ids=[v.name for v in BACKWARD_TARGETS])
+def test_backward_on_wgmma_without_spills(backward_targets, i):
+    v, r = BACKWARD_TARGETS[i], backward_targets[i]
+    check(v, r)
+    assert r["wgmma"] and r["spill_bytes"] == 0, f"{v.name}: wgmma={r['wgmma']}, {r['spill_bytes']} B spilled"
+    assert r["loop_mma"] > 0 and r["R"] == pytest.approx(r["issue_clk"] / r["mma_clk"])
+    if v.head_dim == 128:
+        assert r["R"] <= 0.80, f"{v.name}: R = {r['R']:.2f} > 0.80 (loop of {r['loop_sass']} SASS per warp)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", FULL, ids=lambda v: v.name)
 def test_every_variant_compiles(variant):
