@@ -6,9 +6,6 @@ Triton code. On a GPU machine set STABLE_ATTN_TEST_DEVICE=cuda to run the same t
 """
 
 import os
-import sys
 
 if os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-sys.path.insert(0, os.path.dirname(__file__))  # so tests can `from oracle import ...`

@@ -3,6 +3,7 @@
 - :mod:`.bf16`: one BF16 addition bit by bit (the paper's ``-2.40625 + -2.296875``);
 - :mod:`.bias`: mean signed error, t-statistic and RMS error in units of one bf16 rounding;
 - :mod:`.arithmetic`: arithmetic models of ``softmax(s) V`` (our kernel, the published all-bf16
-  blockwise code, sequential bf16 accumulation) and the fp64 oracle; used by benchmarks/bias_study.py;
+  blockwise code, sequential bf16 accumulation) and their exact answer (built on
+  :mod:`stable_attn.kernels.naive`, the one fp64 oracle); used by benchmarks/bias_study.py;
 - :mod:`.probe`: the per-layer probe of a transformers model (``stable-attn probe``).
 """

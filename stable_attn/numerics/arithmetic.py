@@ -1,4 +1,4 @@
-"""Three arithmetic models of ``O = softmax(s) V`` for one query row, and the fp64 oracle.
+"""Three arithmetic models of ``O = softmax(s) V`` for one query row, and the exact answer they are measured against.
 
 Each model takes bf16-representable scores ``s`` ``[T, N]`` (already scaled: the softmax input) and
 bf16 values ``v`` ``[T, N, D]``, one independent row per trial ``t``, and returns the bf16 output
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import attention
-from ..kernels import rules
+from ..kernels import naive, rules
 from ..stats import AttentionStats
 
 FIXES = ("off", "ours", "paper")
@@ -63,9 +63,11 @@ def _check(scores: torch.Tensor, values: torch.Tensor, fix: str) -> None:
 
 
 def oracle(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``softmax(s) V`` in float64 from the same (bf16) inputs: the exact answer, ``[T, D]``."""
-    p = torch.softmax(scores.double(), dim=-1)
-    return torch.einsum("tn,tnd->td", p, values.double())
+    """``softmax(s) V`` in float64 from the same (bf16) inputs: the exact answer, ``[T, D]``.
+
+    The score-level form of :func:`stable_attn.kernels.naive.attention` (same softmax, scores given).
+    """
+    return torch.einsum("tn,tnd->td", naive.probabilities(scores), values.double())
 
 
 def kernel_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = 64,

@@ -9,7 +9,8 @@ the user's own model and data:
    the attention function receives them), its mask arguments and the gradient of its output ``dO``
    are captured;
 2. each layer is replayed on those captured tensors with the fix off, ours and the paper's, in the
-   compute dtype (bf16: the kernel's arithmetic), and against a float64 oracle on the same inputs.
+   compute dtype (bf16: the kernel's arithmetic), and against the float64 oracle
+   (:mod:`stable_attn.kernels.naive`) on the same inputs.
 
 Reported per layer: saturation (rows where two or more keys' ``P-bar`` would round to 1.0), max
 logit, sink mass, and for ``O`` and ``delta`` the mean signed error (bias), its t-statistic over rows
@@ -33,9 +34,9 @@ import torch
 from torch import nn
 
 from ..attention import attention
+from ..kernels import naive
 from ..stats import AttentionStats
 from .bias import BF16_UNIT_ROUNDOFF, ErrorStats, error_stats, row_unit
-from .oracle import attention_fp64
 
 PROBE_NAME = "stable_attn_probe"  # private AttentionInterface name used only while probing
 FIXES = {"off": False, "ours": True, "paper": "paper"}
@@ -208,7 +209,7 @@ def _loss(model: nn.Module, output: Any, input_ids: torch.Tensor, attention_mask
 def _replay(call: _Call, name: str, dtype: torch.dtype, fixes: Sequence[str], backend: str) -> LayerReport:
     q, k, v = (t.to(dtype) for t in (call.q, call.k, call.v))
     kw = call.kwargs
-    exact = attention_fp64(q, k, v, **kw)
+    exact = naive.attention(q, k, v, **kw)
     do = call.do.to(dtype) if call.do is not None else torch.zeros_like(q)
     B, H, N, D = q.shape
     rows_o = exact.reshape(-1, D)

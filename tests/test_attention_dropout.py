@@ -1,4 +1,4 @@
-"""Attention dropout of stable_attn.attention (the ``dropout`` models pass through the integrations).
+"""Attention dropout of stable_attn.attention (what the integrations pass as ``dropout`` ends here).
 
 The keep mask is read back from the output itself: with ``v`` the identity (``D = Nk``) the output row
 is ``P * keep / (1 - p)``, so a zero marks a dropped probability. That mask then checks the keep rate,

@@ -1,0 +1,82 @@
+"""Attention in float64, materialized: the exact answer every test, the numerics lab and the probe compare with.
+
+Plain ``softmax(q k^T * scale + mask) v`` with every mask :func:`stable_attn.attention` accepts
+(bottom-right causal, left window, key padding, boolean or additive ``attn_mask``, softcap, GQA) and
+nothing of the fast paths' algorithm: no key blocks, no online softmax, no offsets, no
+stabilization, no code shared with ``reference.py`` or the Triton kernels. It is differentiable
+(autograd in float64 gives the exact gradients) and materializes one ``[Hq, Nq, Nk]`` score tensor
+per batch element, so it is meant for test- and probe-sized inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def visibility(nq: int, nk: int, *, causal: bool = False, window: int | None = None,
+               key_padding_mask: torch.Tensor | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Which keys each query sees, ``[B|1, 1, Nq, Nk]`` bool (before any ``attn_mask``).
+
+    Positions are aligned bottom-right: query ``i`` stands at ``p = i + Nk - Nq``. ``causal`` keeps
+    ``j <= p``; ``window`` keeps ``j > p - window`` (with ``causal=False`` it bounds only the left
+    side); ``key_padding_mask[b, j]`` keeps key ``j`` of batch element ``b``.
+    """
+    pos = torch.arange(nq, device=device)[:, None] + (nk - nq)
+    key = torch.arange(nk, device=device)[None, :]
+    vis = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if causal:
+        vis &= key <= pos
+    if window is not None:
+        vis &= key > pos - window
+    vis = vis[None, None]
+    if key_padding_mask is not None:
+        vis = vis & key_padding_mask.to(device)[:, None, None, :]
+    return vis
+
+
+def probabilities(scores: torch.Tensor) -> torch.Tensor:
+    """``softmax`` over the last dim in float64, masked entries ``-inf``; a row with no finite entry is 0."""
+    s = scores.double()
+    any_key = torch.isfinite(s).any(dim=-1, keepdim=True)
+    # softmax of an all -inf row is NaN, and NaN would reach the gradient through torch.where
+    p = torch.softmax(torch.where(any_key, s, torch.zeros_like(s)), dim=-1)
+    return torch.where(torch.isfinite(s) & any_key, p, torch.zeros_like(p))
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+    window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:
+    """``[B, Hq, Nq, D]`` float64 output of q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nk, D]``.
+
+    Arguments mean what they mean for :func:`stable_attn.attention`. A row that sees no key
+    outputs 0 and gets zero gradients (as the kernels do).
+    """
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    group = Hq // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    vis_all = visibility(Nq, Nk, causal=causal, window=window, key_padding_mask=key_padding_mask, device=q.device)
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    outs = []
+    for b in range(B):  # one batch element at a time: [Hq, Nq, Nk] is the largest tensor
+        kb = k[b].double().repeat_interleave(group, dim=0)
+        vb = v[b].double().repeat_interleave(group, dim=0)
+        s = torch.matmul(q[b].double(), kb.transpose(-1, -2)) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        vis = vis_all[b if vis_all.shape[0] > 1 else 0].expand(Hq, Nq, Nk)
+        if mask is not None:
+            mb = mask[b if mask.shape[0] > 1 else 0].expand(Hq, Nq, Nk)
+            if mb.dtype == torch.bool:
+                vis = vis & mb
+            else:
+                s = s + mb.double()
+        s = s.masked_fill(~vis, -math.inf)
+        outs.append(torch.matmul(probabilities(s), vb))
+    return torch.stack(outs)
