@@ -28,7 +28,7 @@ MODE_EXACT = tl.constexpr(rules.MODE_EXACT)
 MODE_PAPER = tl.constexpr(rules.MODE_PAPER)
 LOG2E = tl.constexpr(rules.LOG2E)
 TWO_LOG2E = tl.constexpr(2.0 * rules.LOG2E)
-L_COLS = tl.constexpr(16)  # columns of the tensor-core row sum (tl.dot's smallest N)
+L_COLS = tl.constexpr(8)  # columns of the tensor-core row sum: wgmma's smallest N
 
 
 @triton.jit
