@@ -1,131 +1,333 @@
-"""Speed of stable_attn's Triton kernels against PyTorch SDPA's flash backend, on one CUDA GPU.
+"""Kernel speed of stable_attn's Triton attention against PyTorch SDPA (flash and cuDNN backends), one CUDA GPU.
 
-Causal bf16 attention with 16k tokens per batch (B = 16384 // N), H * D = 2048, N in {1k, 4k, 16k},
-D in {64, 128}. For each shape: SDPA-flash, stable_attn with stabilize=False (plain FA2 in our
-kernel), stabilize=True, and stabilize=True with statistics on; forward, backward and forward +
-backward, each the median of ``triton.testing.do_bench`` (warm-up excluded). Prints a table and
-writes JSON. Targets (issue 3): fwd+bwd >= 0.9x SDPA-flash, stabilize=True <= 3% over False,
-stats <= 2% more.
+Shapes: 16k tokens per batch (B = 16384 // N) and H * D = 2048, N in {1k, 4k, 16k}, D in {64, 128},
+causal and not, plus one GQA shape (N=4k, D=128, causal, 16 query heads on 4 kv heads); bf16.
+Implementations: SDPA with the flash backend, SDPA with the cuDNN backend (where this torch offers
+it), and ``stable_attn.attention(backend="triton")`` with ``stabilize=False`` (plain FA2 in our
+kernels), ``stabilize=True``, and ``stabilize=True`` with statistics on. Every implementation's
+output and gradients are first checked against SDPA-flash (relative max error, :data:`TOLERANCE`);
+one that fails is not timed and makes the script exit 1.
+
+Timing: forward, backward (``torch.autograd.grad`` of a saved graph) and forward + backward. Each
+measurement is ``iters`` back-to-back calls between two CUDA events (``iters`` calibrated so one
+measurement lasts about ``--target-ms``), so a call's launch cost is hidden behind the previous
+call's kernels as long as the CPU enqueues faster than the GPU computes. The CPU time to enqueue is
+measured too: a measurement where it reaches :data:`LAUNCH_BOUND` of the GPU time is marked
+``launch-bound`` (there the GPU time is an upper bound for the kernels). No CUDA graphs: the op
+allocates its outputs and the statistics per call. Measurements run in interleaved rounds (every
+implementation once per round, in a rotated order), and each cell is the median over rounds, so
+clock and thermal drift hit all implementations alike. TFLOP/s count the visible (query, key)
+pairs: forward ``4 * pairs * D`` per head, backward 2.5x that, forward + backward 3.5x.
 
     python benchmarks/gpu_bench.py --json /tmp/gpu_bench.json
+    python benchmarks/gpu_bench.py --n 4096 --d 128 --causal true --no-gqa --rounds 5
 
-Works with torch >= 2.4 / triton >= 3.0 (uses only do_bench(fn, warmup, rep, grad_to_none,
-return_mode) and torch.nn.attention.sdpa_kernel).
+Needs torch >= 2.4 (torch.nn.attention.sdpa_kernel) and triton >= 3.4 (the backward's tensor
+descriptors); the target stack is torch 2.11 / triton 3.6.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import statistics
 import sys
-
-import torch
-import torch.nn.functional as F
-import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import stable_attn  # noqa: E402
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 TOKENS = 16384
 WIDTH = 2048
+IMPLS = ("sdpa_flash", "sdpa_cudnn", "stable_off", "stable_exact", "stable_exact_stats")
+BASELINE = "sdpa_flash"
+KINDS = ("fwd", "bwd", "fwd_bwd")
+FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # FlashAttention's convention: bwd = 2.5x fwd
+# max |x - x_sdpa| / max |x_sdpa| allowed for the output and for the gradients (bf16 inputs)
+TOLERANCE = {"out": 2e-2, "grad": 5e-2}
+LAUNCH_BOUND = 0.8  # CPU enqueue time / GPU time at which a measurement counts as launch-bound
 
 
-def impls():
-    """name -> callable(q, k, v) returning the attention output."""
+@dataclass(frozen=True)
+class Shape:
+    """One attention problem: batch, query heads, kv heads, sequence length, head dim, causal."""
 
-    def sdpa(q, k, v):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    b: int
+    hq: int
+    hkv: int
+    n: int
+    d: int
+    causal: bool
+
+    @property
+    def name(self) -> str:
+        gqa = f" G={self.hq // self.hkv}" if self.hq != self.hkv else ""
+        return f"N={self.n} D={self.d} {'causal' if self.causal else 'full'}{gqa} (B={self.b} H={self.hq})"
+
+
+def shapes(ns: list[int], ds: list[int], causals: list[bool], gqa: bool) -> list[Shape]:
+    """The benchmark's shapes at 16k tokens per batch and H * D = 2048, D=128 first."""
+    out = [Shape(max(1, TOKENS // n), WIDTH // d, WIDTH // d, n, d, c)
+           for d in sorted(ds, reverse=True) for c in sorted(causals, reverse=True) for n in ns]
+    if gqa:
+        out.append(Shape(TOKENS // 4096, WIDTH // 128, WIDTH // 128 // 4, 4096, 128, True))
+    return out
+
+
+def visible_pairs(nq: int, nk: int, causal: bool) -> int:
+    """(query, key) pairs a head computes; causal masks are aligned bottom-right (query i sees keys <= i + nk - nq)."""
+    if not causal:
+        return nq * nk
+    shift = nk - nq
+    # row i sees min(max(i + 1 + shift, 0), nk) keys: none before row i0, all from row i1 on
+    i0 = min(max(0, -shift), nq)
+    i1 = min(max(nk - 1 - shift, i0), nq)
+    return sum_range(i0 + 1 + shift, i1 + shift) + (nq - i1) * nk
+
+
+def sum_range(a: int, b: int) -> int:
+    """a + (a+1) + ... + b."""
+    return (a + b) * (b - a + 1) // 2 if b >= a else 0
+
+
+def flops(shape: Shape, kind: str) -> float:
+    """FLOPs of one call of ``kind`` (fwd, bwd, fwd_bwd) on ``shape``."""
+    fwd = 4.0 * shape.b * shape.hq * visible_pairs(shape.n, shape.n, shape.causal) * shape.d
+    return FLOP_FACTOR[kind] * fwd
+
+
+def rel_error(got, want) -> float:
+    """max |got - want| / max |want|, in float64."""
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
+
+
+Timer = Callable[[Callable[[], object], int], "tuple[float, float]"]
+
+
+def measure(fns: dict[str, dict[str, Callable[[], object]]], timer: Timer, iters: dict[tuple[str, str], int],
+            rounds: int) -> dict[tuple[str, str], dict]:
+    """Interleaved rounds: each round runs every (implementation, kind) once, implementations in an
+    order rotated by one per round. ``timer(fn, iters)`` returns ``(gpu_ms, cpu_ms)`` per call.
+
+    Returns, per (implementation, kind), the median GPU and CPU milliseconds over the rounds.
+    """
+    names = list(fns)
+    samples: dict[tuple[str, str], list[tuple[float, float]]] = {(i, k): [] for i in names for k in fns[i]}
+    for r in range(rounds):
+        for impl in names[r % len(names):] + names[:r % len(names)]:
+            for kind, fn in fns[impl].items():
+                samples[(impl, kind)].append(timer(fn, iters[(impl, kind)]))
+    return {key: dict(ms=statistics.median(g for g, _ in s), cpu_ms=statistics.median(c for _, c in s))
+            for key, s in samples.items()}
+
+
+def rows_for(shape: Shape, timings: dict[tuple[str, str], dict], checks: dict[str, dict]) -> list[dict]:
+    """One row per implementation: ms, TFLOP/s and launch-bound flag per kind, the SDPA check, speed ratios."""
+    rows = []
+    for impl, check in checks.items():
+        row = dict(shape=asdict(shape), name=shape.name, impl=impl, **check)
+        for kind in KINDS:
+            t = timings.get((impl, kind))
+            row[f"{kind}_ms"] = t["ms"] if t else None
+            row[f"{kind}_tflops"] = flops(shape, kind) / t["ms"] * 1e-9 if t else None
+            row[f"{kind}_launch_bound"] = bool(t and t["cpu_ms"] >= LAUNCH_BOUND * t["ms"])
+        rows.append(row)
+    by = {r["impl"]: r for r in rows}
+    for r in rows:
+        for base in ("sdpa_flash", "sdpa_cudnn"):
+            b = by.get(base)
+            for kind in KINDS:
+                ok = b and b[f"{kind}_ms"] and r[f"{kind}_ms"]
+                r[f"{kind}_speed_vs_{base}"] = b[f"{kind}_ms"] / r[f"{kind}_ms"] if ok else None
+    return rows
+
+
+def _cell(x, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per shape and implementation ms and TFLOP/s (fwd, bwd, fwd+bwd), speed vs SDPA-flash
+    and cuDNN (fwd+bwd; above 1 is faster), then the cost of the fix and of the statistics."""
+    out = ["| shape | impl | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | vs flash | vs cuDNN | check |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        flag = " (launch-bound)" if any(r[f"{k}_launch_bound"] for k in KINDS) else ""
+        check = "ok" if r["ok"] else f"FAILED: {r['error']}"
+        out.append(f"| {r['name']} | {r['impl']}{flag} | {_cell(r['fwd_ms'], '.3f')} | {_cell(r['bwd_ms'], '.3f')} | "
+                   f"{_cell(r['fwd_bwd_ms'], '.3f')} | {_cell(r['fwd_bwd_tflops'], '.0f')} | "
+                   f"{_cell(r['fwd_bwd_speed_vs_sdpa_flash'], '.2f')}x | "
+                   f"{_cell(r['fwd_bwd_speed_vs_sdpa_cudnn'], '.2f')}x | {check} |")
+    out += ["", "| shape | fix: exact vs off, fwd+bwd | stats: exact+stats vs exact, fwd+bwd |", "|---|---:|---:|"]
+    for name in dict.fromkeys(r["name"] for r in rows):
+        t = {r["impl"]: r["fwd_bwd_ms"] for r in rows if r["name"] == name}
+        fix = _pct(t.get("stable_exact"), t.get("stable_off"))
+        st = _pct(t.get("stable_exact_stats"), t.get("stable_exact"))
+        out.append(f"| {name} | {fix} | {st} |")
+    return "\n".join(out)
+
+
+def _pct(a, b) -> str:
+    return "n/a" if not a or not b else f"{100 * (a / b - 1):+.1f}%"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--causal", type=_bool, nargs="+", default=[True, False])
+    p.add_argument("--no-gqa", dest="gqa", action="store_false", help="skip the GQA shape")
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median over them)")
+    p.add_argument("--target-ms", type=float, default=25.0, help="length of one measurement")
+    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
+    args = p.parse_args(argv)
+    if BASELINE not in args.impls:
+        p.error(f"--impls must include {BASELINE} (every result is checked against it)")
+    if args.rounds < 1 or args.target_ms <= 0:
+        p.error("--rounds must be >= 1 and --target-ms > 0")
+    return args
+
+
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes"):
+        return True
+    if s.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+# ---------------------------------------------------------------- GPU part (imports torch lazily)
+
+def cuda_timer(fn: Callable[[], object], iters: int) -> tuple[float, float]:
+    """``iters`` back-to-back calls between CUDA events: (GPU ms, CPU enqueue ms) per call."""
+    import torch
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    cpu = (time.perf_counter() - t0) * 1e3
+    end.synchronize()
+    return start.elapsed_time(end) / iters, cpu / iters
+
+
+def implementations(names: list[str]) -> dict[str, Callable]:
+    """name -> f(q, k, v, causal) returning the attention output ([B, H, N, D])."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import stable_attn
+
+    def sdpa(backend):
+        def run(q, k, v, causal):
+            if k.shape[1] != q.shape[1]:  # SDPA gets the kv heads repeated (same FLOPs as MHA)
+                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return run
 
     def ours(stabilize, with_stats):
         stats = stable_attn.AttentionStats() if with_stats else None
 
-        def run(q, k, v):
-            return stable_attn.attention(q, k, v, causal=True, stabilize=stabilize, stats=stats, backend="triton")
-
+        def run(q, k, v, causal):
+            return stable_attn.attention(q, k, v, causal=causal, stabilize=stabilize, stats=stats, backend="triton")
         return run
 
-    return {
-        "sdpa_flash": sdpa,
-        "stable_off": ours(False, False),
-        "stable_exact": ours(True, False),
-        "stable_exact_stats": ours(True, True),
-    }
+    table_ = {"sdpa_flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION),
+              "sdpa_cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION) if hasattr(SDPBackend, "CUDNN_ATTENTION")
+              else None,
+              "stable_off": lambda: ours(False, False), "stable_exact": lambda: ours(True, False),
+              "stable_exact_stats": lambda: ours(True, True)}
+    return {n: table_[n]() for n in names}
 
 
-def bench_one(fn, q, k, v, do, warmup, rep):
-    def fwd():
-        return fn(q, k, v)
+def run_shape(shape: Shape, impls: dict[str, Callable | None], rounds: int, target_ms: float) -> list[dict]:
+    """Check every implementation against SDPA-flash on ``shape``, then time the ones that passed."""
+    import torch
 
-    out = fwd()
-    t_fwd = do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
-    t_bwd = do_bench(lambda: out.backward(do, retain_graph=True), warmup=warmup, rep=rep,
-                     grad_to_none=[q, k, v], return_mode="median")
-    t_all = do_bench(lambda: fwd().backward(do), warmup=warmup, rep=rep, grad_to_none=[q, k, v],
-                     return_mode="median")
-    return t_fwd, t_bwd, t_all
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384])
-    p.add_argument("--d", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--warmup", type=int, default=25, help="ms of warm-up per measurement")
-    p.add_argument("--rep", type=int, default=100, help="ms of repetitions per measurement")
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_bench.py needs a CUDA GPU; on a CPU machine use benchmarks/kernel_resources.py")
-
-    machine = (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-               f"python {platform.python_version()}")
-    print(machine)
-    rows = []
     torch.manual_seed(0)
-    for d in args.d:
-        for n in args.n:
-            b, h = TOKENS // n, WIDTH // d
-            q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            for t in (q, k, v):
-                t.requires_grad_()
-            flops_fwd = 4 * b * h * n * n * d / 2  # causal: half the score matrix
-            ref = None
-            for name, fn in impls().items():
-                with torch.no_grad():
-                    o = fn(q, k, v).float()
-                if ref is None:
-                    ref = o
-                max_diff = (o - ref).abs().max().item()
-                t_fwd, t_bwd, t_all = bench_one(fn, q, k, v, do, args.warmup, args.rep)
-                rows.append(dict(impl=name, n=n, d=d, b=b, h=h, fwd_ms=t_fwd, bwd_ms=t_bwd, fwd_bwd_ms=t_all,
-                                 fwd_tflops=flops_fwd / t_fwd * 1e-9, fwd_bwd_tflops=3.5 * flops_fwd / t_all * 1e-9,
-                                 max_abs_diff_vs_sdpa=max_diff))
-                r = rows[-1]
-                print(f"{name:>19} N={n:>5} D={d:>3} B={b:>2} H={h:>2}  fwd {t_fwd:7.3f} ms  bwd {t_bwd:7.3f} ms  "
-                      f"fwd+bwd {t_all:7.3f} ms  ({r['fwd_bwd_tflops']:.0f} TFLOP/s)  |diff| {max_diff:.2e}",
-                      flush=True)
-            del q, k, v, do
-            torch.cuda.empty_cache()
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(shape.b, shape.hq, shape.n, shape.d, device=dev, dtype=dt, requires_grad=True)
+    k, v = (torch.randn(shape.b, shape.hkv, shape.n, shape.d, device=dev, dtype=dt, requires_grad=True)
+            for _ in range(2))
+    do = torch.randn_like(q)
+    checks, fns, ref = {}, {}, None
+    for name, fn in impls.items():
+        if fn is None:
+            checks[name] = dict(ok=False, error="not offered by this torch", out_err=None, grad_err=None)
+            continue
+        try:
+            out = fn(q, k, v, shape.causal)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+        except Exception as e:  # noqa: BLE001  e.g. a backend that does not take this shape: reported, not timed
+            checks[name] = dict(ok=False, error=str(e).splitlines()[0][:120], out_err=None, grad_err=None)
+            continue
+        if ref is None:  # the baseline runs first
+            ref = (out.detach(), grads)
+        out_err = rel_error(out, ref[0])
+        grad_err = max(rel_error(g, r) for g, r in zip(grads, ref[1]))
+        ok = out_err <= TOLERANCE["out"] and grad_err <= TOLERANCE["grad"]
+        checks[name] = dict(ok=ok, error=None if ok else f"rel err out {out_err:.2e}, grads {grad_err:.2e}",
+                            out_err=out_err, grad_err=grad_err)
+        if ok:
+            saved = fn(q, k, v, shape.causal)
+            fns[name] = {
+                "fwd": lambda fn=fn: fn(q, k, v, shape.causal),
+                "bwd": lambda saved=saved: torch.autograd.grad(saved, (q, k, v), do, retain_graph=True),
+                "fwd_bwd": lambda fn=fn: torch.autograd.grad(fn(q, k, v, shape.causal), (q, k, v), do),
+            }
+        del out, grads
+    iters = {}
+    for name, kinds in fns.items():
+        for kind, f in kinds.items():
+            once, _ = cuda_timer(f, 1)  # also the warm-up
+            iters[(name, kind)] = max(2, min(1000, math.ceil(target_ms / max(once, 1e-3))))
+    timings = measure(fns, cuda_timer, iters, rounds)
+    rows = rows_for(shape, timings, checks)
+    fns.clear()  # the saved graphs, before the next shape allocates
+    torch.cuda.empty_cache()
+    return rows
 
-    print("\n| N | D | sdpa fwd+bwd ms | off | exact | exact+stats | exact/sdpa | exact/off | stats/exact |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    by = {(r["impl"], r["n"], r["d"]): r["fwd_bwd_ms"] for r in rows}
-    for d in args.d:
-        for n in args.n:
-            s, off, ex, st = (by[(i, n, d)] for i in ("sdpa_flash", "stable_off", "stable_exact",
-                                                      "stable_exact_stats"))
-            print(f"| {n} | {d} | {s:.3f} | {off:.3f} | {ex:.3f} | {st:.3f} | {s / ex:.2f}x speed | "
-                  f"{100 * (ex / off - 1):+.1f}% | {100 * (st / ex - 1):+.1f}% |")
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("gpu_bench.py needs a CUDA GPU; on a CPU machine use benchmarks/kernel_resources.py", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    machine = (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+               f"CUDA {torch.version.cuda} | python {platform.python_version()}")
+    print(machine, flush=True)
+    impls = implementations(args.impls)
+    rows: list[dict] = []
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"machine": machine, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    for shape in shapes(args.n, args.d, args.causal, args.gqa):
+        t0 = time.perf_counter()
+        new = run_shape(shape, impls, args.rounds, args.target_ms)
+        rows += new
+        for r in new:  # progress, so a time-out still leaves every finished shape
+            print(f"{r['name']:>40} {r['impl']:>19}  fwd {_cell(r['fwd_ms'], '8.3f')}  bwd {_cell(r['bwd_ms'], '8.3f')}"
+                  f"  fwd+bwd {_cell(r['fwd_bwd_ms'], '8.3f')} ms  {_cell(r['fwd_bwd_tflops'], '4.0f')} TFLOP/s  "
+                  f"{'ok' if r['ok'] else r['error']}", flush=True)
+        print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    print()
+    print(table(rows))
     print(f"wrote {args.json}")
+    # a failed check is an error; an implementation this torch does not offer is not
+    return 1 if any(not r["ok"] and r["error"] != "not offered by this torch" for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -92,11 +92,13 @@ def main() -> None:
                    help="window, softcap, padding mask and dropout all on (true) or all off (false)")
     p.add_argument("--jobs", type=int, default=2, help="parallel compiles")
     p.add_argument("--json", help="write the rows here (and the cubins next to it)")
+    p.add_argument("--cubin-dir", help="keep the cubins here instead (default: next to --json, else a temp dir)")
     args = p.parse_args()
 
     vs = variants(args)
     print(f"triton {triton.__version__}, torch {torch.__version__}; {len(vs)} variants")
-    cubin_dir = (os.path.splitext(args.json)[0] + "_cubins") if args.json else tempfile.mkdtemp(prefix="cubins_")
+    cubin_dir = args.cubin_dir or ((os.path.splitext(args.json)[0] + "_cubins") if args.json
+                                   else tempfile.mkdtemp(prefix="cubins_"))
     os.makedirs(cubin_dir, exist_ok=True)
     if os.environ.get("TRITON_INTERPRET") == "1":  # interpreted kernels cannot be compiled here
         rows = describe_in_subprocess(vs, cubin_dir)

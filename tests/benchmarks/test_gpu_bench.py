@@ -1,0 +1,125 @@
+"""The CPU-testable parts of benchmarks/gpu_bench.py: arguments, shapes, FLOP counts, interleaving, table.
+
+The timing itself needs a CUDA GPU; here a fake timer stands in for the CUDA events, so the
+bookkeeping from measurements to the printed table is checked without one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("gpu_bench", os.path.join(ROOT, "benchmarks", "gpu_bench.py"))
+gb = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_bench"] = gb  # dataclasses look their module up there
+_spec.loader.exec_module(gb)
+
+
+def test_defaults_and_argument_errors():
+    a = gb.parse_args([])
+    assert a.n == [1024, 4096, 16384] and a.d == [64, 128] and a.causal == [True, False] and a.gqa
+    assert a.impls == list(gb.IMPLS) and a.rounds >= 1
+    a = gb.parse_args(["--n", "4096", "--d", "128", "--causal", "false", "--no-gqa", "--impls", "sdpa_flash",
+                       "stable_exact"])
+    assert (a.n, a.d, a.causal, a.gqa, a.impls) == ([4096], [128], [False], False, ["sdpa_flash", "stable_exact"])
+    for bad in (["--causal", "maybe"], ["--impls", "stable_exact"], ["--rounds", "0"], ["--impls", "flash3"]):
+        with pytest.raises(SystemExit):
+            gb.parse_args(bad)
+
+
+def test_shapes_cover_the_matrix_and_one_gqa_shape():
+    s = gb.shapes([1024, 4096, 16384], [64, 128], [True, False], gqa=True)
+    assert len(s) == 3 * 2 * 2 + 1
+    assert s[0].d == 128 and s[0].causal  # the headline shapes first
+    for x in s:
+        assert x.b * x.n == gb.TOKENS and x.hq * x.d == gb.WIDTH
+    gqa = [x for x in s if x.hq != x.hkv]
+    assert len(gqa) == 1 and gqa[0].hq % gqa[0].hkv == 0 and "G=4" in gqa[0].name
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (5, 5), (7, 3), (3, 7), (64, 100), (100, 64), (1, 9)])
+def test_visible_pairs_count_the_mask(nq, nk):
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nk)[None, :]
+    assert gb.visible_pairs(nq, nk, True) == int((j <= i + nk - nq).sum())
+    assert gb.visible_pairs(nq, nk, False) == nq * nk
+
+
+def test_flops():
+    s = gb.Shape(b=2, hq=4, hkv=4, n=8, d=16, causal=False)
+    assert gb.flops(s, "fwd") == 4 * 2 * 4 * 64 * 16
+    assert gb.flops(s, "bwd") == 2.5 * gb.flops(s, "fwd") and gb.flops(s, "fwd_bwd") == 3.5 * gb.flops(s, "fwd")
+    causal = gb.Shape(b=2, hq=4, hkv=4, n=8, d=16, causal=True)
+    assert gb.flops(causal, "fwd") == 4 * 2 * 4 * 36 * 16  # 8 * 9 / 2 visible pairs
+
+
+def test_rel_error():
+    want = torch.tensor([1.0, -4.0])
+    assert gb.rel_error(want, want) == 0
+    assert gb.rel_error(torch.tensor([1.0, -3.0]), want) == pytest.approx(0.25)
+
+
+class FakeTimer:
+    """Stands in for the CUDA events: a fixed time per (implementation, kind) plus a per-round drift."""
+
+    def __init__(self, base: dict):
+        self.base = base
+        self.calls = []
+
+    def __call__(self, fn, iters):
+        impl, kind = fn()
+        self.calls.append((impl, kind, iters))
+        drift = 0.01 * len(self.calls)  # rises through the run: the median of interleaved rounds absorbs it
+        return self.base[(impl, kind)] + drift, 0.1 * self.base[(impl, kind)]
+
+
+def fake_fns(impls):
+    return {i: {k: (lambda i=i, k=k: (i, k)) for k in gb.KINDS} for i in impls}
+
+
+def test_measure_interleaves_rounds_and_takes_medians():
+    impls = ["sdpa_flash", "stable_off", "stable_exact"]
+    base = {(i, k): 1.0 + n + 0.1 * m for n, i in enumerate(impls) for m, k in enumerate(gb.KINDS)}
+    timer = FakeTimer(base)
+    iters = {key: 7 for key in base}
+    got = gb.measure(fake_fns(impls), timer, iters, rounds=3)
+    order = [c[0] for c in timer.calls[::len(gb.KINDS)]]
+    assert order == impls + impls[1:] + impls[:1] + impls[2:] + impls[:2]  # rotated each round
+    assert all(c[2] == 7 for c in timer.calls) and len(timer.calls) == 3 * len(base)
+    for key, t in got.items():
+        assert t["ms"] - base[key] == pytest.approx(0.01 * (1 + sorted(
+            i for i, c in enumerate(timer.calls) if c[:2] == key)[1]))  # the middle round's drift
+        assert t["cpu_ms"] == pytest.approx(0.1 * base[key])
+
+
+def test_rows_and_table():
+    shape = gb.Shape(b=1, hq=16, hkv=16, n=4096, d=128, causal=True)
+    ms = {"sdpa_flash": 2.0, "stable_off": 2.5, "stable_exact": 2.6, "stable_exact_stats": 2.65}
+    timings = {(i, k): dict(ms=t * gb.FLOP_FACTOR[k], cpu_ms=0.01) for i, t in ms.items() for k in gb.KINDS}
+    timings[("stable_exact_stats", "fwd")]["cpu_ms"] = 10.0  # CPU slower than the GPU: launch-bound
+    ok = dict(ok=True, error=None, out_err=1e-3, grad_err=2e-3)
+    checks = {i: ok for i in ms}
+    checks["sdpa_cudnn"] = dict(ok=False, error="not offered by this torch", out_err=None, grad_err=None)
+    rows = gb.rows_for(shape, timings, checks)
+    by = {r["impl"]: r for r in rows}
+    assert by["stable_exact"]["fwd_bwd_speed_vs_sdpa_flash"] == pytest.approx(2.0 / 2.6)
+    assert by["stable_exact"]["fwd_bwd_speed_vs_sdpa_cudnn"] is None
+    assert by["stable_exact"]["fwd_tflops"] == pytest.approx(gb.flops(shape, "fwd") / 2.6 * 1e-9)
+    assert by["stable_exact_stats"]["fwd_launch_bound"] and not by["stable_exact"]["fwd_launch_bound"]
+    assert by["sdpa_cudnn"]["fwd_bwd_ms"] is None
+    text = gb.table(rows)
+    assert "| N=4096 D=128 causal (B=1 H=16) | stable_exact | 2.600 | 6.500 | 9.100 |" in text
+    assert "stable_exact_stats (launch-bound)" in text and "FAILED: not offered by this torch" in text
+    assert "| N=4096 D=128 causal (B=1 H=16) | +4.0% | +1.9% |" in text  # 2.6/2.5 and 2.65/2.6, fwd+bwd
+
+
+def test_main_without_a_gpu_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert gb.main(["--no-gqa"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
