@@ -248,12 +248,16 @@ def implementations(names: list[str]) -> dict[str, Callable]:
     return {n: table_[n]() for n in names}
 
 
-def run_shape(shape: Shape, impls: dict[str, Callable | None], rounds: int, target_ms: float) -> list[dict]:
-    """Check every implementation against SDPA-flash on ``shape``, then time the ones that passed."""
+def run_shape(shape: Shape, impls: dict[str, Callable | None], rounds: int, target_ms: float, *,
+              device: str = "cuda", timer: Timer = cuda_timer) -> list[dict]:
+    """Check every implementation against SDPA-flash on ``shape``, then time the ones that passed.
+
+    ``device`` and ``timer`` exist for the CPU test of this bookkeeping; the benchmark uses CUDA.
+    """
     import torch
 
     torch.manual_seed(0)
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt = device, torch.bfloat16
     q = torch.randn(shape.b, shape.hq, shape.n, shape.d, device=dev, dtype=dt, requires_grad=True)
     k, v = (torch.randn(shape.b, shape.hkv, shape.n, shape.d, device=dev, dtype=dt, requires_grad=True)
             for _ in range(2))
@@ -287,12 +291,13 @@ def run_shape(shape: Shape, impls: dict[str, Callable | None], rounds: int, targ
     iters = {}
     for name, kinds in fns.items():
         for kind, f in kinds.items():
-            once, _ = cuda_timer(f, 1)  # also the warm-up
+            once, _ = timer(f, 1)  # also the warm-up
             iters[(name, kind)] = max(2, min(1000, math.ceil(target_ms / max(once, 1e-3))))
-    timings = measure(fns, cuda_timer, iters, rounds)
+    timings = measure(fns, timer, iters, rounds)
     rows = rows_for(shape, timings, checks)
     fns.clear()  # the saved graphs, before the next shape allocates
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -308,12 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     machine = (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
                f"CUDA {torch.version.cuda} | python {platform.python_version()}")
     print(machine, flush=True)
-    impls = implementations(args.impls)
     rows: list[dict] = []
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     for shape in shapes(args.n, args.d, args.causal, args.gqa):
         t0 = time.perf_counter()
-        new = run_shape(shape, impls, args.rounds, args.target_ms)
+        # fresh per shape: an AttentionStats keeps per-head totals, and the head count changes
+        new = run_shape(shape, implementations(args.impls), args.rounds, args.target_ms)
         rows += new
         for r in new:  # progress, so a time-out still leaves every finished shape
             print(f"{r['name']:>40} {r['impl']:>19}  fwd {_cell(r['fwd_ms'], '8.3f')}  bwd {_cell(r['bwd_ms'], '8.3f')}"

@@ -118,6 +118,33 @@ def test_rows_and_table():
     assert "| N=4096 D=128 causal (B=1 H=16) | +4.0% | +1.9% |" in text  # 2.6/2.5 and 2.65/2.6, fwd+bwd
 
 
+def test_run_shape_checks_then_times_every_implementation():
+    """The whole per-shape path on the CPU (SDPA's CPU flash kernel, our kernels under the interpreter),
+    with a timer that runs each closure once: GQA expansion for SDPA, the checks, the autograd closures."""
+    calls = []
+
+    def timer(fn, iters):
+        fn()
+        calls.append(iters)
+        return 1.0, 0.0
+
+    # one of ours (the interpreter is slow); the others differ only in the op's arguments
+    impls = gb.implementations(["sdpa_flash", "sdpa_cudnn", "stable_exact"])
+    shape = gb.Shape(b=1, hq=4, hkv=2, n=40, d=16, causal=True)
+    rows = gb.run_shape(shape, impls, rounds=2, target_ms=3.0, device="cpu", timer=timer)
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == set(impls)
+    assert not by["sdpa_cudnn"]["ok"] and by["sdpa_cudnn"]["fwd_ms"] is None  # no cuDNN attention on a CPU
+    for name in ("sdpa_flash", "stable_exact"):
+        r = by[name]
+        assert r["ok"], (name, r["error"])
+        assert r["out_err"] <= gb.TOLERANCE["out"] and r["grad_err"] <= gb.TOLERANCE["grad"]
+        assert r["fwd_bwd_ms"] == 1.0 and r["fwd_bwd_speed_vs_sdpa_flash"] == 1.0
+    assert by["sdpa_flash"]["out_err"] == 0
+    # one calibration call per (impl, kind), then `rounds` timed calls of `iters` = target / 1 ms each
+    assert calls[:6] == [1] * 6 and calls[6:] == [3] * 12
+
+
 def test_main_without_a_gpu_says_so(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
