@@ -87,7 +87,7 @@ def test_gradient_norm_like_series() -> None:
     steps = 3000
     norm = 0.5 * np.exp(np.arange(steps) / steps * 0.4) * np.exp(0.2 * rng.standard_normal(steps))
     norm[2000] *= 5.0
-    events = run(SpikeDetector("train/grad_norm"), norm)
+    events = run(SpikeDetector.grad_norm(), norm)
     assert [e.step for e in events] == [2000]
     assert events[0].metric == "train/grad_norm"
 
@@ -124,14 +124,16 @@ def test_kind_change_within_an_episode_is_new() -> None:
     assert (third.kind, third.is_new, third.run_length) == ("nonfinite", False, 3)
 
 
-def test_warmup_blocks_spikes_but_not_nonfinite() -> None:
+def test_warmup_blocks_calibrated_rules_but_not_gross_jumps_or_nonfinite() -> None:
     values, _ = lm_trace(4, steps=400)
+    values[40] *= 1.03  # 3% (about 5 sigma): a calibrated jump, not a gross or provisional one
     values[50] *= 3.0
     det = SpikeDetector(warmup=100)
-    assert run(det, values[:100]) == []
-    assert not det.ready
+    events = run(det, values[:100])
+    assert [(e.step, e.rule) for e in events] == [(50, "gross")]
+    assert not det.ready and det.phase == "gross"
     run(det, values[100:])
-    assert det.ready
+    assert det.ready and det.phase == "calibrated"
     with pytest.raises(ValueError, match="warmup"):
         SpikeDetector(warmup=-1)
 
@@ -178,7 +180,7 @@ def test_slow_explosion_flagged_early_by_the_drift_rule() -> None:
     first = events[0]
     # Flagged before the deviation reaches 10 sigma (about 0.2 nats on a ~3 nat loss).
     assert dev[first.step - start] < 10.0
-    assert {e.rule for e in events} <= {"drift", "jump"}
+    assert {e.rule for e in events} <= {"drift", "jump", "gross"}  # gross: after a re-baseline
     assert "drift" in {e.rule for e in events[:3]}
 
 
@@ -288,14 +290,14 @@ def test_saturation_noise_near_zero_never_fires_and_a_surge_does() -> None:
 def test_max_logit_surge_and_no_observation() -> None:
     rng = np.random.default_rng(21)
     det = SurgeDetector.max_logit("stable_attn/max_logit/layer0")
-    assert run(det, 12.0 + 0.5 * rng.standard_normal(300)) == []
+    assert run(det, 52.0 + 0.5 * rng.standard_normal(300)) == []
     state = det.state_dict()
     assert det.update(300, -math.inf) is None  # AttentionStats saw no rows
     assert det.state_dict() == state
-    assert det.update(301, 14.0) is None  # +2: within noise floors
-    event = det.update(302, 30.0)
+    assert det.update(301, 56.0) is None  # +4: within noise floors
+    event = det.update(302, 80.0)
     assert event is not None and event.kind == "early_warning"
-    assert 11.0 < event.baseline < 13.0
+    assert 51.0 < event.baseline < 53.0
     nan_event = det.update(303, math.nan)
     assert nan_event is not None and nan_event.kind == "nonfinite" and nan_event.is_new
 
@@ -313,7 +315,7 @@ def test_surge_does_not_poison_and_sustained_surge_is_accepted() -> None:
 
 def test_surge_state_round_trip() -> None:
     rng = np.random.default_rng(23)
-    values = np.concatenate([10 + rng.standard_normal(200), [40.0, 41.0], 10 + rng.standard_normal(100)])
+    values = np.concatenate([60 + rng.standard_normal(200), [90.0, 91.0], 60 + rng.standard_normal(100)])
     reference = SurgeDetector.max_logit()
     run(reference, values[:150])
     state = json.loads(json.dumps(reference.state_dict(), allow_nan=False))
