@@ -130,7 +130,7 @@ class StableAttentionCallback(Callback):
     **Detect.** The loss and the gradient norm of *every* step, on *every* rank, go to
     :class:`~stable_attn.monitor.SpikeDetector`\ s (one per rank and metric; non-finite values always
     count): NaN and inf from the first step, gross jumps after the first few steps, the calibrated
-    rule once the detector has learnt the run's noise (see the detector for the numbers). Each layer's
+    rule once the detector has learnt the run's noise (docs/DETECTORS.md has the rules and numbers). Each layer's
     saturation and max logit go to :class:`~stable_attn.monitor.SurgeDetector`\ s on monitored steps
     (``kind="early_warning"``).
 
