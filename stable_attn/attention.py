@@ -100,7 +100,7 @@ def _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout
     if scale is not None and not (number(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale={scale!r} must be a finite positive number or None (1/sqrt(D))")
     if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
-        raise ValueError(f"window={window!r} must be a positive int (keys p-window < j <= p) or None")
+        raise ValueError(f"window={window!r} must be a positive int (keys j > p - window) or None")
     if softcap is not None and not (number(softcap) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"softcap={softcap!r} must be a finite positive number or None")
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
@@ -267,11 +267,14 @@ def attention(
             and gets zero gradients.
         attn_mask: arbitrary bool (True = attend) or additive float mask broadcastable to
             ``[B, Hq, Nq, Nk]``; served by the PyTorch path.
-        window: left sliding window ``W``: the query at position p sees keys ``p - W < j <= p``.
+        window: left sliding window ``W``: the query at position ``p = i + Nk - Nq`` sees keys
+            ``j > p - W``. It bounds only the left side: with ``causal=True`` that is
+            ``p - W < j <= p``; with ``causal=False`` the query also sees every key to its right.
         softcap: logit softcapping ``c * tanh(s / c)`` applied to the scaled scores.
         dropout_p: attention dropout probability. The caller decides when it applies (pass 0.0
             at evaluation). Counter-based (Philox), the same mask in the backward.
-        stabilize: True (our rule), ``"paper"`` (the published rule verbatim), False (plain FA2).
+        stabilize: True (our rule), ``"paper"`` (the published rule as its code behaves, including
+            its 1e-10 floor on each key block's row sum; docs/ALGORITHM.md), False (plain FA2).
         beta: the paper's multiplier for a positive max (> 1).
         stats: an :class:`AttentionStats` to accumulate per-head row statistics into (skipped
             while its ``enabled`` is False).

@@ -33,7 +33,7 @@ class Options:
 
     causal: bool = False
     scale: float = 1.0
-    window: int | None = None  # left sliding window: query at position p sees keys p-W < j <= p
+    window: int | None = None  # left sliding window: query at position p sees keys j > p - W
     softcap: float | None = None
     dropout_p: float = 0.0
     seed: int = 0
@@ -243,7 +243,10 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             p_cast = p_bar.to(dtype).float()
             # our rule: the row sum adds exactly the weights that multiply V (consistent
             # normalisation); FA2 and the paper sum the unrounded P-bar (ALGORITHM.md, step 6)
-            l = l * alpha + (p_cast if opts.mode == rules.MODE_EXACT else p_bar).sum(-1)
+            l_blk = (p_cast if opts.mode == rules.MODE_EXACT else p_bar).sum(-1)
+            if opts.mode == rules.MODE_PAPER:  # the published floor, in blocks where the row sees a key
+                l_blk = torch.where(m_blk > neg_inf, l_blk.clamp(min=rules.PAPER_ROW_SUM_FLOOR), l_blk)
+            l = l * alpha + l_blk
             if opts.dropout_p > 0:  # 0/1 keep mask is exact; the 1/(1-p) scale is applied once at the end
                 p_cast = torch.where(p.dropout_keep(q0, q1, j0, j1, q.device), p_cast, torch.zeros_like(p_cast))
             p_cast = p_cast.view(B, Hkv, G * cq, j1 - j0)
@@ -252,7 +255,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
 
         seen = m > neg_inf
         o = acc.view(B, Hkv, G, cq, D) / (l[..., None] * (1.0 - opts.dropout_p))
-        # a row that sees no key outputs zeros; an underflowed row sum (paper mode) stays NaN
+        # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor)
         o = torch.where(seen[..., None], o, torch.zeros_like(o))
         outg[:, :, :, q0:q1] = o.to(dtype)
         lse = r + torch.log2(l)

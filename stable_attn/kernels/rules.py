@@ -22,6 +22,11 @@ MODE_PAPER = 2  # the published rule, verbatim (scores within 1e-3 of the block 
 # The published code's tie window, in natural units of the scaled score.
 PAPER_TIE_WINDOW = 1e-3
 
+# The published code's floor on each key block's row sum (its EPSILON), kept in paper mode: where
+# the shifted offset underflows every P-bar of a row, its row sum stays 1e-10 instead of 0, so the
+# row outputs values near 0 instead of NaN (ALGORITHM.md, "stabilize='paper'").
+PAPER_ROW_SUM_FLOOR = 1e-10
+
 # Minimum shift (nats) when the rule fires: the paper's rule moves nothing when m == 0 and almost
 # nothing for tiny m. exp(-0.5) = 0.607 is far from 1.0 and from any power of two in every dtype.
 MIN_SHIFT = 0.5

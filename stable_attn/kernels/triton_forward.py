@@ -26,6 +26,7 @@ from . import rules
 MODE_OFF = tl.constexpr(rules.MODE_OFF)
 MODE_EXACT = tl.constexpr(rules.MODE_EXACT)
 MODE_PAPER = tl.constexpr(rules.MODE_PAPER)
+PAPER_ROW_SUM_FLOOR = tl.constexpr(rules.PAPER_ROW_SUM_FLOOR)
 LOG2E = tl.constexpr(rules.LOG2E)
 TWO_LOG2E = tl.constexpr(2.0 * rules.LOG2E)
 L_COLS = tl.constexpr(8)  # columns of the tensor-core row sum: wgmma's smallest N
@@ -223,6 +224,9 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, star
         # widening every element back to fp32; every column of l_i holds the same row sum.
         ones = tl.full([p_cast.shape[1], L_COLS], 1.0, p_cast.dtype)
         l_i = tl.dot(p_cast, ones, l_i * alpha[:, None], input_precision=PREC)
+    elif MODE == MODE_PAPER:  # the published floor, in blocks where the row sees a key
+        l_blk = tl.sum(p, 1)
+        l_i = l_i * alpha + tl.where(m_blk > float("-inf"), tl.maximum(l_blk, PAPER_ROW_SUM_FLOOR), l_blk)
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:  # a 0/1 mask keeps P-bar exact; 1/(1-p) is applied once, at the end
@@ -314,7 +318,7 @@ def attn_fwd_kernel(
     if MODE == MODE_EXACT:
         l_i = tl.max(l_i, 1)
     seen = m_i > float("-inf")
-    # a row that sees no key outputs zeros; an underflowed row sum (paper mode) stays NaN
+    # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor)
     if DROPOUT:
         o = acc / (l_i * keep_frac)[:, None]
     else:
