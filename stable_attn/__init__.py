@@ -2,13 +2,13 @@
 
 Importing the package registers the ``"stable_attn"`` attention implementation (and its mask
 builder) with Hugging Face transformers when transformers is installed, so
-``attn_implementation="stable_attn"`` works right away. The Lightning callback lives in
-:mod:`stable_attn.callbacks` (imported on demand: it needs Lightning).
+``attn_implementation="stable_attn"`` works right away; without transformers, :func:`attention`
+works all the same. Lightning is never imported here: the callback lives in
+:mod:`stable_attn.callbacks` (imported on demand). Triton is imported on the first call that runs a
+Triton kernel.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 from .attention import attention
 from .integrations.sdpa import patch_sdpa, unpatch_sdpa
@@ -19,10 +19,12 @@ __version__ = "0.1.0"
 
 def register() -> bool:
     """Register ``"stable_attn"`` with transformers (idempotent). Returns False without transformers."""
-    if importlib.util.find_spec("transformers") is None:
+    try:
+        from .integrations import transformers as _hf
+    except ModuleNotFoundError as e:  # only a missing transformers; any other missing module is a bug
+        if (e.name or "").split(".")[0] != "transformers":
+            raise
         return False
-    from .integrations import transformers as _hf
-
     _hf.register()
     return True
 

@@ -1,0 +1,58 @@
+"""``import stable_attn``: what it registers and what it imports (each check in a fresh interpreter)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+# a sys.meta_path finder that makes transformers unimportable, as on a machine without it
+BLOCK_TRANSFORMERS = """
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def _python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_import_registers_with_transformers_without_lightning():
+    out = _python("""
+        import sys
+        import stable_attn
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+        from stable_attn.integrations import transformers as hf
+        assert AttentionInterface()["stable_attn"] is hf.stable_attn_attention_forward
+        assert AttentionMaskInterface()["stable_attn"] is hf.stable_attn_mask
+        lightning = ("lightning", "pytorch_lightning", "lightning_fabric")
+        print(sorted(m for m in sys.modules if m.split(".")[0] in lightning))
+    """)
+    assert out.strip() == "[]"
+
+
+def test_attention_works_without_transformers():
+    out = _python(BLOCK_TRANSFORMERS + """
+import torch
+import stable_attn
+assert not any(m.split(".")[0] == "transformers" for m in sys.modules)
+assert stable_attn.register() is False
+q = torch.randn(1, 2, 5, 8)
+st = stable_attn.AttentionStats()
+out = stable_attn.attention(q, q, q, causal=True, stats=st)
+want = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+stable_attn.patch_sdpa()
+stable_attn.unpatch_sdpa()
+print(st.rows.tolist())
+""")
+    assert out.strip() == "[5, 5]"
+
