@@ -140,7 +140,15 @@ def test_register_is_idempotent_and_installs_both_functions():
     st.register()
     assert AttentionInterface()["stable_attn"] is st.stable_attn_attention_forward
     assert AttentionMaskInterface()["stable_attn"] is st.stable_attn_mask
-    assert "flash" not in st.NAME
+
+
+def test_transformers_accepts_the_name_at_run_time():
+    """transformers treats a name containing "flash" as a hub kernel and raises; ours must switch in."""
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16))
+    model.set_attn_implementation(st.NAME)
+    assert model.config._attn_implementation == st.NAME
+    with pytest.raises(Exception, match="flash"):
+        model.set_attn_implementation("flash_" + st.NAME)
 
 
 def test_causal_lm_without_padding_builds_no_4d_mask(monkeypatch):
