@@ -32,6 +32,14 @@ TWO_LOG2E = tl.constexpr(2.0 * rules.LOG2E)
 L_COLS = tl.constexpr(8)  # columns of the tensor-core row sum: wgmma's smallest N
 
 
+@triton.constexpr_function
+def tensor_core_row_sum(block_d, dropout):
+    """Whether the exact mode's row sum runs on the tensor cores: where its ``[BLOCK_M, L_COLS]`` fp32
+    accumulator fits in registers beside the others (benchmarks/kernel_resources.py: with it D = 256
+    spills where it did not, and the dropout variants spill more)."""
+    return block_d <= 128 and not dropout
+
+
 @triton.jit
 def tanh_f32(y):
     """tanh from one exp2, identical on the interpreter and the GPU (libdevice is GPU-only)."""
@@ -218,12 +226,14 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, star
     p = tl.exp2(s2 - r_safe[:, None])
     # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
     p_cast = round_to(p, DTYPE, UPCAST)
-    if MODE == MODE_EXACT:
+    if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         # consistent normalisation: the row sum adds exactly the weights that multiply V. As P-bar @ 1
         # on the tensor cores it reads the P-bar registers the P-bar V product reads, instead of
         # widening every element back to fp32; every column of l_i holds the same row sum.
         ones = tl.full([p_cast.shape[1], L_COLS], 1.0, p_cast.dtype)
         l_i = tl.dot(p_cast, ones, l_i * alpha[:, None], input_precision=PREC)
+    elif MODE == MODE_EXACT:  # the same sum, element by element (where the accumulator would spill)
+        l_i = l_i * alpha + tl.sum(p_cast.to(tl.float32), 1)
     elif MODE == MODE_PAPER:  # the published floor, in blocks where the row sees a key
         l_blk = tl.sum(p, 1)
         l_i = l_i * alpha + tl.where(m_blk > float("-inf"), tl.maximum(l_blk, PAPER_ROW_SUM_FLOOR), l_blk)
@@ -283,7 +293,7 @@ def attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # true running max
     r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # offset subtracted before exp2
-    if MODE == MODE_EXACT:
+    if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         l_i = tl.zeros([BLOCK_M, L_COLS], tl.float32)  # the row sum, as a tensor-core accumulator
     else:
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -315,7 +325,7 @@ def attn_fwd_kernel(
             True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC)
 
-    if MODE == MODE_EXACT:
+    if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         l_i = tl.max(l_i, 1)
     seen = m_i > float("-inf")
     # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor)
