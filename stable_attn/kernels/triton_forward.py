@@ -142,6 +142,20 @@ def row_top2(s2):
 
 
 @triton.jit
+def row_top2_by_count(s2):
+    """``row_top2`` from built-in reductions only: the same two values (selected, never computed).
+
+    The interpreter runs a ``tl.reduce`` with a Python combine function element by element (a 300-key
+    forward took 7 s instead of 0.5 s), so under ``TRITON_INTERPRET=1`` the kernel takes this form;
+    tests/kernels/test_rule_functions.py checks that both give the same decisions on tie-heavy tiles.
+    """
+    top = tl.max(s2, 1)
+    at_top = s2 == top[:, None]
+    below = tl.max(tl.where(at_top, float("-inf"), s2), 1)
+    return top, tl.where(tl.sum(at_top.to(tl.int32), 1) >= 2, top, below)
+
+
+@triton.jit
 def shifted_offset(m2, beta, min_shift2, max_shift2):
     """The offset when the rule fires: ``m + clamp(shift_paper(m), MIN_SHIFT, MAX_SHIFT)``.
 
@@ -207,6 +221,8 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, star
     if MODE == MODE_OFF and not STATS:
         m_blk = tl.max(s2, 1)
         m2_blk = m_blk  # unused: plain FA2 makes no tie test
+    elif UPCAST:  # the interpreter (see row_top2_by_count); the GPU reduces pairwise
+        m_blk, m2_blk = row_top2_by_count(s2)
     else:
         m_blk, m2_blk = row_top2(s2)
     m_new = tl.maximum(m_i, m_blk)

@@ -47,9 +47,12 @@ def _block_offset_kernel(R, Mnew, Mblk, M2blk, Rnew, Fire, tie2, min_shift2, max
 
 
 @triton.jit
-def _top2_kernel(S, Top, Second, N: tl.constexpr, BN: tl.constexpr):
+def _top2_kernel(S, Top, Second, N: tl.constexpr, BN: tl.constexpr, BY_COUNT: tl.constexpr):
     s = tl.load(S + tl.arange(0, N)[:, None] * BN + tl.arange(0, BN)[None, :])
-    top, second = tf.row_top2(s)
+    if BY_COUNT:  # the form the interpreter runs inside the forward kernel
+        top, second = tf.row_top2_by_count(s)
+    else:  # the pairwise reduction the GPU runs
+        top, second = tf.row_top2(s)
     tl.store(Top + tl.arange(0, N), top)
     tl.store(Second + tl.arange(0, N), second)
 
@@ -148,9 +151,11 @@ def test_block_offset_twins_give_the_same_bits(mode, dtype, beta):
     assert same_bits(want_r[fired], rules.shifted_offset(m_new, beta, min_shift2, max_shift2)[fired])
 
 
+@pytest.mark.parametrize("by_count", [False, True])
 @pytest.mark.parametrize("bn", [16, 64])
-def test_top2_twins_and_the_per_element_count(bn):
-    """Second-largest with multiplicity: ``second >= t`` iff ``count(s >= t) >= 2``, on tie-heavy rows."""
+def test_top2_twins_and_the_per_element_count(bn, by_count):
+    """Second-largest with multiplicity: ``second >= t`` iff ``count(s >= t) >= 2``, on tie-heavy rows;
+    both kernel forms (GPU: pairwise reduction; interpreter: built-in reductions) select the same values."""
     g = torch.Generator().manual_seed(bn)
     n = 64
     s = torch.randint(-3, 4, (n, bn), generator=g).float() * 0.5  # many exact ties
@@ -160,7 +165,7 @@ def test_top2_twins_and_the_per_element_count(bn):
     s[6, 7] = 2.0  # a single visible key
     s[7] += torch.rand(bn, generator=g) * 1e-3  # near-ties
     got_top, got_second = torch.empty(n), torch.empty(n)
-    _top2_kernel[(1,)](s.contiguous(), got_top, got_second, N=n, BN=bn)
+    _top2_kernel[(1,)](s.contiguous(), got_top, got_second, N=n, BN=bn, BY_COUNT=by_count)
     top, second = reference.row_top2(s)
     assert same_bits(got_top, top) and same_bits(got_second, second)
     assert same_bits(top, s.amax(-1))
