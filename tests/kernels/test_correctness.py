@@ -156,18 +156,17 @@ def tied_inputs(sign: str, dtype, B=1, H=2, N=48, D=32, seed=11):
     return [t.to(dtype) for t in (q, k, v, do)]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("sign", ["positive", "negative", "zero"])
+SIGNS = ("positive", "negative", "zero")
+
+
+# Triton: bf16 (fp16 ties on Triton: CASES of test_triton_attention.py run every mode in fp16)
+@on_backends(("sign", "dtype"), [(sg, dt) for sg in SIGNS for dt in (torch.bfloat16, torch.float16)],
+             [(sg, torch.bfloat16) for sg in SIGNS])
 def test_ties_at_the_max(backend, sign, dtype):
     q, k, v, do = tied_inputs(sign, dtype)
     kw = dict(scale=1.0, block_n=16)
-    if dtype == torch.float16 and backend == "triton":
-        do = None  # the fp16 backward on Triton is covered by test_triton_attention.py's CASES
     exact = oracle(q, k, v, do, **kw)
-    # fp16 dq is a cancellation (sum_j dS_ij = 0 over four equal keys): both backends miss the oracle
-    # by most of |dq| and differ by ~50 ulps of it; their error against the oracle is bounded below
-    ulps = 4 if dtype == torch.bfloat16 else 64
-    res = {s: run(backend, q, k, v, do, exact=exact, grad_ulps=ulps, stabilize=s, **kw) for s in (True, False, "paper")}
+    res = {s: run(backend, q, k, v, do, exact=exact, stabilize=s, **kw) for s in (True, False, "paper")}
     for r in res.values():
         assert r.rows.saturated.all()  # four keys exactly at every row's max
     # ours fires in block 0 whatever the sign; block 1 then already has every P-bar < 1
@@ -180,7 +179,7 @@ def test_ties_at_the_max(backend, sign, dtype):
     for h in range(q.shape[1]):
         assert torch.equal(paper[0, h], published_rule(q[0, h], k[0, h], v[0, h], **kw)[1])
     on, off = res[True], res[False]
-    assert torch.isfinite(on.out).all() and all(torch.isfinite(g).all() for g in on.grads or ())
+    assert torch.isfinite(on.out).all() and all(torch.isfinite(g).all() for g in on.grads)
     e_on, e_off = rel_rms(on.out, exact[0]), rel_rms(off.out, exact[0])
     assert e_on <= 1.25 * e_off + FLOOR, (e_on, e_off)
 
@@ -306,7 +305,7 @@ def test_window_without_causal_bounds_only_the_left_side(backend):
 
 
 def _run_grad(fn, q, k, v, do, dtype):
-    qq, kk, vv = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))  # fresh leaves, cached inputs
     o = fn(qq, kk, vv)
     o.backward(do.to(dtype))
     return o.detach(), qq.grad, kk.grad, vv.grad
@@ -332,7 +331,7 @@ SHAPES_ALL = [(n, d) for n in (1, 7, 128, 300, 1024) for d in (16, 64, 80, 128, 
 TRITON_CI = [(7, 64)]
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=16)
 def _accuracy_problem(causal, n, d, seed):
     """Inputs and the oracle's answer, shared by the dtypes and backends of one case."""
     g = torch.Generator().manual_seed(seed)
@@ -348,9 +347,9 @@ def _accuracy_case(backend, dtype, causal, n, d, seed):
     compare_with_sdpa(backend, q, k, v, dtype, sdpa, truth=truth, causal=causal)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-@on_backends(("n", "d"), SHAPES_CI, TRITON_CI)
+@on_backends(("dtype", "n", "d"), [(dt, n, d) for dt in DTYPES for n, d in SHAPES_CI],
+             [(torch.bfloat16, n, d) for n, d in TRITON_CI])
 def test_accuracy_vs_sdpa(backend, dtype, causal, n, d):
     _accuracy_case(backend, dtype, causal, n, d, seed=n * 1000 + d)
 
@@ -363,9 +362,9 @@ def test_accuracy_vs_sdpa_full_matrix(backend, dtype, causal, n, d):
     _accuracy_case(backend, dtype, causal, n, d, seed=n * 1000 + d + 1)
 
 
+# Triton: GQA against the reference and the oracle in test_triton_attention.py (CASES, window/softcap/GQA)
 @on_backends(("dtype", "hq", "hkv"), [(dt, hq, hkv) for dt in (torch.bfloat16, torch.float32)
-                                       for hq, hkv in ((4, 2), (6, 1))],
-             [(torch.bfloat16, 4, 2), (torch.bfloat16, 6, 1)])
+                                       for hq, hkv in ((4, 2), (6, 1))], [])
 def test_gqa_matches_sdpa_without_repeating_kv(backend, dtype, hq, hkv):
     g = torch.Generator().manual_seed(hq * 10 + hkv)
     q = torch.randn(2, hq, 70, 32, generator=g)
@@ -409,9 +408,11 @@ def test_saturation_does_not_depend_on_block_size(backend, dtype):
     q = torch.randint(-2, 3, (2, 3, 90, 8), generator=g).to(dtype)
     k = torch.randint(-2, 3, (2, 3, 150, 8), generator=g).to(dtype)
     v = torch.randn(2, 3, 150, 8, generator=g).to(dtype)
+    if backend == "triton":  # the interpreter pays per program and key block: one (batch, head), two partitions
+        q, k, v = q[:1, :1], k[:1, :1], v[:1, :1]
     counts = set()
     q, k, v = (t.to(DEVICE) for t in (q, k, v))
-    for bn in (16, 32, 64, 128, 256) if backend == "torch" else (16, 64, 256):
+    for bn in (16, 32, 64, 128, 256) if backend == "torch" else (32, 256):
         st = stable_attn.AttentionStats()
         stable_attn.attention(q, k, v, stats=st, block_n=bn, causal=True, backend=backend)
         counts.add(tuple(st.saturated_rows.tolist()))
@@ -495,7 +496,7 @@ def test_paper_mode_is_the_published_rule(backend, top):
     From |max| ~ 23 on, the published offset leaves a row sum below the floor: the output shrinks
     towards 0 (at 30: by ~1e3) and is exactly 0 once every P-bar underflows (100); never NaN.
     """
-    q, k, v = tied_scores(top)
+    q, k, v = tied_scores(top, H=1)
     res = run(backend, q, k, v, scale=1.0, stabilize="paper", block_n=32)
     assert torch.isfinite(res.out).all()
     for h in range(q.shape[1]):
