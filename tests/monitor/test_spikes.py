@@ -263,12 +263,23 @@ def test_constructor_and_update_validation() -> None:
         SpikeDetector().update(0, "high")  # type: ignore[arg-type]
 
 
-def test_event_to_dict() -> None:
-    event = SpikeEvent(3, "train/loss", 5.0, 3.0, 3.2, 40.0, "spike", rule="jump")
-    assert event.to_dict() == {
-        "step": 3, "metric": "train/loss", "value": 5.0, "baseline": 3.0, "threshold": 3.2, "score": 40.0,
-        "kind": "spike", "run_length": 1, "is_new": True, "rule": "jump",
-    }
+def test_events_of_an_episode_describe_it() -> None:
+    """A two-step spike: the first event opens the episode, the second continues it, and each event's
+    fields (what an alert is built from) say what the detector saw."""
+    det = SpikeDetector("train/loss")
+    rng = np.random.default_rng(3)
+    assert run(det, 3.0 + 0.01 * rng.standard_normal(200)) == []
+    first, second = det.update(200, 30.0), det.update(201, 31.0)
+    assert first is not None and second is not None
+    d1, d2 = first.to_dict(), second.to_dict()
+    assert (d1["step"], d1["metric"], d1["value"], d1["kind"]) == (200, "train/loss", 30.0, "spike")
+    assert d1["is_new"] and not d2["is_new"]
+    assert (d1["run_length"], d2["run_length"]) == (1, 2)
+    for d in (d1, d2):
+        assert d["baseline"] < d["threshold"] < d["value"]
+        assert abs(d["baseline"] - 3.0) < 0.1
+    # the flagged values did not enter the baseline: a return to the old level raises nothing
+    assert det.update(202, 3.0) is None
 
 
 # ------------------------------------------------------------------ SurgeDetector
