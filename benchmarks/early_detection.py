@@ -37,6 +37,9 @@ from callback_lm import batches_loader, tiny_gpt2  # noqa: E402
 
 from stable_attn.monitor import SpikeDetector  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/machine.py
+from machine import cpu_model  # noqa: E402
+
 GARBLED = [5, 10, 20, 50, 90, 110, 150]
 WINDOW = 5
 
@@ -74,17 +77,6 @@ def detect(rows: list[tuple[float, float]]) -> list[tuple[int, str, str]]:
             if event is not None and event.is_new:
                 alerts.append((step, name, event.rule))
     return alerts
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

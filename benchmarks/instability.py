@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,9 @@ from torch import nn
 from stable_attn import attention
 from stable_attn.monitor import SpikeDetector, SurgeDetector
 from stable_attn.stats import AttentionStats
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/machine.py
+from machine import cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
@@ -242,17 +246,6 @@ def plot(runs: list[Run], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -64,6 +65,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stable_attn.monitor import SpikeDetector
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/machine.py
+from machine import cpu_model  # noqa: E402
 
 MIN_SPIKE_SIGMA = 8.0
 EARLY_SIGMA = 4.0  # a flag before onset counts only once the deviation is beyond plausible noise
@@ -386,17 +390,6 @@ def tune_mad_k(traces: list[Trace]) -> tuple[float, list[tuple[float, float, flo
         if s.fa_rate() <= FA_TARGET:
             return k, tried
     return MAD_GRID[-1], tried
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def print_table(title: str, scores: dict[str, Score], total_steps: int) -> None:
