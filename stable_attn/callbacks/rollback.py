@@ -1,4 +1,4 @@
-"""In-memory snapshots of a Lightning run's training state, for rolling back over a spike.
+"""In-memory snapshots of a run's training state, for rolling back over a spike.
 
 A snapshot holds everything one optimizer step changes: model parameters and buffers, optimizer
 state (AdamW moments and step counters, param-group learning rates), learning-rate schedulers, the
@@ -10,24 +10,44 @@ for the batches that follow.
 Snapshots live in memory on the parameters' own device (a copy is fast, and a spike must be undone
 within one step); they cost one extra copy of the model and optimizer state. :func:`snapshot_state`
 and :func:`snapshot_from_state` turn one into plain tensors and dicts for a checkpoint and back (the
-callback saves the last one with its state, so a resumed run rolls back to the same state as a run
-that was never interrupted).
+engine saves the last one with its state, so a resumed run rolls back to the same state as a run
+that was never interrupted). A training-loop adapter says what to snapshot with :class:`Trainables`.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-__all__ = ["Snapshot", "restore_snapshot", "snapshot_from_state", "snapshot_state", "take_snapshot"]
+__all__ = ["Snapshot", "Trainables", "restore_snapshot", "snapshot_from_state", "snapshot_state", "take_snapshot"]
+
+
+@dataclass
+class Trainables:
+    """What one optimizer step changes, as a training loop holds it.
+
+    Attributes:
+        step: optimizer steps done so far (the snapshot is "the state at ``step``").
+        model: the module whose ``state_dict`` holds every trained parameter and buffer.
+        optimizers: their state (moments, step counts, param-group learning rates).
+        schedulers: learning-rate schedulers, or anything else with ``state_dict``/``load_state_dict``.
+        precision: one more such object, or None: Lightning's precision plugin, or an AMP ``GradScaler``.
+    """
+
+    step: int
+    model: torch.nn.Module
+    optimizers: Sequence[Any]
+    schedulers: Sequence[Any] = ()
+    precision: Any | None = None
 
 
 @dataclass
 class Snapshot:
-    """Training state after ``step`` optimizer steps (``trainer.global_step`` when taken)."""
+    """Training state after ``step`` optimizer steps."""
 
     step: int
     model: dict[str, torch.Tensor]
@@ -42,22 +62,22 @@ def _clone_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
 
 
-def take_snapshot(trainer: Any, pl_module: torch.nn.Module) -> Snapshot:
-    """Copy the training state of ``trainer`` / ``pl_module`` (every rank keeps its own)."""
+def take_snapshot(state: Trainables) -> Snapshot:
+    """Copy the training state (every rank keeps its own)."""
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return Snapshot(
-        step=int(trainer.global_step),
-        model=_clone_tensors(pl_module.state_dict()),
+        step=int(state.step),
+        model=_clone_tensors(state.model.state_dict()),
         # deepcopy clones the tensors: optimizer state is updated in place by the next step.
-        optimizers=[copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers],
-        schedulers=[copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
-        precision=copy.deepcopy(trainer.precision_plugin.state_dict()),
+        optimizers=[copy.deepcopy(opt.state_dict()) for opt in state.optimizers],
+        schedulers=[copy.deepcopy(s.state_dict()) for s in state.schedulers],
+        precision=copy.deepcopy(state.precision.state_dict()) if state.precision is not None else {},
         cpu_rng=torch.get_rng_state(),
         cuda_rng=cuda_rng,
     )
 
 
-def restore_snapshot(trainer: Any, pl_module: torch.nn.Module, snapshot: Snapshot) -> None:
+def restore_snapshot(state: Trainables, snapshot: Snapshot) -> None:
     """Put the state saved in ``snapshot`` back, in place (the optimizer keeps its parameter objects).
 
     The snapshot stays intact, so it can be restored again: ``Optimizer.load_state_dict`` adopts the
@@ -65,13 +85,13 @@ def restore_snapshot(trainer: Any, pl_module: torch.nn.Module, snapshot: Snapsho
     place, so it gets copies.
     """
     with torch.no_grad():
-        pl_module.load_state_dict(snapshot.model, strict=True)
-    for opt, state in zip(trainer.optimizers, snapshot.optimizers, strict=True):
-        opt.load_state_dict(copy.deepcopy(state))
-    for cfg, state in zip(trainer.lr_scheduler_configs, snapshot.schedulers, strict=True):
-        cfg.scheduler.load_state_dict(copy.deepcopy(state))
-    if snapshot.precision:
-        trainer.precision_plugin.load_state_dict(copy.deepcopy(snapshot.precision))
+        state.model.load_state_dict(snapshot.model, strict=True)
+    for opt, saved in zip(state.optimizers, snapshot.optimizers, strict=True):
+        opt.load_state_dict(copy.deepcopy(saved))
+    for scheduler, saved in zip(state.schedulers, snapshot.schedulers, strict=True):
+        scheduler.load_state_dict(copy.deepcopy(saved))
+    if snapshot.precision and state.precision is not None:
+        state.precision.load_state_dict(copy.deepcopy(snapshot.precision))
     torch.set_rng_state(snapshot.cpu_rng)
     if snapshot.cuda_rng is not None:
         torch.cuda.set_rng_state_all(snapshot.cuda_rng)

@@ -72,11 +72,11 @@ class Probe(Callback):
         # runs after the callback: compare its norm with the unsharded gradients (one device: all local)
         self.ready.append((trainer.global_step, self.cb.loss_detector.ready, self.cb.grad_norm_detector.ready))
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        last = self.cb._last
+        last = self.cb.engine.last
         self.series.append((trainer.global_step, round(last["train/loss"], 3), round(last["train/grad_norm"], 3)))
         if grads:
             local = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
-            self.norm_pairs.append((self.cb._last["train/grad_norm"], float(local)))
+            self.norm_pairs.append((self.cb.engine.last["train/grad_norm"], float(local)))
 
 
 

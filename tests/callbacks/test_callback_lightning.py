@@ -342,7 +342,7 @@ def test_patch_sdpa_routes_plain_modules_for_the_run_only(tmp_path, caplog):
 
     class Probe(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            fn, patch = torch.nn.functional.scaled_dot_product_attention, cb._sdpa_patch
+            fn, patch = torch.nn.functional.scaled_dot_product_attention, cb.engine.sdpa_patch
             seen.append(fn is not original and fn is patch.wrapper and patch.active)
 
     cb = StableAttentionCallback(patch_sdpa=True)
