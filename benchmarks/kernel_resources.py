@@ -37,9 +37,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from stable_attn.kernels import rules  # noqa: E402
 from stable_attn.kernels.triton_aot import SHARED_LIMIT, Variant, describe, describe_in_subprocess  # noqa: E402
+from stable_attn.options import MODE_NAMES  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-MODES = {"off": rules.MODE_OFF, "exact": rules.MODE_EXACT, "paper": rules.MODE_PAPER}
+MODES = {name: mode for mode, name in MODE_NAMES.items()}
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 
 

@@ -8,19 +8,16 @@ opaque call and autograd never traces through a reference implementation.
 from __future__ import annotations
 
 import logging
-import math
 import os
-from typing import Literal
 
 import torch
 
 from .kernels import reference, rules
+from .options import DEFAULTS, Options, Stabilize, op_schema
 from .stats import AttentionStats, RowStats
 
 logger = logging.getLogger("stable_attn")
 
-Stabilize = bool | Literal["paper"]
-_BACKENDS = ("auto", "torch", "triton")
 _logged_once: set[str] = set()
 
 
@@ -31,22 +28,23 @@ def log_once(key: str, message: str, level: int = logging.INFO) -> None:
         logger.log(level, message)
 
 
-def _mode(stabilize: object) -> int:
-    if stabilize is True:
-        return rules.MODE_EXACT
-    if stabilize is False:
-        return rules.MODE_OFF
-    if stabilize == "paper":
-        return rules.MODE_PAPER
-    raise ValueError(f"stabilize={stabilize!r} is not supported; use True, False or 'paper'")
+_FA_HINT = ("; these shapes fit [B, N, H, D] (FlashAttention's layout): transpose dims 1 and 2, or call "
+            "stable_attn.flash_attn_func, which takes that layout")
 
 
-def _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout_p):
+def _fits_bnhd(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether q, k read as ``[B, N, H, D]`` (FlashAttention's layout) would be a valid call."""
+    return q.shape[2] >= 1 and k.shape[2] >= 1 and q.shape[2] % k.shape[2] == 0 and k.shape[1] >= 1
+
+
+def check_tensors(q, k, v, key_padding_mask=None, attn_mask=None) -> None:
+    """Check q, k, v (``[B, H, N, D]``) and the masks; errors name the argument, its shape and the layout."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have rank 4 [B, H, N, D], got shape {tuple(t.shape)}")
+            hint = (" (packed [total, H, D] sequences go to stable_attn.attention_varlen)" if t.dim() == 3 else "")
+            raise ValueError(f"{name} must have rank 4 [B, H, N, D], got shape {tuple(t.shape)}{hint}")
         if t.dtype not in rules.SUPPORTED_DTYPES:
             raise TypeError(f"{name}.dtype={t.dtype} is not supported; use bfloat16, float16 or float32")
     if not (q.dtype == k.dtype == v.dtype):
@@ -54,26 +52,31 @@ def _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     B, Hq, Nq, D = q.shape
+    layout = f"q {tuple(q.shape)} and k {tuple(k.shape)} as [B, H, N, D]"
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape [B, Hkv, Nk, D], got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     if k.shape[0] != B:
-        raise ValueError(f"k batch size {k.shape[0]} does not match q batch size {B}")
+        raise ValueError(f"k batch size {k.shape[0]} does not match q batch size {B} ({layout})")
     if k.shape[3] != D:
-        raise ValueError(f"k head dim {k.shape[3]} does not match q head dim {D}")
+        raise ValueError(f"k head dim {k.shape[3]} does not match q head dim {D} ({layout})")
     if not 1 <= D <= 256:
-        raise ValueError(f"head dim D={D} is not supported; use 1 <= D <= 256")
+        raise ValueError(f"head dim D={D} is not supported; use 1 <= D <= 256 (the last dim of [B, H, N, D])")
     Hkv = k.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"q heads Hq={Hq} must be a multiple of k/v heads Hkv={Hkv} (GQA/MQA)")
+        hint = _FA_HINT if _fits_bnhd(q, k) else ""
+        raise ValueError(f"q heads Hq={Hq} must be a multiple of k/v heads Hkv={Hkv} (GQA/MQA; {layout}){hint}")
     if Nq == 0 or k.shape[2] == 0:
-        raise ValueError(f"sequence lengths must be >= 1, got Nq={Nq}, Nk={k.shape[2]}")
+        raise ValueError(f"sequence lengths must be >= 1, got Nq={Nq}, Nk={k.shape[2]} ({layout})")
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
             got = getattr(key_padding_mask, "dtype", type(key_padding_mask).__name__)
             raise TypeError(f"key_padding_mask must be a bool tensor (True = attend), got {got}")
         if tuple(key_padding_mask.shape) != (B, k.shape[2]):
+            fits = tuple(key_padding_mask.shape) == (B, k.shape[1]) and _fits_bnhd(q, k)
             raise ValueError(
-                f"key_padding_mask must have shape [B, Nk] = {(B, k.shape[2])}, got {tuple(key_padding_mask.shape)}"
+                f"key_padding_mask must have shape [B, Nk] = {(B, k.shape[2])} ({layout}), got "
+                f"{tuple(key_padding_mask.shape)}{_FA_HINT if fits else ''}"
             )
         if key_padding_mask.device != q.device:
             raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, q on {q.device}")
@@ -82,42 +85,24 @@ def _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout
             raise TypeError(f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise TypeError(f"attn_mask.dtype={attn_mask.dtype}: use bool (True = attend) or a float additive mask")
-        shape = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
-        ok = attn_mask.dim() <= 4 and all(s in (1, t) for s, t in zip(shape, (B, Hq, Nq, k.shape[2])))
-        if not ok or shape[1] not in (1, Hq):
+        if not _broadcasts(attn_mask, (B, Hq, Nq, k.shape[2])):
+            fits = _fits_bnhd(q, k) and _broadcasts(attn_mask, (B, q.shape[2], q.shape[1], k.shape[1]))
             raise ValueError(
                 f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to [B, Hq, Nq, Nk] = "
-                f"{(B, Hq, Nq, k.shape[2])}"
+                f"{(B, Hq, Nq, k.shape[2])} ({layout}){_FA_HINT if fits else ''}"
             )
         if attn_mask.requires_grad and torch.is_grad_enabled():
             raise ValueError("attn_mask requires grad, but stable_attn returns no gradient for attention masks; "
                              "detach it if it is constant")
         if attn_mask.device != q.device:
             raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-    if scale is not None and not (number(scale) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale={scale!r} must be a finite positive number or None (1/sqrt(D))")
-    if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
-        raise ValueError(f"window={window!r} must be a positive int (keys j > p - window) or None")
-    if softcap is not None and not (number(softcap) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap={softcap!r} must be a finite positive number or None")
-    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1)")
 
 
-def check_options(stabilize: object = True, beta: object = 2.0, backend: object = "auto",
-                  block_n: object = None) -> None:
-    """Check the options that select the computation; the op, ``patch_sdpa`` and ``configure`` share it."""
-    _mode(stabilize)
-    if not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and beta > 1.0 and math.isfinite(beta)):
-        raise ValueError(f"beta={beta!r} must be a finite number > 1")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; use one of {_BACKENDS}")
-    if block_n is not None and not (isinstance(block_n, int) and not isinstance(block_n, bool) and block_n >= 16
-                                    and block_n & (block_n - 1) == 0):
-        raise ValueError(f"block_n={block_n!r} must be a power of two >= 16 or None")
+def _broadcasts(mask: torch.Tensor, shape: tuple[int, int, int, int]) -> bool:
+    if mask.dim() > 4:
+        return False
+    padded = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    return all(s in (1, t) for s, t in zip(padded, shape))
 
 
 def _interpreting() -> bool:
@@ -150,84 +135,117 @@ def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch
     return "triton"
 
 
-def _opts(causal, scale, window, softcap, dropout_p, seed, mode, beta, block_n):
-    return reference.Options(
-        causal=causal, scale=scale, window=None if window < 0 else window,
-        softcap=None if softcap <= 0 else softcap, dropout_p=dropout_p, seed=seed, mode=mode,
-        beta=beta, block_n=block_n,
-    )
+def autocast_inputs(*xs):
+    """Like F.scaled_dot_product_attention, attention runs in autocast's lower precision."""
+    first = xs[0]
+    if isinstance(first, torch.Tensor) and torch.is_autocast_enabled(first.device.type):
+        dt = torch.get_autocast_dtype(first.device.type)
+        return tuple(t.to(dt) if isinstance(t, torch.Tensor) else t for t in xs)
+    return xs
 
 
-def _seed(seed: torch.Tensor | None) -> int:
-    # the seed travels as a tensor so that drawing it is a graph op under torch.compile (no .item())
+def check_stats(stats: object) -> None:
+    if stats is not None and not isinstance(stats, AttentionStats):
+        raise TypeError(f"stats must be an AttentionStats or None, got {type(stats).__name__}")
+
+
+def unit_last_stride(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Unit stride in the last dim, so every backend returns outputs with exactly the strides the fake
+    implementations promise (empty_like of these inputs)."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in xs)
+
+
+def seed_value(seed: torch.Tensor | None) -> int:
+    """The dropout seed an op received; it travels as a tensor so that drawing it is a graph op under
+    torch.compile (no .item() in the traced code)."""
     return 0 if seed is None else int(seed)
 
 
-def _empty_stats(q):
+def draw_seed(dropout_p: float) -> torch.Tensor | None:
+    """A fresh Philox seed for a call with dropout, None without.
+
+    Drawn from the CPU generator, whose state torch.utils.checkpoint restores for the recompute.
+    """
+    return torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0 else None
+
+
+def empty_stats(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Placeholders for the four statistics outputs when none are collected."""
     return tuple(q.new_empty((0,), dtype=dt) for dt in (torch.bool, torch.int32, torch.float32, torch.float32))
 
 
-@torch.library.custom_op("stable_attn::attention_fwd", mutates_args=())
-def _attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-    attn_mask: torch.Tensor | None, seed: torch.Tensor | None, causal: bool, scale: float, window: int,
-    softcap: float, dropout_p: float, mode: int, beta: float, block_n: int, backend: str, with_stats: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = _opts(causal, scale, window, softcap, dropout_p, _seed(seed), mode, beta, block_n)
-    if backend == "triton":
+def stats_like(rows: tuple[int, ...], q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Fake statistics outputs of shape ``rows`` (what RowStats holds)."""
+    return tuple(q.new_empty(rows, dtype=dt) for dt in (torch.bool, torch.int32, torch.float32, torch.float32))
+
+
+STATS_RESULTS = "Tensor, Tensor, Tensor, Tensor"  # RowStats' fields: saturated, fixed_blocks, max_logit, first_key_prob
+
+
+# The ops take the Options fields as named scalar arguments (options.op_schema()): the schema is written
+# from the dataclass, and the implementations rebuild the Options with Options.from_op_args.
+_FWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? attn_mask, Tensor? seed, bool with_stats, "
+    f"{op_schema()}) -> (Tensor, Tensor, {STATS_RESULTS})"
+)
+_BWD_SCHEMA = (
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_padding_mask, "
+    f"Tensor? attn_mask, Tensor? seed, {op_schema()}) -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _forward_impl(q, k, v, key_padding_mask, attn_mask, seed, with_stats, *options):
+    opts = Options.from_op_args(options, seed_value(seed))
+    if opts.backend == "triton":
         from .kernels import triton_attention
 
         out, lse, rs = triton_attention.forward(q, k, v, key_padding_mask, opts, with_stats)
     else:
         out, lse, rs = reference.attention_forward(q, k, v, key_padding_mask, attn_mask, opts, with_stats)
     if rs is None:
-        return (out, lse, *_empty_stats(q))
+        return (out, lse, *empty_stats(q))
     return out, lse, rs.saturated, rs.fixed_blocks, rs.max_logit, rs.first_key_prob
 
 
-@_attention_fwd.register_fake
-def _(q, k, v, key_padding_mask, attn_mask, seed, causal, scale, window, softcap, dropout_p, mode, beta,
-      block_n, backend, with_stats):
-    B, H, N, _ = q.shape
-    lse = q.new_empty((B, H, N), dtype=torch.float32)
-    if not with_stats:
-        return (torch.empty_like(q), lse, *_empty_stats(q))
-    return (torch.empty_like(q), lse, q.new_empty((B, H, N), dtype=torch.bool),
-            q.new_empty((B, H, N), dtype=torch.int32), lse.new_empty((B, H, N)), lse.new_empty((B, H, N)))
-
-
-@torch.library.custom_op("stable_attn::attention_bwd", mutates_args=())
-def _attention_bwd(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
-    seed: torch.Tensor | None, causal: bool, scale: float, window: int, softcap: float, dropout_p: float,
-    mode: int, beta: float, block_n: int, backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = _opts(causal, scale, window, softcap, dropout_p, _seed(seed), mode, beta, block_n)
+def _backward_impl(do, q, k, v, out, lse, key_padding_mask, attn_mask, seed, *options):
+    opts = Options.from_op_args(options, seed_value(seed))
     do = do.contiguous()
-    if backend == "triton":
+    if opts.backend == "triton":
         from .kernels import triton_attention
 
         return triton_attention.backward(do, q, k, v, out, lse, key_padding_mask, opts)
     return reference.attention_backward(do, q, k, v, out, lse, key_padding_mask, attn_mask, opts)
 
 
+_attention_fwd = torch.library.custom_op("stable_attn::attention_fwd", _forward_impl, mutates_args=(),
+                                         schema=_FWD_SCHEMA)
+_attention_bwd = torch.library.custom_op("stable_attn::attention_bwd", _backward_impl, mutates_args=(),
+                                         schema=_BWD_SCHEMA)
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, key_padding_mask, attn_mask, seed, with_stats, *options):
+    rows = q.shape[:3]
+    lse = q.new_empty(rows, dtype=torch.float32)
+    return (torch.empty_like(q), lse, *(stats_like(rows, q) if with_stats else empty_stats(q)))
+
+
 @_attention_bwd.register_fake
-def _(do, q, k, v, out, lse, key_padding_mask, attn_mask, seed, causal, scale, window, softcap, dropout_p,
-      mode, beta, block_n, backend):
+def _(do, q, k, v, out, lse, key_padding_mask, attn_mask, seed, *options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kpm, am, seed = inputs[:6]
-    ctx.args = inputs[6:15]  # causal ... backend
+    q, k, v, kpm, am, seed, _with_stats, *options = inputs
+    ctx.options = options
+    ctx.n_inputs = len(inputs)
     ctx.save_for_backward(q, k, v, output[0], output[1], kpm, am, seed)
 
 
 def _backward(ctx, do, dlse, *unused):
     q, k, v, out, lse, kpm, am, seed = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd(do, q, k, v, out, lse, kpm, am, seed, *ctx.args)
-    return dq, dk, dv, *([None] * 13)
+    dq, dk, dv = _attention_bwd(do, q, k, v, out, lse, kpm, am, seed, *ctx.options)
+    return dq, dk, dv, *([None] * (ctx.n_inputs - 3))  # no gradient for the masks, the seed, the options
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -238,18 +256,18 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    causal: bool = False,
-    scale: float | None = None,
+    causal: bool = DEFAULTS["causal"],
+    scale: float | None = DEFAULTS["scale"],
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    dropout_p: float = 0.0,
-    stabilize: Stabilize = True,
-    beta: float = 2.0,
+    window: int | None = DEFAULTS["window"],
+    softcap: float | None = DEFAULTS["softcap"],
+    dropout_p: float = DEFAULTS["dropout_p"],
+    stabilize: Stabilize = DEFAULTS["stabilize"],
+    beta: float = DEFAULTS["beta"],
     stats: AttentionStats | None = None,
-    backend: str = "auto",
-    block_n: int | None = None,
+    backend: str = DEFAULTS["backend"],
+    block_n: int | None = DEFAULTS["block_n"],
 ) -> torch.Tensor:
     """Scaled dot-product attention with the dynamic-max fix (Qiu & Yao, ICLR 2026).
 
@@ -282,31 +300,18 @@ def attention(
         block_n: key-block size (the partition the per-block rule sees); default (None) lets the
             backend choose (the PyTorch path uses 64).
     """
-    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
-        # like F.scaled_dot_product_attention, attention runs in autocast's lower precision
-        dt = torch.get_autocast_dtype(q.device.type)
-        q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
-    _check(q, k, v, key_padding_mask, attn_mask, scale, window, softcap, dropout_p)
-    check_options(stabilize, beta, backend, block_n)
-    mode = _mode(stabilize)
-    if stats is not None and not isinstance(stats, AttentionStats):
-        raise TypeError(f"stats must be an AttentionStats or None, got {type(stats).__name__}")
-    impl = resolve_backend(backend, q, attn_mask is not None, k)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    # drawn from the CPU generator, whose state torch.utils.checkpoint restores for the recompute
-    seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0 else None
+    q, k, v = autocast_inputs(q, k, v)
+    check_tensors(q, k, v, key_padding_mask, attn_mask)
+    opts = Options.create(head_dim=q.shape[-1], causal=causal, scale=scale, window=window, softcap=softcap,
+                          dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n)
+    check_stats(stats)
+    impl = resolve_backend(opts.backend, q, attn_mask is not None, k)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.contiguous()  # the kernels index it as [b * Nk + j]
-    # unit stride in the last dim, so every backend returns outputs with exactly the strides the
-    # fake implementations promise (empty_like of these inputs)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = unit_last_stride(q, k, v)
     collect = stats is not None and stats.enabled
-    outs = _attention_fwd(
-        q, k, v, key_padding_mask, attn_mask, seed, bool(causal), float(scale),
-        -1 if window is None else int(window), 0.0 if softcap is None else float(softcap),
-        float(dropout_p), mode, float(beta), int(block_n or 0), impl, collect,
-    )
+    outs = _attention_fwd(q, k, v, key_padding_mask, attn_mask, draw_seed(opts.dropout_p), collect,
+                          *opts.replace(backend=impl).op_args())
     if collect:
         stats.update(RowStats(*outs[2:]))
     return outs[0]

@@ -39,8 +39,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import attention, check_options
+from ..attention import attention
 from ..kernels import rules
+from ..options import DEFAULTS, Stabilize, model_options
 
 _active: list[SdpaPatch] = []
 _warned: set[str] = set()
@@ -177,10 +178,10 @@ class SdpaPatch:
 
 def patch_sdpa(
     *,
-    stabilize: bool | str = True,
-    beta: float = 2.0,
-    backend: str = "auto",
-    block_n: int | None = None,
+    stabilize: Stabilize = DEFAULTS["stabilize"],
+    beta: float = DEFAULTS["beta"],
+    backend: str = DEFAULTS["backend"],
+    block_n: int | None = DEFAULTS["block_n"],
 ) -> SdpaPatch:
     """Replace ``torch.nn.functional.scaled_dot_product_attention`` with a stable_attn wrapper, now.
 
@@ -188,8 +189,8 @@ def patch_sdpa(
     restores on exit) or keep it and call ``.restore()`` (or :func:`unpatch_sdpa`) later. The options
     are those of :func:`stable_attn.attention`; they are checked here, before anything is patched.
     """
-    check_options(stabilize, beta, backend, block_n)
-    return SdpaPatch({"stabilize": stabilize, "beta": float(beta), "backend": backend, "block_n": block_n})
+    options = {"stabilize": stabilize, "beta": beta, "backend": backend, "block_n": block_n}
+    return SdpaPatch(model_options(options, where="patch_sdpa"))
 
 
 def unpatch_sdpa() -> None:

@@ -42,11 +42,13 @@ from transformers import masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from ..attention import attention, check_options
+from ..attention import attention
+from ..options import DEFAULTS, MODEL_OPTIONS, Stabilize, model_options
 from ..stats import AttentionStats
 
 NAME = "stable_attn"
-OPTION_DEFAULTS: dict[str, Any] = {"stabilize": True, "beta": 2.0, "backend": "auto", "block_n": None}
+# The options a model sets (configure() or config.stable_attn), with their defaults (options.DEFAULTS).
+OPTION_DEFAULTS: dict[str, Any] = {name: DEFAULTS[name] for name in MODEL_OPTIONS}
 # Arguments some models pass that change the attention in ways the fused op cannot reproduce.
 _UNSUPPORTED_KWARGS = {
     "s_aux": "attention sinks (`s_aux`)",
@@ -210,18 +212,12 @@ def _options(module: nn.Module) -> dict[str, Any]:
     if own is not None:
         return own
     from_config = getattr(getattr(module, "config", None), "stable_attn", None)
-    if from_config is None:
-        return OPTION_DEFAULTS
     return _validated_options(from_config, where=f"{_who(module)}: config.stable_attn")
 
 
 def _validated_options(options: Any, where: str) -> dict[str, Any]:
-    if not isinstance(options, dict):
-        raise TypeError(f"{where} must be a dict with keys {sorted(OPTION_DEFAULTS)}, got {type(options).__name__}")
-    unknown = sorted(set(options) - set(OPTION_DEFAULTS))
-    if unknown:
-        raise ValueError(f"{where} has unknown keys {unknown}; accepted keys are {sorted(OPTION_DEFAULTS)}")
-    return {**OPTION_DEFAULTS, **options}
+    """``config.stable_attn`` (a dict or None) checked and completed with the defaults."""
+    return model_options(options, where=where)
 
 
 def stable_attn_attention_forward(
@@ -349,17 +345,17 @@ def _require_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def configure(
     model: nn.Module,
     *,
-    stabilize: bool | str = True,
-    beta: float = 2.0,
-    backend: str = "auto",
-    block_n: int | None = None,
+    stabilize: Stabilize = DEFAULTS["stabilize"],
+    beta: float = DEFAULTS["beta"],
+    backend: str = DEFAULTS["backend"],
+    block_n: int | None = DEFAULTS["block_n"],
 ) -> None:
     """Set the :func:`stable_attn.attention` options every attention layer of ``model`` uses.
 
-    Takes precedence over ``config.stable_attn``. Values are checked here, with the op's own check.
+    Takes precedence over ``config.stable_attn``. Values are checked here (``options.model_options``).
     """
-    check_options(stabilize, beta, backend, block_n)
-    options = {"stabilize": stabilize, "beta": beta, "backend": backend, "block_n": block_n}
+    options = model_options({"stabilize": stabilize, "beta": beta, "backend": backend, "block_n": block_n},
+                            where="configure")
     for _, module in _require_attention_modules(model):
         module.stable_attn_options = dict(options)
 

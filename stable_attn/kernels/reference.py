@@ -15,35 +15,16 @@ Scores live in base-2 units (``s2 = s * log2(e)``, see rules.py); ``lse`` is sav
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from ..options import Options
 from ..stats import RowStats
 from . import rules
 from .philox import keep_mask
 
-BLOCK_N = 64  # default key-block size; the Triton kernel uses the same partition by default
 TILE_ELEMENTS = 1 << 17  # fp32 elements in one score tile (512 KiB)
-
-
-@dataclass(frozen=True)
-class Options:
-    """Everything that selects the computation, shared by the forward and the backward."""
-
-    causal: bool = False
-    scale: float = 1.0
-    window: int | None = None  # left sliding window: query at position p sees keys j > p - W
-    softcap: float | None = None
-    dropout_p: float = 0.0
-    seed: int = 0
-    mode: int = rules.MODE_EXACT
-    beta: float = 2.0
-    block_n: int = 0  # key-block size; 0 = the backend's default (BLOCK_N here)
-
-    @property
-    def key_block(self) -> int:
-        return self.block_n or BLOCK_N
+_DEFAULT_OPTIONS = Options()
 
 
 class _Problem:
@@ -67,7 +48,6 @@ class _Problem:
             self.attn_mask = m.view(m.shape[0], self.Hkv, self.G, self.Nq, self.Nk) if hm != 1 else m[:, :, None]
         per_row = self.B * self.Hq * opts.key_block
         self.chunk = max(16, min(self.Nq, TILE_ELEMENTS // max(per_row, 1)))
-        self.qk_scale2 = opts.scale * rules.LOG2E
 
     def key_range(self, q0: int, q1: int) -> tuple[int, int]:
         """Keys ``[lo, hi)`` outside which no query in [q0, q1) sees anything (causal, window)."""
@@ -94,11 +74,10 @@ class _Problem:
         x = torch.matmul(q_c, k_b.transpose(-1, -2)).view(B, Hkv, G, q1 - q0, j1 - j0)
         t = None
         if self.opts.softcap is not None:
-            cap = self.opts.softcap
-            t = torch.tanh(x * (self.opts.scale / cap))
-            s2 = t * (cap * rules.LOG2E)
+            t = torch.tanh(x * self.opts.cap_scale)
+            s2 = t * self.opts.cap_log2e
         else:
-            s2 = x * self.qk_scale2
+            s2 = x * self.opts.qk_scale2
         if self.attn_mask is not None:
             am = self.attn_mask[..., q0:q1, j0:j1]
             if am.dtype == torch.bool:
@@ -182,7 +161,7 @@ def _grouped(x: torch.Tensor, p: _Problem) -> torch.Tensor:
     return x.view(p.B, p.Hkv, p.G, p.Nq, x.shape[-1])
 
 
-def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Options = Options(),
+def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Options = _DEFAULT_OPTIONS,
                       with_stats: bool = False):
     """Forward pass. Returns ``(out, lse2, row_stats)``; ``row_stats`` is None unless requested."""
     p = _Problem(q, k, key_padding_mask, attn_mask, opts)
@@ -275,7 +254,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
 
 
 def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=None,
-                       opts: Options = Options()):
+                       opts: Options = _DEFAULT_OPTIONS):
     """FlashAttention-2 backward: recompute ``P = exp2(s2 - lse2)`` per tile; returns dq, dk, dv.
 
     ``delta = rowsum(dO * O)`` replaces the softmax Jacobian's row term. ``P`` (for dV) and ``dS``
@@ -285,7 +264,7 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
     p = _Problem(q, k, key_padding_mask, attn_mask, opts)
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     dtype = q.dtype
-    keep_scale = 1.0 / (1.0 - opts.dropout_p) if opts.dropout_p > 0 else 1.0
+    keep_scale = opts.keep_scale
 
     qg, dog, og = _grouped(q, p), _grouped(do, p), _grouped(out, p)
     lse2g = lse2.view(B, Hkv, G, Nq)

@@ -33,7 +33,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import reference, rules
+from ..options import BLOCK_N, MODE_NAMES
+from . import rules
 from .triton_attention import _TL_DTYPE, FWD_COMPILE_OPTIONS, bwd_config, fwd_config, head_block
 from .triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess
 from .triton_forward import attn_fwd_kernel
@@ -60,12 +61,12 @@ class Variant:
     mode: int = rules.MODE_EXACT
     stats: bool = False
     cc: int = 90
-    block_n: int = reference.BLOCK_N
+    block_n: int = BLOCK_N
     features: bool = False  # window, softcap, key padding mask and dropout all on
 
     @property
     def mode_name(self) -> str:
-        return {rules.MODE_OFF: "off", rules.MODE_EXACT: "exact", rules.MODE_PAPER: "paper"}[self.mode]
+        return MODE_NAMES[self.mode]
 
     @property
     def name(self) -> str:

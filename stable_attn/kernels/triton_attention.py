@@ -1,12 +1,12 @@
 """Launchers for the Triton FlashAttention-2 kernels with the dynamic-max fix.
 
 ``forward`` and ``backward`` are what ``stable_attn.attention`` calls for ``backend="triton"``; they
-take ``reference.Options`` and return exactly what ``reference.attention_forward`` /
+take ``options.Options`` and return exactly what ``reference.attention_forward`` /
 ``attention_backward`` return, computed by the kernels in ``triton_forward.py`` and
 ``triton_backward.py`` (no autograd anywhere on this path).
 
 Block sizes. The forward's key block ``BLOCK_N`` *is* the partition the stabilization rule sees, so
-it is never tuned: ``opts.block_n`` or ``reference.BLOCK_N`` (64). Everything else (query block,
+it is never tuned: ``opts.block_n`` or ``options.BLOCK_N`` (64). Everything else (query block,
 warps, pipeline stages, and all backward tiles, which make no per-block decision) comes from the
 small table in :func:`fwd_config` / :func:`bwd_config`, chosen by head dim and GPU generation so the
 kernels fit in shared memory and do not spill (see benchmarks/kernel_resources.py).
@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..options import BLOCK_N, Options
 from ..stats import RowStats
-from . import reference, rules
+from . import rules
 from .triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess
 from .triton_forward import attn_fwd_kernel
 
@@ -177,22 +178,21 @@ def _precision(dtype: torch.dtype, upcast: bool) -> str:
     return "ieee" if upcast or dtype == torch.float32 else "tf32"
 
 
-def _scalars(opts: reference.Options, dtype: torch.dtype) -> dict:
-    """Kernel scalars, computed with the same Python expressions as reference.py (same fp32 values)."""
-    cap = opts.softcap
+def _scalars(opts: Options, dtype: torch.dtype) -> dict:
+    """Kernel scalars: the values ``Options`` derives, which reference.py uses too (same fp32 values)."""
     return dict(
         window=opts.window if opts.window is not None else 0,
-        qk_scale2=opts.scale * rules.LOG2E,
-        cap_scale=opts.scale / cap if cap is not None else 1.0,
-        cap_log2e=cap * rules.LOG2E if cap is not None else 1.0,
+        qk_scale2=opts.qk_scale2,
+        cap_scale=opts.cap_scale,
+        cap_log2e=opts.cap_log2e,
         seed=opts.seed,
         drop_p=opts.dropout_p,
-        keep_scale=1.0 / (1.0 - opts.dropout_p) if opts.dropout_p > 0 else 1.0,
+        keep_scale=opts.keep_scale,
     )
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-            opts: reference.Options, with_stats: bool, *, config: FwdConfig | None = None
+            opts: Options, with_stats: bool, *, config: FwdConfig | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     """Attention forward on the GPU (or the interpreter): ``(out, lse2, row_stats)`` like the reference.
 
@@ -205,7 +205,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     Hkv, Nk = k.shape[1], k.shape[2]
     dtype = q.dtype
     upcast = interpreting()
-    block_n = opts.block_n or reference.BLOCK_N
+    block_n = opts.block_n or BLOCK_N
     block_d = head_block(D)
     if 2 * block_n * block_d * q.element_size() > _MAX_KV_TILE_BYTES:
         raise ValueError(f"block_n={block_n} with head dim {D} ({dtype}) needs K and V tiles of "
@@ -247,7 +247,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse2: torch.Tensor, key_padding_mask: torch.Tensor | None, opts: reference.Options, *,
+             lse2: torch.Tensor, key_padding_mask: torch.Tensor | None, opts: Options, *,
              config: BwdConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention-2 backward from the saved ``out`` and base-2 ``lse2``: ``(dq, dk, dv)``."""
     _check_device(q)

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..attention import attention
 from ..kernels import naive
+from ..options import model_options
 from ..stats import AttentionStats
 from .bias import BF16_UNIT_ROUNDOFF, ErrorStats, error_stats, row_unit
 
@@ -281,7 +282,7 @@ def probe(
                          "transformers' AttentionInterface; the probe cannot reach it")
     saved = [getattr(m, "stable_attn_options", None) for m in modules]
     for m in modules:
-        m.stable_attn_options = {"stabilize": True, "beta": 2.0, "backend": backend, "block_n": None}
+        m.stable_attn_options = model_options({"backend": backend}, where="probe")
     recorder = _Recorder(modules)
     device = input_ids.device
     param_dtype = next(model.parameters()).dtype
