@@ -13,6 +13,7 @@ from __future__ import annotations
 from .attention import attention
 from .integrations.sdpa import patch_sdpa, unpatch_sdpa
 from .stats import AttentionStats
+from .varlen import attention_varlen
 
 __version__ = "0.1.0"
 
@@ -31,4 +32,4 @@ def register() -> bool:
 
 register()
 
-__all__ = ["AttentionStats", "attention", "patch_sdpa", "register", "unpatch_sdpa", "__version__"]
+__all__ = ["AttentionStats", "attention", "attention_varlen", "patch_sdpa", "register", "unpatch_sdpa", "__version__"]
