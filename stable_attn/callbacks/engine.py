@@ -113,7 +113,7 @@ class StepEnd:
     metrics: dict[str, float] | None = None  # on monitored steps: what to log at ``step``
     stop_checkpoint: str | None = None  # save a checkpoint there (every rank), then stop training
     rolled_back: bool = False
-    alert_count_changed: bool = False  # an alert was raised during this step
+    alert_count_changed: bool = False  # an alert was raised during this step (since its begin_step)
 
 
 def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
@@ -219,6 +219,7 @@ class MonitorEngine:
         self._pending_state: dict[str, Any] | None = None
         self._every = 1
         self._step = -1
+        self._alerts_at_start = 0
         self._monitor_now = False
         self._loss: torch.Tensor | None = None
         self._stepped = False
@@ -368,6 +369,7 @@ class MonitorEngine:
         self._step = step
         self._loss = None
         self._acted = False
+        self._alerts_at_start = self.alert_count
         self._monitor_now = self._every > 0 and (step + 1) % self._every == 0
         if self.layers is not None:
             self.layers.enable(self._monitor_now)
@@ -461,7 +463,6 @@ class MonitorEngine:
         if not self._stepped:
             return StepEnd(step=step)  # accumulating gradients: the optimizer step has not happened yet
         self._stepped = False
-        alerts_before = self.alert_count
         metrics = self._monitor(step) if self._monitor_now else None
 
         rolled_back = False
@@ -486,7 +487,7 @@ class MonitorEngine:
         if self.layers is not None:
             self.layers.enable(False)
         return StepEnd(step=step, metrics=metrics, stop_checkpoint=stop, rolled_back=rolled_back,
-                       alert_count_changed=self.alert_count != alerts_before)
+                       alert_count_changed=self.alert_count != self._alerts_at_start)
 
     def _monitor(self, step: int) -> dict[str, float]:
         metrics = {k: v for k, v in self.last.items() if not (k == names.GRAD_NORM and not self.monitor_grad_norm)}
