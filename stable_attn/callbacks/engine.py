@@ -361,16 +361,20 @@ class MonitorEngine:
         return line
 
     # ------------------------------------------------------------ each step
-    def begin_step(self, step: int) -> bool:
-        """A micro-batch of optimizer step ``step`` (the steps done before it) starts; True when the
-        step is monitored (layer statistics on). Later micro-batches of the same step change nothing."""
+    def begin_step(self, step: int, monitor: bool | None = None) -> bool:
+        """A micro-batch of optimizer step ``step`` starts; True when the step is monitored (layer
+        statistics on). Later micro-batches of the same step change nothing.
+
+        ``step`` is the number alerts and metrics carry: Lightning's ``global_step`` before the update
+        (monitored when ``(step + 1) % log_every_n_steps == 0``); a loop that numbers a step by the count
+        after it passes ``monitor`` to say itself whether the step is monitored."""
         if step == self._step:
             return self._monitor_now
         self._step = step
         self._loss = None
         self._acted = False
         self._alerts_at_start = self.alert_count
-        self._monitor_now = self._every > 0 and (step + 1) % self._every == 0
+        self._monitor_now = monitor if monitor is not None else self._every > 0 and (step + 1) % self._every == 0
         if self.layers is not None:
             self.layers.enable(self._monitor_now)
         return self._monitor_now
@@ -521,6 +525,8 @@ class MonitorEngine:
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
+        """Plain Python (JSON-serialisable, NaN and inf aside) except the rollback snapshot's tensors,
+        which are there only in a single-process run with ``on_spike="rollback"``."""
         ranks = self._judge.ranks
         return {
             "loss_detector": self.loss_detector.state_dict(),

@@ -41,6 +41,8 @@ _ENGINE_ATTRIBUTES = frozenset({
     "early_warnings", "early_warning_warmup", "rollback_every", "on_alert", "webhook_url", "webhook_timeout",
     "webhook_headers", "alerts_file", "layer_window", "not_training_after", "not_training_stop_after",
 })
+_WRONG_TRAINER = ("StableAttentionCallback is a Lightning callback (lightning.Trainer); for transformers.Trainer use "
+                  "stable_attn.callbacks.StableAttentionTrainerCallback")
 
 
 def _world(trainer: Trainer) -> World:
@@ -264,6 +266,16 @@ class StableAttentionCallback(Callback):
         if (end.metrics is not None or end.alert_count_changed) and trainer.progress_bar_callback is not None:
             pl_module.log(names.ALERT_COUNT, float(self.engine.alert_count), prog_bar=True, logger=False,
                           on_step=True, on_epoch=False)
+
+    # ------------------------------------------------- given to the wrong trainer
+    def on_init_end(self, *args: Any, **kwargs: Any) -> None:
+        """transformers.Trainer calls this from its constructor (Lightning never does): refuse at once."""
+        raise TypeError(_WRONG_TRAINER)
+
+    def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+        """transformers.Trainer's first hook for a callback added after construction (Lightning's is
+        ``on_train_start``)."""
+        raise TypeError(_WRONG_TRAINER)
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:

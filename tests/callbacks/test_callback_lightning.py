@@ -380,3 +380,10 @@ def test_gradient_accumulation_one_record_per_optimizer_step(tmp_path, pretraine
         assert rows.loc[step, "train/loss"] == pytest.approx(expected, rel=1e-5)
     # layer statistics span both micro-batches of a step: 2 forwards x 2 layers
     assert set(spy.stats_calls.values()) == {4}
+
+
+def test_given_to_transformers_trainer_it_names_the_trainer_callback():
+    cb = StableAttentionCallback()
+    for hook in (cb.on_init_end, cb.on_train_begin):  # the Trainer's first hooks; Lightning calls neither
+        with pytest.raises(TypeError, match=r"Lightning callback.*callbacks.StableAttentionTrainerCallback"):
+            hook(None, None, None)

@@ -8,6 +8,7 @@ gross-jump rule (active from the 4th value) must catch it on that step.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -224,7 +225,7 @@ def test_state_dict_keeps_the_checkpoint_keys_and_round_trips(tmp_path):
     state = engine.state_dict()
     assert set(state) == CHECKPOINT_KEYS
     resumed = MonitorEngine(on_spike="skip")
-    resumed.load_state_dict(state)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # plain Python: a Trainer keeps it in trainer_state.json
     resumed.setup(tiny_gpt2(), World())  # layer and surge detector state apply once the model is found
     assert_equal(resumed.state_dict(), state)
     assert resumed.loss_detector.ready == engine.loss_detector.ready and resumed.skipped_steps == [BAD]
@@ -237,3 +238,12 @@ def test_bad_world_and_arguments_are_refused():
         MonitorEngine(on_spike="explode")
     with pytest.raises(ValueError, match=r"not_training_stop_after=5 .*int >= 10 or None"):
         MonitorEngine(not_training_stop_after=5)
+
+
+def test_the_adapter_may_say_which_steps_are_monitored(tmp_path):
+    engine = MonitorEngine()
+    engine.start(str(tmp_path), 4)
+    assert [engine.begin_step(s) for s in range(1, 9)] == [False, False, True, False, False, False, True, False]
+    # a loop numbering steps by the count after them (transformers.Trainer) decides itself
+    assert engine.begin_step(9, monitor=True) and engine.begin_step(9) and not engine.begin_step(10, monitor=False)
+    engine.end_run("at the end of the test")
