@@ -1,0 +1,290 @@
+"""``stable_attn.attention_varlen`` on the PyTorch path: packed sequences, FlashAttention's varlen layout.
+
+Sequence by sequence, the varlen op must be ``attention()`` on that sequence alone: the same bits for
+the output, the gradients and every row statistic (the torch backend runs the reference on each
+sequence's rows; the Triton launchers have their own file, test_varlen_triton.py). Then the whole
+packed call is compared with the fp64 oracle, one sequence at a time, so a token that saw another
+document fails. Lengths are drawn from fixed, untuned generator seeds, always with a sequence of
+length 1 and lengths that are no multiple of the key block (16 here).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from closeness import rel_max
+
+import stable_attn
+from stable_attn.kernels import naive, reference, reference_varlen
+from stable_attn.options import Options
+from stable_attn.stats import RowStats
+
+FIELDS = ("saturated", "fixed_blocks", "max_logit", "first_key_prob")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# fp64 oracle tolerances (outputs: absolute/relative; gradients: max error relative to the largest entry)
+OUT_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-6}
+GRAD_TOL = {torch.bfloat16: 4e-2, torch.float16: 6e-3, torch.float32: 2e-5}
+
+
+def random_lengths(n: int, hi: int, seed: int) -> list[int]:
+    """``n`` lengths in [2, hi] from a fresh generator, one of them replaced by 1."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(2, hi + 1, (n,), generator=g).tolist()
+    lens[int(torch.randint(0, n, (1,), generator=g))] = 1
+    return lens
+
+
+def cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, tied=False):
+    """q ``[total_q, Hq, D]``, k, v ``[total_k, Hkv, D]``, do. ``tied``: in every sequence, copies of one key
+    at local positions 1, 3, 17, 20 (two key blocks of 16) tie exactly at every row's max."""
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, Hq, D, generator=g)
+    k = torch.randn(tk, Hkv, D, generator=g)
+    v = torch.randn(tk, Hkv, D, generator=g)
+    do = torch.randn(tq, Hq, D, generator=g)
+    if tied:
+        u = torch.randn(D, generator=g)
+        u = u / u.norm()
+        q = 4 * u + 0.1 * torch.randn(tq, Hq, D, generator=g)
+        k = 0.3 * torch.randn(tk, Hkv, D, generator=g)
+        start = 0
+        for n in lens_k:
+            for j in (1, 3, 17, 20):
+                if j < n:
+                    k[start + j] = 2 * u
+            start += n
+        v = -(torch.rand(tk, Hkv, D, generator=g) + 2.0)
+    return [t.to(dtype) for t in (q, k, v, do)]
+
+
+class RowCapture(stable_attn.AttentionStats):
+    """AttentionStats that also keeps the per-row statistics of every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls_rows: list[RowStats] = []
+
+    def update(self, rows: RowStats) -> None:
+        self.calls_rows.append(RowStats(*(getattr(rows, f).detach().clone() for f in FIELDS)))
+        super().update(rows)
+
+
+def run_varlen(q, k, v, do, lens_q, lens_k, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    st = RowCapture()
+    out = stable_attn.attention_varlen(*leaves, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), stats=st,
+                                       backend="torch", **kw)
+    out.backward(do)
+    return out.detach(), [t.grad for t in leaves], st
+
+
+def run_per_sequence(q, k, v, do, lens_q, lens_k, **kw):
+    """attention() on each sequence's rows viewed as [1, H, N, D]; results put back in the packed layout."""
+    out, grads = torch.zeros_like(q), [torch.zeros_like(t) for t in (q, k, v)]
+    st = RowCapture()
+    cq, ck = cu(lens_q).tolist(), cu(lens_k).tolist()
+    for b in range(len(lens_q)):
+        (qs, qe), (ks, ke) = (cq[b], cq[b + 1]), (ck[b], ck[b + 1])
+        leaves = [t[s:e].detach().transpose(0, 1)[None].requires_grad_()
+                  for t, s, e in ((q, qs, qe), (k, ks, ke), (v, ks, ke))]
+        o = stable_attn.attention(*leaves, stats=st, backend="torch", **kw)
+        o.backward(do[qs:qe].transpose(0, 1)[None])
+        out[qs:qe] = o.detach()[0].transpose(0, 1)
+        for g, leaf, (s, e) in zip(grads, leaves, ((qs, qe), (ks, ke), (ks, ke)), strict=True):
+            g[s:e] = leaf.grad[0].transpose(0, 1)
+    return out, grads, st
+
+
+CASES = {
+    "causal-gqa": dict(lens=random_lengths(5, 40, seed=1), Hq=4, Hkv=2, kw=dict(causal=True)),
+    "full-mqa": dict(lens=random_lengths(4, 33, seed=2), Hq=4, Hkv=1, kw={}),
+    "causal-unequal-lengths": dict(lens=[1, 9, 30, 5], lens_k=[1, 17, 30, 2], Hq=2, Hkv=2, kw=dict(causal=True)),
+    "window-softcap": dict(lens=random_lengths(4, 45, seed=3), Hq=2, Hkv=2,
+                           kw=dict(causal=True, window=7, softcap=5.0, scale=0.9)),
+    "window-not-causal": dict(lens=random_lengths(3, 40, seed=4), Hq=2, Hkv=1, kw=dict(window=5)),
+    "paper": dict(lens=random_lengths(4, 40, seed=5), Hq=2, Hkv=2, kw=dict(causal=True, stabilize="paper")),
+    "off": dict(lens=random_lengths(4, 40, seed=6), Hq=2, Hkv=2, kw=dict(stabilize=False)),
+    "tied": dict(lens=random_lengths(3, 40, seed=7) + [24], Hq=2, Hkv=2, kw=dict(), tied=True),
+}
+
+
+def _case(name, dtype):
+    c = CASES[name]
+    lens_q = c["lens"]
+    lens_k = c.get("lens_k", lens_q)
+    q, k, v, do = packed_inputs(lens_q, lens_k, c["Hq"], c["Hkv"], 16, dtype, seed=len(name), tied=c.get("tied", False))
+    return q, k, v, do, lens_q, lens_k, dict(block_n=16, **c["kw"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_varlen_is_attention_on_each_sequence_bit_for_bit(name, dtype):
+    q, k, v, do, lens_q, lens_k, kw = _case(name, dtype)
+    out, grads, st = run_varlen(q, k, v, do, lens_q, lens_k, **kw)
+    out1, grads1, st1 = run_per_sequence(q, k, v, do, lens_q, lens_k, **kw)
+    assert torch.equal(out, out1), "out"
+    for what, a, b in zip(("dq", "dk", "dv"), grads, grads1, strict=True):
+        assert torch.equal(a, b), what
+    (rows,) = st.calls_rows
+    for f in FIELDS:  # [1, Hq, total_q]: the per-sequence rows side by side
+        assert torch.equal(getattr(rows, f), torch.cat([getattr(r, f) for r in st1.calls_rows], dim=2)), f
+    for f in ("rows", "saturated_rows", "fixed_blocks", "max_logit"):
+        assert torch.equal(getattr(st, f), getattr(st1, f)), f
+    torch.testing.assert_close(st.sink_mass, st1.sink_mass, rtol=1e-6, atol=1e-7)
+    if name == "tied":  # the case exercises the rule: rows saturate and it fires
+        assert st.saturated_rows.sum() > 0 and st.fixed_blocks.sum() > 0
+
+
+def _oracle(q, k, v, do, lens_q, lens_k, kw):
+    mask_kw = {a: kw[a] for a in ("causal", "scale", "window", "softcap") if a in kw}
+    out, grads = torch.zeros(q.shape, dtype=torch.float64), [torch.zeros(t.shape, dtype=torch.float64)
+                                                             for t in (q, k, v)]
+    cq, ck = cu(lens_q).tolist(), cu(lens_k).tolist()
+    for b in range(len(lens_q)):
+        (qs, qe), (ks, ke) = (cq[b], cq[b + 1]), (ck[b], ck[b + 1])
+        leaves = [t[s:e].double().transpose(0, 1)[None].requires_grad_()
+                  for t, s, e in ((q, qs, qe), (k, ks, ke), (v, ks, ke))]
+        o = naive.attention(*leaves, **mask_kw)
+        o.backward(do[qs:qe].double().transpose(0, 1)[None])
+        out[qs:qe] = o.detach()[0].transpose(0, 1)
+        for g, leaf, (s, e) in zip(grads, leaves, ((qs, qe), (ks, ke), (ks, ke)), strict=True):
+            g[s:e] = leaf.grad[0].transpose(0, 1)
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", [n for n in CASES if n not in ("paper", "off")])
+def test_varlen_matches_the_fp64_oracle(name, dtype):
+    q, k, v, do, lens_q, lens_k, kw = _case(name, dtype)
+    out, grads, _ = run_varlen(q, k, v, do, lens_q, lens_k, **kw)
+    o64, g64 = _oracle(q, k, v, do, lens_q, lens_k, kw)
+    tol = OUT_TOL[dtype]
+    torch.testing.assert_close(out.double(), o64, atol=tol, rtol=tol)
+    for what, a, x in zip(("dq", "dk", "dv"), grads, g64, strict=True):
+        assert rel_max(a, x) <= GRAD_TOL[dtype], (what, rel_max(a, x))
+
+
+def test_sequences_without_queries_or_keys():
+    """Zero-length sequences are allowed (as in FlashAttention): queries without keys output zeros and get
+    zero gradients, keys without queries get zero gradients; the others are attention() on their own."""
+    lens_q, lens_k = [3, 0, 5, 2, 4], [4, 6, 0, 3, 4]
+    q, k, v, do = packed_inputs(lens_q, lens_k, 2, 1, 16, torch.float32, seed=8)
+    out, (dq, dk, dv), st = run_varlen(q, k, v, do, lens_q, lens_k, causal=True)
+    assert (out[3:8] == 0).all() and (dq[3:8] == 0).all()  # sequence 2: 5 queries, no key
+    assert (dk[4:10] == 0).all() and (dv[4:10] == 0).all()  # sequence 1: 6 keys, no query
+    rows = st.calls_rows[0]
+    assert (rows.max_logit[..., 3:8] == -torch.inf).all() and not rows.saturated[..., 3:8].any()
+    assert st.rows.tolist() == [sum(lens_q) - 5] * 2
+    keep_q = [i for i in range(sum(lens_q)) if not 3 <= i < 8]
+    keep_k = [j for j in range(sum(lens_k)) if not 4 <= j < 10]
+    sub_q, sub_k = [3, 2, 4], [4, 3, 4]
+    out1, (dq1, dk1, dv1), _ = run_per_sequence(q[keep_q], k[keep_k], v[keep_k], do[keep_q], sub_q, sub_k,
+                                                causal=True)
+    assert torch.equal(out[keep_q], out1) and torch.equal(dq[keep_q], dq1)
+    assert torch.equal(dk[keep_k], dk1) and torch.equal(dv[keep_k], dv1)
+
+
+def test_dropout_draws_each_sequences_mask_with_seed_plus_b(monkeypatch):
+    lens = random_lengths(4, 40, seed=9)
+    q, k, v, do = packed_inputs(lens, lens, 2, 2, 16, torch.bfloat16, seed=9)
+    seed = 2**40 + 77
+    monkeypatch.setattr(sys.modules["stable_attn.varlen"], "draw_seed",
+                        lambda p: torch.tensor(seed, dtype=torch.int64) if p > 0 else None)
+    out, grads, _ = run_varlen(q, k, v, do, lens, lens, causal=True, dropout_p=0.3, block_n=16)
+    c = cu(lens).tolist()
+    for b in range(len(lens)):
+        s, e = c[b], c[b + 1]
+        opts = Options(causal=True, scale=0.25, dropout_p=0.3, seed=seed + b, block_n=16)
+        qb, kb, vb, dob = (t[s:e].transpose(0, 1)[None] for t in (q, k, v, do))
+        o, lse, _ = reference.attention_forward(qb, kb, vb, None, None, opts)
+        assert torch.equal(out[s:e], o[0].transpose(0, 1)), b
+        for g, want in zip(grads, reference.attention_backward(dob, qb, kb, vb, o, lse, None, None, opts),
+                           strict=True):
+            assert torch.equal(g[s:e], want[0].transpose(0, 1)), b
+    no_drop, _, _ = run_varlen(q, k, v, do, lens, lens, causal=True, block_n=16)
+    assert not torch.equal(out, no_drop)
+
+
+def test_reference_varlen_returns_what_the_triton_launchers_return():
+    """C2's shapes: lse [Hq, total_q] (base 2, +inf for rows without keys), statistics [1, Hq, total_q]."""
+    lens_q, lens_k = [2, 7, 0], [3, 0, 4]
+    q, k, v, _ = packed_inputs(lens_q, lens_k, 4, 2, 8, torch.float16, seed=10)
+    out, lse, rs = reference_varlen.forward_varlen(q, k, v, cu(lens_q), cu(lens_k), 7, 4, Options(scale=0.3), True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (4, 9) and lse.dtype == torch.float32
+    assert (lse[:, 2:] == torch.inf).all() and torch.isfinite(lse[:, :2]).all()
+    for f in FIELDS:
+        assert getattr(rs, f).shape == (1, 4, 9), f
+    _, lse1, _ = reference.attention_forward(q[:2].transpose(0, 1)[None], k[:3].transpose(0, 1)[None],
+                                             v[:3].transpose(0, 1)[None], None, None, Options(scale=0.3))
+    assert torch.equal(lse[:, :2], lse1[0])
+
+
+def test_torch_compile_has_no_graph_break_and_matches_eager():
+    torch._dynamo.reset()
+    st = stable_attn.AttentionStats()
+
+    def call(q, k, v, cu_q, max_q):
+        return stable_attn.attention_varlen(q, k, v, cu_q, cu_q, max_q, max_q, causal=True, stats=st, block_n=16)
+
+    fn = torch.compile(call, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+    for seed, lens in enumerate((random_lengths(3, 30, seed=11), random_lengths(5, 20, seed=12))):
+        q, k, v, do = packed_inputs(lens, lens, 4, 2, 16, torch.float32, seed=seed)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves, cu(lens), max(lens)).backward(do)
+        eager = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = call(*eager, cu(lens), max(lens))
+        out.backward(do)
+        for a, b in zip(leaves, eager, strict=True):
+            assert torch.equal(a.grad, b.grad)
+    assert int(st.calls) == 4
+
+
+def _inputs():
+    lens = [3, 1, 6]
+    q, k, v, _ = packed_inputs(lens, lens, 4, 2, 16, torch.float32, seed=0)
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu(lens), cu_seqlens_k=cu(lens), max_seqlen_q=6, max_seqlen_k=6)
+
+
+BAD = [
+    ("q must have rank 3 [total, H, D]", lambda a: dict(q=a["q"][None]), ValueError),
+    ("batched [B, H, N, D] inputs go to stable_attn.attention", lambda a: dict(q=a["q"][None]), ValueError),
+    ("Hq=4 must be a multiple of k/v heads Hkv=3", lambda a: dict(k=torch.randn(10, 3, 16), v=torch.randn(10, 3, 16)),
+     ValueError),
+    ("k head dim 8", lambda a: dict(k=a["k"][..., :8], v=a["v"][..., :8]), ValueError),
+    ("cu_seqlens_q must be an int32 tensor", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), ValueError),
+    ("cu_seqlens_k must be an int32 tensor", lambda a: dict(cu_seqlens_k=a["cu_seqlens_k"][None]), ValueError),
+    ("cu_seqlens_q must be an int32 tensor [batch + 1], got list", lambda a: dict(cu_seqlens_q=[0, 3, 4, 10]),
+     TypeError),
+    ("cu_seqlens_q is on meta", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].to("meta")), ValueError),
+    ("the same number of sequences", lambda a: dict(cu_seqlens_k=cu([4, 6])), ValueError),
+    ("cu_seqlens_q must start at 0, got [1, 4, 5, 10]",
+     lambda a: dict(cu_seqlens_q=torch.tensor([1, 4, 5, 10], dtype=torch.int32)), ValueError),
+    ("cu_seqlens_k must end at the number of packed tokens 10, got [0, 3, 4, 9]",
+     lambda a: dict(cu_seqlens_k=torch.tensor([0, 3, 4, 9], dtype=torch.int32)), ValueError),
+    ("cu_seqlens_q must be non-decreasing",
+     lambda a: dict(cu_seqlens_q=torch.tensor([0, 5, 4, 10], dtype=torch.int32)), ValueError),
+    ("max_seqlen_k=5 is smaller than the longest sequence (6 tokens)", lambda a: dict(max_seqlen_k=5), ValueError),
+    ("max_seqlen_q=6.0 must be a positive int", lambda a: dict(max_seqlen_q=6.0), ValueError),
+    ("max_seqlen_q=True must be a positive int", lambda a: dict(max_seqlen_q=True), ValueError),
+    ("stabilize='yes'", lambda a: dict(stabilize="yes"), ValueError),
+    ("window=0", lambda a: dict(window=0), ValueError),
+    ("stats must be an AttentionStats", lambda a: dict(stats={}), TypeError),
+]
+
+
+@pytest.mark.parametrize("needle,change,exc", BAD, ids=[b[0][:40] for b in BAD])
+def test_bad_input_names_the_argument(needle, change, exc):
+    args = _inputs()
+    args.update(change(args))
+    pos = [args.pop(n) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+    with pytest.raises(exc) as info:
+        stable_attn.attention_varlen(*pos, **args)
+    assert needle in str(info.value), str(info.value)
