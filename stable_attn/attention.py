@@ -28,8 +28,8 @@ def log_once(key: str, message: str, level: int = logging.INFO) -> None:
         logger.log(level, message)
 
 
-_FA_HINT = ("; these shapes fit [B, N, H, D] (FlashAttention's layout): transpose dims 1 and 2, or call "
-            "stable_attn.flash_attn_func, which takes that layout")
+_FA_HINT = ("; they would fit as [B, N, H, D] (FlashAttention's layout): if that is their layout, pass "
+            "q.transpose(1, 2) etc., or call stable_attn.flash_attn_func, which takes [B, N, H, D]")
 
 
 def _fits_bnhd(q: torch.Tensor, k: torch.Tensor) -> bool:

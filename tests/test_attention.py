@@ -75,6 +75,33 @@ def test_bad_input_names_the_argument(needle, change, exc):
     assert needle in str(info.value), str(info.value)
 
 
+def test_shape_errors_name_the_layout_and_spot_flash_attention_inputs():
+    """[B, N, H, D] inputs (FlashAttention's layout) that cannot be [B, H, N, D] say so and point at
+    flash_attn_func; inputs valid as [B, H, N, D] (GQA, Nq != Nk, decoding) are served."""
+    g = torch.Generator().manual_seed(0)
+    bnhd_q, bnhd_k = torch.randn(2, 10, 4, 16, generator=g), torch.randn(2, 7, 2, 16, generator=g)
+    with pytest.raises(ValueError, match=r"Hq=10 must be a multiple of k/v heads Hkv=7") as info:
+        stable_attn.attention(bnhd_q, bnhd_k, bnhd_k)
+    assert "as [B, H, N, D]" in str(info.value) and "stable_attn.flash_attn_func" in str(info.value)
+    square = torch.randn(2, 12, 4, 16, generator=g)  # N=12, H=4: fits both layouts, the masks tell
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \[B, Nk\] = \(2, 4\)") as info:
+        stable_attn.attention(square, square, square, key_padding_mask=torch.ones(2, 12, dtype=torch.bool))
+    assert "flash_attn_func" in str(info.value)
+    with pytest.raises(ValueError, match="attn_mask of shape") as info:
+        stable_attn.attention(square, square, square, attn_mask=torch.ones(12, 12, dtype=torch.bool))
+    assert "flash_attn_func" in str(info.value)
+    with pytest.raises(ValueError, match=r"rank 4 \[B, H, N, D\].*stable_attn.attention_varlen"):
+        stable_attn.attention(square[0], square[0], square[0])
+    # no hint where the [B, N, H, D] reading does not fit either
+    with pytest.raises(ValueError, match="Hkv=3") as info:
+        stable_attn.attention(torch.randn(1, 4, 10, 16), torch.randn(1, 3, 7, 16), torch.randn(1, 3, 7, 16))
+    assert "flash_attn_func" not in str(info.value)
+    for hq, hkv, nq, nk in ((8, 2, 5, 9), (32, 8, 1, 40), (4, 1, 40, 3), (12, 12, 4, 4)):
+        q = torch.randn(1, hq, nq, 16, generator=g)
+        k = torch.randn(1, hkv, nk, 16, generator=g)
+        assert stable_attn.attention(q, k, k, causal=True).shape == q.shape
+
+
 def _hf_layout(b=1, n=24, h=2, d=16, seed=0):
     """q/k/v as transformers hands them over: a [B, N, H, D] projection viewed as [B, H, N, D]."""
     g = torch.Generator().manual_seed(seed)
