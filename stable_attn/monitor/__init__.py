@@ -5,7 +5,8 @@
 - :class:`Alert` and its channels (:class:`LoggingChannel`, :class:`JsonlChannel`,
   :class:`CallableChannel`, :class:`WebhookChannel`), fanned out by :class:`AlertDispatcher`.
 
-Pure Python (no torch): the Lightning callback builds on these; they work in any training loop.
+Pure Python (no torch): :class:`stable_attn.callbacks.engine.MonitorEngine` builds on these for the
+Lightning and transformers.Trainer callbacks; they work in any training loop.
 """
 
 from .alerts import (
