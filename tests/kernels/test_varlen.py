@@ -288,3 +288,20 @@ def test_bad_input_names_the_argument(needle, change, exc):
     with pytest.raises(exc) as info:
         stable_attn.attention_varlen(*pos, **args)
     assert needle in str(info.value), str(info.value)
+
+
+def test_strided_views_give_the_same_bits():
+    """q/k/v as transformers hands them over ([B, H, N, D] viewed as [B*N, H, D]) or any unit-last-stride view."""
+    lens = random_lengths(4, 20, seed=13)
+    total = sum(lens)
+    g = torch.Generator().manual_seed(13)
+    q4, k4, v4 = torch.randn(1, 4, total, 16, generator=g), torch.randn(1, 2, total, 16, generator=g), \
+        torch.randn(1, 2, total, 16, generator=g)
+    views = [t.transpose(1, 2).reshape(-1, t.shape[1], 16) for t in (q4, k4, v4)]
+    assert views[0].stride() == (16, total * 16, 1)  # a view, not a copy
+    do = torch.randn(total, 4, 16, generator=g)
+    got = run_varlen(*views, do, lens, lens, causal=True)
+    want = run_varlen(*(t.contiguous() for t in views), do, lens, lens, causal=True)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1], want[1], strict=True):
+        assert torch.equal(a, b)
