@@ -14,6 +14,7 @@ the schedulers' clocks with the tensor cores' clocks per iteration on an H100/H2
     python benchmarks/kernel_resources.py --cc 90 --d 64 128 --json /tmp/kr.json --jobs 1
     python benchmarks/kernel_resources.py --dtype fp16 --cc 90 --d 128 --jobs 4
     python benchmarks/kernel_resources.py --kernels bwd_dkdv bwd_dq --features false true --jobs 1
+    python benchmarks/kernel_resources.py --cc 90 --d 64 128 --varlen true --jobs 1   # packed sequences
 
 ``--json PATH`` writes one row per variant (fields: kernel, d, mode, stats, cc, regs, spill_bytes,
 shared, wgmma, warps, loop_sass, mma_clk, issue_clk, R, cubin, and more) and keeps the cubins in
@@ -24,6 +25,7 @@ so they have one variant for every mode (``mode`` null).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -46,20 +48,14 @@ KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 
 def variants(args) -> list[Variant]:
     out = []
-    for cc in args.cc:
-        for dt in args.dtype:
-            for d in args.d:
-                for causal in args.causal:
-                    for features in args.features:
-                        if "fwd" in args.kernels:
-                            for mode in args.modes:
-                                out.append(Variant("fwd", DTYPES[dt], d, causal, MODES[mode], False, cc,
-                                                   features=features))
-                            if "exact" in args.modes and args.stats:
-                                out.append(Variant("fwd", DTYPES[dt], d, causal, rules.MODE_EXACT, True, cc,
-                                                   features=features))
-                        out += [Variant(k, DTYPES[dt], d, causal, cc=cc, features=features)
-                                for k in ("bwd_dkdv", "bwd_dq") if k in args.kernels]
+    for cc, dt, d, causal, features, varlen in itertools.product(args.cc, args.dtype, args.d, args.causal,
+                                                                   args.features, args.varlen):
+        kw = dict(features=features, varlen=varlen)
+        if "fwd" in args.kernels:
+            out += [Variant("fwd", DTYPES[dt], d, causal, MODES[mode], False, cc, **kw) for mode in args.modes]
+            if "exact" in args.modes and args.stats:
+                out.append(Variant("fwd", DTYPES[dt], d, causal, rules.MODE_EXACT, True, cc, **kw))
+        out += [Variant(k, DTYPES[dt], d, causal, cc=cc, **kw) for k in ("bwd_dkdv", "bwd_dq") if k in args.kernels]
     return out
 
 
@@ -91,6 +87,8 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], choices=KERNELS)
     p.add_argument("--features", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False],
                    help="window, softcap, padding mask and dropout all on (true) or all off (false)")
+    p.add_argument("--varlen", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False],
+                   help="the packed-sequence variants (true), the dense ones (false), or both")
     p.add_argument("--jobs", type=int, default=2, help="parallel compiles")
     p.add_argument("--json", help="write the rows here (and the cubins next to it)")
     p.add_argument("--cubin-dir", help="keep the cubins here instead (default: next to --json, else a temp dir)")

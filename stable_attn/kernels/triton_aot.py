@@ -36,18 +36,27 @@ from triton.compiler import ASTSource
 from ..options import BLOCK_N, MODE_NAMES
 from . import rules
 from .triton_attention import _TL_DTYPE, FWD_COMPILE_OPTIONS, bwd_config, fwd_config, head_block
-from .triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess
-from .triton_forward import attn_fwd_kernel
+from .triton_backward import (
+    attn_bwd_dkdv_kernel,
+    attn_bwd_dkdv_varlen_kernel,
+    attn_bwd_dq_kernel,
+    attn_bwd_dq_varlen_kernel,
+    attn_bwd_preprocess,
+    attn_bwd_preprocess_varlen,
+)
+from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 
 # Shared memory one block may use (bytes): A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
 SHARED_LIMIT = {80: 166912, 90: 232448}
 
 _PTR = {"KPM": "*u8", "Lse": "*fp32", "Delta": "*fp32", "StSat": "*i8", "StFixed": "*i32", "StMax": "*fp32",
-        "StP0": "*fp32"}
-_INTS = {"Hq", "G", "Nq", "Nk", "window"}
+        "StP0": "*fp32", "CuQ": "*i32", "CuK": "*i32"}
+_INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q"}
 KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
 _KERNELS = {"fwd": attn_fwd_kernel, "bwd_pre": attn_bwd_preprocess, "bwd_dkdv": attn_bwd_dkdv_kernel,
             "bwd_dq": attn_bwd_dq_kernel}
+_VARLEN_KERNELS = {"fwd": attn_fwd_varlen_kernel, "bwd_pre": attn_bwd_preprocess_varlen,
+                   "bwd_dkdv": attn_bwd_dkdv_varlen_kernel, "bwd_dq": attn_bwd_dq_varlen_kernel}
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,8 @@ class Variant:
     stats: bool = False
     cc: int = 90
     block_n: int = BLOCK_N
-    features: bool = False  # window, softcap, key padding mask and dropout all on
+    features: bool = False  # window, softcap, key padding mask (not with varlen) and dropout all on
+    varlen: bool = False  # packed sequences (forward_varlen / backward_varlen)
 
     @property
     def mode_name(self) -> str:
@@ -76,7 +86,9 @@ class Variant:
         if self.kind == "fwd":
             parts += [mode, "stats" if self.stats else "nostats"]
         if self.features:
-            parts.append("window-softcap-kpm-dropout")
+            parts.append("window-softcap-dropout" if self.varlen else "window-softcap-kpm-dropout")
+        if self.varlen:
+            parts.append("varlen")
         return "-".join(parts) + f"-sm{self.cc}"
 
 
@@ -109,7 +121,7 @@ def _signature(fn, dtype: torch.dtype, constexprs: dict, descriptors: dict | Non
 def source(v: Variant) -> tuple[ASTSource, dict]:
     """The ASTSource and compile options (warps, stages) of a variant."""
     consts, opts = _constants(v)
-    fn = _KERNELS[v.kind]
+    fn = (_VARLEN_KERNELS if v.varlen else _KERNELS)[v.kind]
     descriptors = {}
     if consts.get("TMA"):  # the launcher's descriptors: one (batch, head) row block of [B, H, N, D]
         rows = consts["BLOCK_M"] if v.kind == "bwd_dkdv" else consts["BLOCK_N"]
@@ -123,9 +135,10 @@ def _constants(v: Variant) -> tuple[dict, dict]:
     """The compile-time constants and compile options of a variant, as the launchers pass them."""
     block_d = head_block(v.head_dim)
     f = v.features
-    common = dict(CAUSAL=v.causal, WINDOW=f, SOFTCAP=f, HAS_KPM=f, DROPOUT=f, HEAD_D=v.head_dim,
-                  BLOCK_D=block_d, DTYPE=_TL_DTYPE[v.dtype], UPCAST=False,
-                  PREC="ieee" if v.dtype == torch.float32 else "tf32")
+    common = dict(CAUSAL=v.causal, WINDOW=f, SOFTCAP=f, DROPOUT=f, HEAD_D=v.head_dim, BLOCK_D=block_d,
+                  DTYPE=_TL_DTYPE[v.dtype], UPCAST=False, PREC="ieee" if v.dtype == torch.float32 else "tf32")
+    if not v.varlen:  # the varlen kernels take no padding mask and no descriptors
+        common["HAS_KPM"] = f
     if v.kind == "fwd":
         cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc)
         consts = dict(common, MODE=v.mode, STATS=v.stats, BLOCK_M=cfg.block_m, BLOCK_N=v.block_n)
@@ -134,10 +147,10 @@ def _constants(v: Variant) -> tuple[dict, dict]:
         consts = dict(HEAD_D=v.head_dim, BLOCK_D=block_d, BLOCK_M=64)
         opts = dict(num_warps=4, num_stages=1)
     else:
-        c = bwd_config(block_d, v.dtype, v.cc, heavy=f)
+        c = bwd_config(block_d, v.dtype, v.cc, tma=not v.varlen, heavy=f)  # varlen: pointer loads
         m, n, warps, stages = (c.m1, c.n1, c.warps1, c.stages1) if v.kind == "bwd_dkdv" else (c.m2, c.n2, c.warps2,
                                                                                                c.stages2)
-        consts = dict(common, BLOCK_M=m, BLOCK_N=n, TMA=c.tma)
+        consts = dict(common, BLOCK_M=m, BLOCK_N=n, **({} if v.varlen else dict(TMA=c.tma)))
         opts = dict(num_warps=warps, num_stages=stages)
     return consts, opts
 

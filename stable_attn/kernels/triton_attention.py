@@ -31,8 +31,15 @@ import triton.language as tl
 from ..options import BLOCK_N, Options
 from ..stats import RowStats
 from . import rules
-from .triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess
-from .triton_forward import attn_fwd_kernel
+from .triton_backward import (
+    attn_bwd_dkdv_kernel,
+    attn_bwd_dkdv_varlen_kernel,
+    attn_bwd_dq_kernel,
+    attn_bwd_dq_varlen_kernel,
+    attn_bwd_preprocess,
+    attn_bwd_preprocess_varlen,
+)
+from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 
 # No implicit multiply-add contraction in the forward: with it (Triton 3.9's default, not 3.10's) the
 # compiler fuses ``exp2(s2 - r)`` with the score scaling into one FFMA in unmasked blocks only, so
@@ -191,6 +198,46 @@ def _scalars(opts: Options, dtype: torch.dtype) -> dict:
     )
 
 
+@dataclass(frozen=True)
+class _Packed:
+    """A varlen launch: ``[total, H, D]`` tensors, sequence ``b`` at rows ``cu_q[b]:cu_q[b+1]`` of q and
+    ``cu_k[b]:cu_k[b+1]`` of k/v; ``max_q``/``max_k`` size the grid (at least every sequence's length)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_q.numel() - 1
+
+
+def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> _Packed:
+    """Check what the kernels rely on (the op checks the rest) and describe the launch."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1 or cu.device != q.device:
+            raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1] on {q.device} (got dtype={cu.dtype}, "
+                             f"shape={tuple(cu.shape)}, device={cu.device})")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (got {cu_seqlens_q.numel()} and "
+                         f"{cu_seqlens_k.numel()})")
+    # offsets inside one sequence are int32 (as inside one batch element of the dense path); the
+    # sequences' first rows are int64
+    for name, x, n in (("q", q, max_seqlen_q), ("k", k, max_seqlen_k), ("v", v, max_seqlen_k)):
+        span = n * x.stride(0) + x.shape[1] * x.stride(1)
+        if span >= 2**31:
+            raise ValueError(f"{name}: one sequence spans {span} elements (max_seqlen={n}, strides {x.stride()}), "
+                             f"more than the int32 offsets of the kernels address (< 2**31)")
+    return _Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q), int(max_seqlen_k))
+
+
+def _hn_strides(*xs: torch.Tensor) -> tuple[int, ...]:
+    """(head, row) strides of packed ``[total, H, D]`` tensors, in the varlen kernels' argument order."""
+    return tuple(st for x in xs for st in (x.stride(1), x.stride(0)))
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
             opts: Options, with_stats: bool, *, config: FwdConfig | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
@@ -199,10 +246,39 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     ``lse2`` is the base-2 log-sum-exp ``[B, Hq, Nq]`` (fp32, ``+inf`` for rows that see no key).
     ``config`` overrides the tiling (tests use it to exercise several query-block sizes).
     """
+    return _forward(q, k, v, key_padding_mask, opts, with_stats, config, None)
+
+
+def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, opts: Options,
+                   with_stats: bool, *, config: FwdConfig | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
+    """Forward over packed sequences (FlashAttention's varlen layout), one launch for all of them.
+
+    q ``[total_q, Hq, D]``, k/v ``[total_k, Hkv, D]``; sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
+    of q and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k/v (int32 ``[batch + 1]``); ``max_seqlen_*`` must be
+    at least every sequence's length (not checked here: that would read the device). Returns
+    ``(out [total_q, Hq, D], lse2 [Hq, total_q], row_stats)`` with row statistics shaped ``[1, Hq, total_q]``;
+    every sequence's rows are bit for bit what :func:`forward` gives on that sequence alone (same key
+    blocks from its first key, causal/window aligned bottom-right per sequence), with dropout seeded
+    ``opts.seed + b`` for sequence ``b``.
+    """
+    packed = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _forward(q, k, v, None, opts, with_stats, config, packed)
+
+
+def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packed | None):
     _check_device(q)
     q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    if packed is None:
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        rows = (B, Hq, Nq)
+    else:
+        _, Hq, D = q.shape
+        Hkv = k.shape[1]
+        B, Nq = packed.batch, packed.max_q
+        rows = (Hq, q.shape[0])
     dtype = q.dtype
     upcast = interpreting()
     block_n = opts.block_n or BLOCK_N
@@ -214,7 +290,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device))
 
     out = _empty_like(q)
-    rows = (B, Hq, Nq)
     lse2 = _empty(rows, torch.float32, q.device)
     if with_stats:
         sat = _empty(rows, torch.int8, q.device)
@@ -223,26 +298,34 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
         p0 = _empty(rows, torch.float32, q.device)
     else:
         sat = fixed = max_logit = p0 = lse2  # never touched: STATS is a compile-time False
-    kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
-    kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
     sc = _scalars(opts, dtype)
-
-    grid = (triton.cdiv(Nq, cfg.block_m), Hq, B)
-    attn_fwd_kernel[grid](
-        q, k, v, kpm, out, lse2, sat, fixed, max_logit, p0,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
-        Hq, Hq // Hkv, Nq, Nk, sc["window"],
-        sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, rules.sat_tolerance2(dtype), min_shift2,
-        max_shift2, opts.beta, sc["seed"], sc["drop_p"], 1.0 - opts.dropout_p,
-        CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None,
-        HAS_KPM=key_padding_mask is not None, MODE=opts.mode, STATS=with_stats, DROPOUT=opts.dropout_p > 0,
-        HEAD_D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
-        DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
+    scalars = (sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, rules.sat_tolerance2(dtype), min_shift2,
+               max_shift2, opts.beta, sc["seed"], sc["drop_p"], 1.0 - opts.dropout_p)
+    consts = dict(
+        CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None, MODE=opts.mode,
+        STATS=with_stats, DROPOUT=opts.dropout_p > 0, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
+        BLOCK_N=block_n, DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS,
     )
-    row_stats = RowStats(sat.view(torch.bool), fixed, max_logit, p0) if with_stats else None
+    grid = (triton.cdiv(Nq, cfg.block_m), Hq, B)
+    if packed is None:
+        kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
+        kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
+        attn_fwd_kernel[grid](
+            q, k, v, kpm, out, lse2, sat, fixed, max_logit, p0,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
+            Hq, Hq // Hkv, Nq, Nk, sc["window"], *scalars, HAS_KPM=key_padding_mask is not None, **consts,
+        )
+    elif min(grid) > 0:
+        attn_fwd_varlen_kernel[grid](
+            q, k, v, out, lse2, sat, fixed, max_logit, p0, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
+            Hq, Hq // Hkv, sc["window"], q.shape[0], *scalars, **consts,
+        )
+        rows = (1, *rows)  # the statistics as one batch element: what AttentionStats.update reads
+    row_stats = (RowStats(sat.view(torch.bool).view(rows), fixed.view(rows), max_logit.view(rows), p0.view(rows))
+                 if with_stats else None)
     return out, lse2, row_stats
 
 
@@ -250,34 +333,69 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              lse2: torch.Tensor, key_padding_mask: torch.Tensor | None, opts: Options, *,
              config: BwdConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention-2 backward from the saved ``out`` and base-2 ``lse2``: ``(dq, dk, dv)``."""
+    return _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, None)
+
+
+def backward_varlen(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse2: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                    max_seqlen_k: int, opts: Options, *, config: BwdConfig | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`forward_varlen` from its ``out`` and ``lse2 [Hq, total_q]``: ``(dq, dk, dv)``, packed.
+
+    Three launches for all sequences, no atomics; each sequence's gradients are bit for bit those of
+    :func:`backward` on that sequence alone with the same tiling. The streamed tiles come through
+    pointer loads even on sm_90 (a descriptor over the packed tensor would read the next sequence's
+    rows where the dense descriptor zero-fills), with the pointer tiling of :func:`bwd_config`.
+    """
+    packed = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _backward(do, q, k, v, out, lse2, None, opts, config, packed)
+
+
+def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: _Packed | None):
     _check_device(q)
     q, k, v, out, do = (_dense_last(x) for x in (q, k, v, out, do))
     lse2 = lse2.contiguous()
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    if packed is None:
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+    else:
+        _, Hq, D = q.shape
+        Hkv = k.shape[1]
+        B, Nq, Nk = packed.batch, packed.max_q, packed.max_k
     G = Hq // Hkv
     dtype = q.dtype
     upcast = interpreting()
     block_d = head_block(D)
-    cfg = config or bwd_config(block_d, dtype, _capability(q.device), tma_compatible(q, k, v, do),
+    cfg = config or bwd_config(block_d, dtype, _capability(q.device),
+                               packed is None and tma_compatible(q, k, v, do),
                                heavy=opts.dropout_p > 0 or opts.softcap is not None)
+    if packed is not None and cfg.tma:
+        raise ValueError("the varlen backward loads its tiles through pointers: pass a BwdConfig with tma=False")
 
-    delta = _empty((B, Hq, Nq), torch.float32, q.device)
+    delta = _empty(lse2.shape, torch.float32, q.device)
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+    sc = _scalars(opts, dtype)
+    common = dict(
+        CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None,
+        DROPOUT=opts.dropout_p > 0, HEAD_D=D, BLOCK_D=block_d, DTYPE=_TL_DTYPE[dtype], UPCAST=upcast,
+        PREC=_precision(dtype, upcast),
+    )
+    scalars = (sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], opts.scale, sc["seed"], sc["drop_p"],
+               sc["keep_scale"])
+    dkdv_tiles = dict(BLOCK_M=cfg.m1, BLOCK_N=cfg.n1, num_warps=cfg.warps1, num_stages=cfg.stages1)
+    dq_tiles = dict(BLOCK_M=cfg.m2, BLOCK_N=cfg.n2, num_warps=cfg.warps2, num_stages=cfg.stages2)
+    if packed is not None:
+        return _backward_varlen(do, q, k, v, out, lse2, delta, dq, dk, dv, packed, Hq, G, sc["window"], scalars,
+                                common, dkdv_tiles, dq_tiles, cfg)
+
     attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, B)](
         out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
         Hq, Nq, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=64,
     )
-    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
     kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
-    sc = _scalars(opts, dtype)
-    common = dict(
-        CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None,
-        HAS_KPM=key_padding_mask is not None, DROPOUT=opts.dropout_p > 0, HEAD_D=D, BLOCK_D=block_d,
-        DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
-    )
-    scalars = (kpm_stride, Hq, G, Nq, Nk, sc["window"], sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"],
-               opts.scale, sc["seed"], sc["drop_p"], sc["keep_scale"])
+    common["HAS_KPM"] = key_padding_mask is not None
+    lengths = (kpm_stride, Hq, G, Nq, Nk, sc["window"])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     # with cfg.tma the streamed operands go in as descriptors (the kernels read the pointers otherwise)
@@ -285,11 +403,34 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     k_in, v_in = (_descriptor(k, cfg.n2, block_d), _descriptor(v, cfg.n2, block_d)) if cfg.tma else (k, v)
     attn_bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.n1), Hkv, B)](
         q_in, k, v, kpm, do_in, lse2, delta, dk, dv, *qkv_strides,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *scalars,
-        BLOCK_M=cfg.m1, BLOCK_N=cfg.n1, num_warps=cfg.warps1, num_stages=cfg.stages1, TMA=cfg.tma, **common,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *lengths, *scalars,
+        TMA=cfg.tma, **dkdv_tiles, **common,
     )
     attn_bwd_dq_kernel[(triton.cdiv(Nq, cfg.m2), Hq, B)](
-        q, k_in, v_in, kpm, do, lse2, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2), *scalars,
-        BLOCK_M=cfg.m2, BLOCK_N=cfg.n2, num_warps=cfg.warps2, num_stages=cfg.stages2, TMA=cfg.tma, **common,
+        q, k_in, v_in, kpm, do, lse2, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2), *lengths,
+        *scalars, TMA=cfg.tma, **dq_tiles, **common,
     )
+    return dq, dk, dv
+
+
+def _backward_varlen(do, q, k, v, out, lse2, delta, dq, dk, dv, packed: _Packed, Hq, G, window, scalars, common,
+                     dkdv_tiles, dq_tiles, cfg):
+    """The three varlen launches, each over (block of the longest sequence, head, sequence)."""
+    B, total_q = packed.batch, q.shape[0]
+    if min(B, Hq, packed.max_q) > 0:
+        attn_bwd_preprocess_varlen[(triton.cdiv(packed.max_q, 64), Hq, B)](
+            out, do, delta, packed.cu_q, *_hn_strides(out, do), Hq, total_q, HEAD_D=common["HEAD_D"],
+            BLOCK_D=common["BLOCK_D"], BLOCK_M=64,
+        )
+    rest = (Hq, G, window, total_q, *scalars)
+    if min(B, packed.max_k) > 0:  # keys no query sees get zeros here
+        attn_bwd_dkdv_varlen_kernel[(triton.cdiv(packed.max_k, cfg.n1), k.shape[1], B)](
+            q, k, v, do, lse2, delta, dk, dv, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, do, dk, dv), *rest,
+            **dkdv_tiles, **common,
+        )
+    if min(B, Hq, packed.max_q) > 0:
+        attn_bwd_dq_varlen_kernel[(triton.cdiv(packed.max_q, cfg.m2), Hq, B)](
+            q, k, v, do, lse2, delta, dq, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, do, dq), *rest,
+            **dq_tiles, **common,
+        )
     return dq, dk, dv

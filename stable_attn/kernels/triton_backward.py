@@ -26,23 +26,46 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import key_range, round_to, scores_tile, tanh_f32
+from .triton_forward import key_range, round_to, scores_tile, tanh_f32, varlen_bounds
 
 
 @triton.jit
-def attn_bwd_preprocess(Out, DO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-                        Hq, Nq, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def delta_program(Out, DO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, Hq, Nq,
+                  q_start, total_q, VARLEN: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """``delta`` of ``BLOCK_M`` rows of one (batch, head) into ``[B, Hq, Nq]``, or with ``VARLEN`` of one
+    (sequence from row ``q_start``, head) of packed ``[total_q, Hq, D]`` tensors into ``[Hq, total_q]``."""
     start_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_D)
-    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=mask,
-                other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=mask,
-                 other=0.0).to(tl.float32)
-    tl.store(Delta + (b * Hq + h) * Nq + offs_m, tl.sum(o * do, 1), mask=offs_m < Nq)
+    o = tl.load(Out + (q_start * stride_on if VARLEN else b * stride_ob) + h * stride_oh + offs_m[:, None] * stride_on
+                + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + (q_start * stride_don if VARLEN else b * stride_dob) + h * stride_doh
+                 + offs_m[:, None] * stride_don + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    row0 = h.to(tl.int64) * total_q + q_start if VARLEN else (b * Hq + h) * Nq
+    tl.store(Delta + row0 + offs_m, tl.sum(o * do, 1), mask=offs_m < Nq)
+
+
+@triton.jit
+def attn_bwd_preprocess(Out, DO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+                        Hq, Nq, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    delta_program(Out, DO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, Hq, Nq,
+                  None, None, False, HEAD_D, BLOCK_D, BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["Hq", "total_q"])
+def attn_bwd_preprocess_varlen(Out, DO, Delta, CuQ, stride_oh, stride_on, stride_doh, stride_don, Hq, total_q,
+                               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    b = tl.program_id(2)
+    q_start = tl.load(CuQ + b)
+    Nq = tl.load(CuQ + b + 1) - q_start
+    if tl.program_id(0) * BLOCK_M >= Nq:
+        return
+    delta_program(Out, DO, Delta, 0, stride_oh, stride_on, 0, stride_doh, stride_don, Hq, Nq, q_start.to(tl.int64),
+                  total_q, True, HEAD_D, BLOCK_D, BLOCK_M)
 
 
 @triton.jit
@@ -116,17 +139,21 @@ def dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_pt
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
-def attn_bwd_dkdv_kernel(
+@triton.jit
+def dkdv_program(
     Q, K, V, KPM, DO, Lse, Delta, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    stride_kpmb, Hq, G, Nq, Nk, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
-    DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    stride_kpmb, Hq, G, Nq, Nk, window, q_start, k_start, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed,
+    drop_p, keep_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """dK, dV of one key block; with ``TMA``, ``Q`` and ``DO`` are descriptors (block ``[1, 1, BLOCK_M, BLOCK_D]``)."""
+    """dK, dV of one key block; with ``TMA``, ``Q`` and ``DO`` are descriptors (block ``[1, 1, BLOCK_M, BLOCK_D]``).
+
+    ``VARLEN`` (never with ``TMA``): a key block of sequence ``b`` of packed tensors, offsets as in
+    ``triton_forward.fwd_program``.
+    """
     start_n = tl.program_id(0) * BLOCK_N
     hkv = tl.program_id(1)
     b = tl.program_id(2)
@@ -139,10 +166,10 @@ def attn_bwd_dkdv_kernel(
     kv_mask = offs_n[:, None] < Nk
     if HEAD_D != BLOCK_D:
         kv_mask = kv_mask & (offs_d[None, :] < HEAD_D)
-    k = tl.load(K + b64 * stride_kb + hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b64 * stride_vb + hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    k = tl.load(K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh
+                + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + (k_start * stride_vn if VARLEN else b64 * stride_vb) + hkv * stride_vh
+                + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -177,12 +204,15 @@ def attn_bwd_dkdv_kernel(
             q_ptrs = Q
             do_ptrs = DO
         else:
-            q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m0[:, None] * stride_qn + offs_d[None, :]
-            do_ptrs = DO + b64 * stride_dob + h * stride_doh + offs_m0[:, None] * stride_don + offs_d[None, :]
-        row0 = (b64 * Hq + h) * Nq
+            q_ptrs = (Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
+                      + offs_m0[:, None] * stride_qn + offs_d[None, :])
+            do_ptrs = (DO + (q_start * stride_don if VARLEN else b64 * stride_dob) + h * stride_doh
+                       + offs_m0[:, None] * stride_don + offs_d[None, :])
+        row0 = h.to(tl.int64) * total_q + q_start if VARLEN else (b64 * Hq + h) * Nq
         lse_ptr = Lse + row0
         delta_ptr = Delta + row0
-        drop_head = row0 * Nk
+        # varlen: the counters of attention() on the sequence alone (b = 0)
+        drop_head = h.to(tl.int64) * Nq * Nk if VARLEN else row0 * Nk
         for start_m in range(q_lo, mid_lo, BLOCK_M):
             dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
                                 offs_m0, offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window,
@@ -203,10 +233,51 @@ def attn_bwd_dkdv_kernel(
                                     True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE,
                                     UPCAST, PREC, TMA)
 
-    tl.store(DK + b64 * stride_dkb + hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
-             round_to(dk, DTYPE, UPCAST).to(DTYPE), mask=kv_mask)
-    tl.store(DV + b64 * stride_dvb + hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
-             round_to(dv, DTYPE, UPCAST).to(DTYPE), mask=kv_mask)
+    tl.store(DK + (k_start * stride_dkn if VARLEN else b64 * stride_dkb) + hkv * stride_dkh
+             + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk, DTYPE, UPCAST).to(DTYPE), mask=kv_mask)
+    tl.store(DV + (k_start * stride_dvn if VARLEN else b64 * stride_dvb) + hkv * stride_dvh
+             + offs_n[:, None] * stride_dvn + offs_d[None, :], round_to(dv, DTYPE, UPCAST).to(DTYPE), mask=kv_mask)
+
+
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
+def attn_bwd_dkdv_kernel(
+    Q, K, V, KPM, DO, Lse, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    stride_kpmb, Hq, G, Nq, Nk, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+):
+    """Program ``(key block, kv head, batch)`` of ``[B, H, N, D]`` tensors."""
+    dkdv_program(Q, K, V, KPM, DO, Lse, Delta, DK, DV, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
+                 stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh,
+                 stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None,
+                 qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, CAUSAL, WINDOW, SOFTCAP, HAS_KPM,
+                 DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
+
+
+@triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
+def attn_bwd_dkdv_varlen_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, CuQ, CuK,
+    stride_qh, stride_qn, stride_kh, stride_kn, stride_vh, stride_vn, stride_doh, stride_don,
+    stride_dkh, stride_dkn, stride_dvh, stride_dvn,
+    Hq, G, window, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program ``(key block, kv head, sequence)`` of packed tensors (pointer loads: a descriptor over the
+    packed rows would read the next sequence where the dense one zero-fills)."""
+    b = tl.program_id(2)
+    q_start, k_start, Nq, Nk = varlen_bounds(CuQ, CuK, b)
+    if tl.program_id(0) * BLOCK_N >= Nk:
+        return
+    dkdv_program(Q, K, V, Q, DO, Lse, Delta, DK, DV, 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh,
+                 stride_vn, 0, stride_doh, stride_don, 0, stride_dkh, stride_dkn, 0, stride_dvh, stride_dvn, 0, Hq, G,
+                 Nq, Nk, window, q_start, k_start, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed + b, drop_p,
+                 keep_scale, CAUSAL, WINDOW, SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE,
+                 UPCAST, PREC, False)
 
 
 @triton.jit
@@ -250,17 +321,21 @@ def dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, star
     return tl.dot(ds_cast, k, dq, input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
-def attn_bwd_dq_kernel(
+@triton.jit
+def dq_program(
     Q, K, V, KPM, DO, Lse, Delta, DQ,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-    stride_kpmb, Hq, G, Nq, Nk, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
-    DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    stride_kpmb, Hq, G, Nq, Nk, window, q_start, k_start, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed,
+    drop_p, keep_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """dQ of one query block; with ``TMA``, ``K`` and ``V`` are descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``)."""
+    """dQ of one query block; with ``TMA``, ``K`` and ``V`` are descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``).
+
+    ``VARLEN`` (never with ``TMA``): a query block of sequence ``b`` of packed tensors, offsets as in
+    ``triton_forward.fwd_program``.
+    """
     start_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -276,24 +351,26 @@ def attn_bwd_dq_kernel(
     q_mask = row_ok[:, None]
     if HEAD_D != BLOCK_D:
         q_mask = q_mask & (offs_d[None, :] < HEAD_D)
-    q = tl.load(Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
-                 mask=q_mask, other=0.0)
+    q = tl.load(Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
+                + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DO + (q_start * stride_don if VARLEN else b64 * stride_dob) + h * stride_doh
+                 + offs_m[:, None] * stride_don + offs_d[None, :], mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    row_ptr = (b64 * Hq + h) * Nq + offs_m
+    row_ptr = (h.to(tl.int64) * total_q + q_start + offs_m) if VARLEN else (b64 * Hq + h) * Nq + offs_m
     lse = tl.load(Lse + row_ptr, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + row_ptr, mask=row_ok, other=0.0)
     if TMA:
         k_ptrs = K
         v_ptrs = V
     else:
-        k_ptrs = K + b64 * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
-        v_ptrs = V + b64 * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+        k_ptrs = (K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh
+                  + offs_n0[:, None] * stride_kn + offs_d[None, :])
+        v_ptrs = (V + (k_start * stride_vn if VARLEN else b64 * stride_vb) + hkv * stride_vh
+                  + offs_n0[:, None] * stride_vn + offs_d[None, :])
     kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
-    drop_row = row_ptr * Nk
+    drop_row = (h.to(tl.int64) * Nq + offs_m) * Nk if VARLEN else row_ptr * Nk  # varlen: the sequence alone
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, mid_lo, mid_hi, hi = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
@@ -313,5 +390,43 @@ def attn_bwd_dq_kernel(
                       offs_d, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
                       seed, drop_p, keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D,
                       BLOCK_D, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
-    tl.store(DQ + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
-             round_to(dq, DTYPE, UPCAST).to(DTYPE), mask=q_mask)
+    tl.store(DQ + (q_start * stride_dqn if VARLEN else b64 * stride_dqb) + h * stride_dqh
+             + offs_m[:, None] * stride_dqn + offs_d[None, :], round_to(dq, DTYPE, UPCAST).to(DTYPE), mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
+def attn_bwd_dq_kernel(
+    Q, K, V, KPM, DO, Lse, Delta, DQ,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+    stride_kpmb, Hq, G, Nq, Nk, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+):
+    """Program ``(query block, head, batch)`` of ``[B, H, N, D]`` tensors."""
+    dq_program(Q, K, V, KPM, DO, Lse, Delta, DQ, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+               stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, qk_scale2, cap_scale, cap_log2e, scale, seed,
+               drop_p, keep_scale, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
+               DTYPE, UPCAST, PREC, TMA)
+
+
+@triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
+def attn_bwd_dq_varlen_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, CuQ, CuK,
+    stride_qh, stride_qn, stride_kh, stride_kn, stride_vh, stride_vn, stride_doh, stride_don, stride_dqh, stride_dqn,
+    Hq, G, window, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program ``(query block, head, sequence)`` of packed tensors (pointer loads, as the dK/dV one)."""
+    b = tl.program_id(2)
+    q_start, k_start, Nq, Nk = varlen_bounds(CuQ, CuK, b)
+    if tl.program_id(0) * BLOCK_M >= Nq:
+        return
+    dq_program(Q, K, V, Q, DO, Lse, Delta, DQ, 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh,
+               stride_vn, 0, stride_doh, stride_don, 0, stride_dqh, stride_dqn, 0, Hq, G, Nq, Nk, window, q_start,
+               k_start, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed + b, drop_p, keep_scale, CAUSAL, WINDOW,
+               SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC, False)

@@ -270,19 +270,27 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, star
     return acc, l_i, m_new, r_new, near, fixed
 
 
-@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
-def attn_fwd_kernel(
+@triton.jit
+def fwd_program(
     Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
-    Hq, G, Nq, Nk, window,
+    Hq, G, Nq, Nk, window, q_start, k_start, total_q,
     qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
     seed, drop_p, keep_frac,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
-    MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
+    MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
+    """The program of both forward kernels: ``BLOCK_M`` query rows of one (batch or sequence, head).
+
+    Dense: batch ``b`` of ``[B, H, N, D]`` tensors, rows ``(b, h, i)`` of ``[B, Hq, Nq]``. ``VARLEN``:
+    sequence ``b`` of packed ``[total, H, D]`` tensors, its rows from ``q_start`` and keys from
+    ``k_start``, ``Nq``/``Nk`` its lengths, rows ``(h, q_start + i)`` of ``[Hq, total_q]``. The
+    difference is confined to the offsets, each chosen where it is used (``x if VARLEN else y``,
+    resolved at compile time), so the dense kernel's code is what it was before varlen existed.
+    """
     start_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -298,14 +306,18 @@ def attn_fwd_kernel(
     if HEAD_D != BLOCK_D:
         q_mask = q_mask & (offs_d[None, :] < HEAD_D)
     b64 = b.to(tl.int64)
-    q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+    q_ptrs = (Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
+              + offs_m[:, None] * stride_qn + offs_d[None, :])
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    k_ptrs = K + b64 * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b64 * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    k_ptrs = (K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh
+              + offs_n0[:, None] * stride_kn + offs_d[None, :])
+    v_ptrs = (V + (k_start * stride_vn if VARLEN else b64 * stride_vb) + hkv * stride_vh
+              + offs_n0[:, None] * stride_vn + offs_d[None, :])
     kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
-    drop_row = ((b64 * Hq + h) * Nq + offs_m) * Nk  # dropout counter of (b, h, i, 0), as reference.dropout_keep
+    # dropout counter of (b, h, i, 0), as reference.dropout_keep (varlen: of the sequence alone, b = 0)
+    drop_row = ((h.to(tl.int64) * Nq + offs_m) * Nk if VARLEN else ((b64 * Hq + h) * Nq + offs_m) * Nk)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # true running max
     r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # offset subtracted before exp2
@@ -350,10 +362,11 @@ def attn_fwd_kernel(
     else:
         o = acc / l_i[:, None]
     o = tl.where(seen[:, None], o, 0.0)
-    o_ptrs = Out + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+    o_ptrs = (Out + (q_start * stride_on if VARLEN else b64 * stride_ob) + h * stride_oh
+              + offs_m[:, None] * stride_on + offs_d[None, :])
     tl.store(o_ptrs, round_to(o, DTYPE, UPCAST).to(DTYPE), mask=q_mask)
     lse = tl.where(seen, r_i + tl.log2(l_i), float("inf"))
-    row_ptr = (b64 * Hq + h) * Nq + offs_m
+    row_ptr = (h.to(tl.int64) * total_q + q_start + offs_m) if VARLEN else (b64 * Hq + h) * Nq + offs_m
     tl.store(Lse + row_ptr, lse, mask=row_ok)
     if STATS:
         tl.store(StSat + row_ptr, ((near >= 2) & seen).to(tl.int8), mask=row_ok)
@@ -361,7 +374,9 @@ def attn_fwd_kernel(
         tl.store(StMax + row_ptr, m_i / LOG2E, mask=row_ok)
         # the sink's score, recomputed from key 0 alone: the loops then carry no test for block 0
         # (fp32 sum in another order than the tile's dot: within summation-order differences)
-        k0 = tl.load(K + b64 * stride_kb + hkv * stride_kh + offs_d, mask=offs_d < HEAD_D, other=0.0)
+        # (varlen: a sequence without keys has no key 0; the next sequence's must not be read)
+        k0 = tl.load(K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh + offs_d,
+                     mask=offs_d < (tl.minimum(Nk, 1) * HEAD_D if VARLEN else HEAD_D), other=0.0)
         q_again = tl.load(q_ptrs, mask=q_mask, other=0.0)  # reloaded: q itself need not stay in registers
         x0 = tl.sum(q_again.to(tl.float32) * k0.to(tl.float32)[None, :], 1)
         key0 = tl.zeros([1], tl.int32)
@@ -371,3 +386,60 @@ def attn_fwd_kernel(
         s_first, _ = scores_tile(x0[:, None], None, offs_m, key0, kp0, qk_scale2, cap_scale, cap_log2e, Nk,
                                  pos_offset, window, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
         tl.store(StP0 + row_ptr, tl.exp2(tl.max(s_first, 1) - lse), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
+def attn_fwd_kernel(
+    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on, stride_kpmb,
+    Hq, G, Nq, Nk, window,
+    qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
+    seed, drop_p, keep_frac,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
+    MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program ``(query block, head, batch)`` of ``[B, H, N, D]`` tensors."""
+    fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
+                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None,
+                qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
+                CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
+                DTYPE, UPCAST, PREC)
+
+
+@triton.jit
+def varlen_bounds(CuQ, CuK, b):
+    """First query and key of sequence ``b`` (int64) and its lengths (int32), from the ``cu_seqlens``."""
+    q_start = tl.load(CuQ + b)
+    k_start = tl.load(CuK + b)
+    return q_start.to(tl.int64), k_start.to(tl.int64), tl.load(CuQ + b + 1) - q_start, tl.load(CuK + b + 1) - k_start
+
+
+@triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
+def attn_fwd_varlen_kernel(
+    Q, K, V, Out, Lse, StSat, StFixed, StMax, StP0, CuQ, CuK,
+    stride_qh, stride_qn, stride_kh, stride_kn, stride_vh, stride_vn, stride_oh, stride_on,
+    Hq, G, window, total_q,
+    qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
+    seed, drop_p, keep_frac,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program ``(query block, head, sequence)`` of packed ``[total, H, D]`` tensors (FlashAttention's
+    varlen layout); the grid covers the longest sequence and the other programs end here at once.
+    Dropout of sequence ``b``: the mask attention() draws on the sequence alone with ``seed + b``."""
+    b = tl.program_id(2)
+    q_start, k_start, Nq, Nk = varlen_bounds(CuQ, CuK, b)
+    if tl.program_id(0) * BLOCK_M >= Nq:
+        return
+    fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StP0,
+                0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh, stride_vn,
+                0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q,
+                qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,
+                keep_frac, CAUSAL, WINDOW, SOFTCAP, False, MODE, STATS, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M,
+                BLOCK_N, DTYPE, UPCAST, PREC)
