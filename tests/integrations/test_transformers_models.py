@@ -308,8 +308,8 @@ def test_gpt2_attention_dropout_in_training():
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
-def test_packed_sequences_use_the_exact_mask_and_match_eager():
-    """position_ids that restart mark packed documents: an arbitrary mask, served by the PyTorch path."""
+def test_packed_sequences_match_eager():
+    """position_ids that restart mark packed documents (three packed rows): served per document, like eager."""
     family = FAMILIES["llama"]
     ids, _ = batch(None)
     position_ids = torch.cat([torch.arange(8), torch.arange(SEQ - 8)]).expand(len(LENGTHS), SEQ)

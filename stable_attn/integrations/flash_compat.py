@@ -1,0 +1,156 @@
+"""FlashAttention 2's Python interface over stable_attn: ``flash_attn_func`` and ``flash_attn_varlen_func``.
+
+Code written for ``flash_attn`` runs with one changed import::
+
+    from stable_attn import flash_attn_func, flash_attn_varlen_func
+
+The arguments, their order, defaults and layouts are FlashAttention 2's (``[B, N, H, D]`` for the dense
+function, ``[total, H, D]`` with ``cu_seqlens`` for the varlen one); the computation is
+:func:`stable_attn.attention` / :func:`stable_attn.attention_varlen` with the stabilization on. Only
+transposes stand between the two layouts: ``[B, N, H, D]`` viewed as ``[B, H, N, D]`` has a unit last
+stride, which the kernels take as it is, and the output is allocated with the input's strides, so it
+comes back as a contiguous ``[B, N, H, D]`` tensor like FlashAttention's.
+
+``window_size=(left, right)``: FlashAttention lets the query at position ``p`` (bottom-right aligned,
+``p = i + Nk - Nq``) see keys ``p - left <= j <= p + right``, ``-1`` meaning unbounded. stable_attn's
+``window=W`` keeps keys ``j > p - W``, i.e. ``W = left + 1``, and bounds only the left side; so a right
+bound is expressible only as none (``-1``) or as causality (``0``). :func:`window_arguments` maps the
+supported combinations and refuses the others. ``alibi_slopes``, ``return_attn_probs=True`` and a paged
+``block_table`` are refused. ``deterministic`` is accepted and changes nothing: the backward has no
+atomics and is deterministic already.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..attention import attention
+from ..stats import AttentionStats
+from ..varlen import attention_varlen
+
+Window = tuple[int, int]
+
+
+def window_arguments(window_size: Any, causal: bool) -> tuple[bool, int | None]:
+    """``(causal, window)`` for :func:`stable_attn.attention` from FlashAttention's ``causal, window_size``.
+
+    Supported: ``(-1, -1)``: no window; ``(left, -1)``: keys ``j >= p - left``, the right unbounded
+    (non-causal) or cut at ``p`` (causal); ``(left, 0)`` or ``(-1, 0)``: causal, with the left bound.
+    """
+    ok_pair = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+               and all(isinstance(x, int) and not isinstance(x, bool) for x in window_size))
+    if not ok_pair:
+        raise TypeError(f"window_size={window_size!r} must be a pair of ints (left, right), -1 = unbounded")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size={tuple(window_size)!r}: each bound is -1 (unbounded) or >= 0")
+    if right > 0:
+        raise ValueError(
+            f"window_size={tuple(window_size)!r} with causal={causal}: a right bound > 0 is not supported; "
+            "stable_attn's window bounds the left side only, so right must be -1 (unbounded) or 0 (causal)"
+        )
+    window = None if left == -1 else left + 1  # FlashAttention's left bound is inclusive, ours exclusive
+    return bool(causal) or right == 0, window
+
+
+def _refuse(alibi_slopes: Any, return_attn_probs: Any, fn: str) -> None:
+    if alibi_slopes is not None:
+        raise ValueError(f"{fn}: alibi_slopes is not supported by stable_attn; pass alibi_slopes=None")
+    if return_attn_probs:
+        raise ValueError(f"{fn}: return_attn_probs=True is not supported (the fused kernel never materializes "
+                         "the probabilities); pass return_attn_probs=False")
+
+
+def _check_layout(q: Any, k: Any, v: Any, rank: int, layout: str, fn: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{fn}: {name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{fn}: k and v must have the same shape {layout}, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    stabilize: bool | str = True,
+    beta: float = 2.0,
+    stats: AttentionStats | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """FlashAttention 2's ``flash_attn_func``: q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D]`` -> ``[B, Nq, Hq, D]``.
+
+    ``causal`` is bottom-right aligned when ``Nq != Nk``; ``Hq % Hkv == 0`` (GQA/MQA); ``softcap`` 0.0 =
+    off; ``dropout_p`` applies whenever it is > 0 (pass 0.0 at evaluation, as with FlashAttention).
+    Keyword-only extras: ``stabilize``, ``beta``, ``stats``, ``backend`` as in :func:`stable_attn.attention`.
+    """
+    fn = "flash_attn_func"
+    _refuse(alibi_slopes, return_attn_probs, fn)
+    _check_layout(q, k, v, 4, "[B, N, H, D]", fn)
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"{fn}: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch B and head dim D "
+                         "in the layout [B, N, H, D]")
+    causal, window = window_arguments(window_size, causal)
+    out = attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale,
+        window=window, softcap=softcap or None, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
+        stats=stats, backend=backend,
+    )
+    return out.transpose(1, 2)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    *,
+    stabilize: bool | str = True,
+    beta: float = 2.0,
+    stats: AttentionStats | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """FlashAttention 2's ``flash_attn_varlen_func``: q ``[total_q, Hq, D]``, k/v ``[total_k, Hkv, D]``.
+
+    Sequence ``b`` holds queries ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and keys
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (int32 ``[batch + 1]``); causal and window are bottom-right
+    aligned per sequence. Returns ``[total_q, Hq, D]``. Keyword-only extras as in :func:`flash_attn_func`.
+    """
+    fn = "flash_attn_varlen_func"
+    _refuse(alibi_slopes, return_attn_probs, fn)
+    if block_table is not None:
+        raise ValueError(f"{fn}: a paged KV cache (block_table) is not supported; pass block_table=None")
+    causal, window = window_arguments(window_size, causal)
+    return attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,
+        window=window, softcap=softcap or None, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
+        stats=stats, backend=backend,
+    )
+
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "window_arguments"]

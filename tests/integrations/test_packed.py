@@ -1,0 +1,232 @@
+"""Padding-free training: packed documents through ``attn_implementation="stable_attn"``.
+
+``DataCollatorWithFlattening`` packs a batch of documents into one row whose ``position_ids`` restart
+at 0 for each document. The loss, the logits and every parameter gradient of the packed batch must
+equal running each document on its own (through ``"eager"``, an independent implementation), with
+the config's default ``use_cache`` (a cache is built, ``masking_utils`` then makes a plain causal mask
+and the documents are read from ``position_ids``) and with ``use_cache=False`` (``masking_utils``
+builds its packed-sequence mask, which the mask builder recognizes), on the PyTorch path and on the
+Triton kernels under the interpreter. Every layer must be served by ``attention_varlen``; the dense
+op never sees the packed batch, and the arbitrary-mask fallback (``attn_mask``) is never taken.
+Tiny models (2 layers, width 32): the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    DataCollatorWithFlattening,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers import masking_utils as mu
+
+import stable_attn.integrations.transformers as st
+
+VOCAB = 64
+WINDOW = 4  # Mistral's sliding window, shorter than the longest document
+DOC_LENGTHS = (7, 1, 12, 5)  # a one-token document, one longer than the window
+
+st.register()
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+FAMILIES = {
+    "llama": (LlamaForCausalLM, LlamaConfig(**_SMALL)),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**_SMALL, head_dim=8)),
+    "gpt2": (GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
+    "mistral": (MistralForCausalLM, MistralConfig(**_SMALL, sliding_window=WINDOW)),
+}
+
+
+def build(name: str, impl: str) -> torch.nn.Module:
+    cls, config = FAMILIES[name]
+    torch.manual_seed(0)
+    return cls._from_config(copy.deepcopy(config), attn_implementation=impl).eval()
+
+
+def documents(lengths=DOC_LENGTHS, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def separately(name: str, docs: list[torch.Tensor]):
+    """Loss over all predicted tokens, logits and gradients, each document run on its own by eager."""
+    model = build(name, "eager")
+    n_predicted = sum(len(d) - 1 for d in docs)
+    total, logits = 0.0, []
+    for d in docs:
+        out = model(input_ids=d[None], labels=d[None] if len(d) > 1 else None, use_cache=False)
+        logits.append(out.logits[0].detach())
+        if len(d) > 1:  # a one-token document predicts nothing (its only label is the separator)
+            total = total + out.loss * (len(d) - 1) / n_predicted
+    total.backward()
+    return total.detach(), torch.cat(logits), grads(model)
+
+
+class Calls:
+    """Spies on the two ops the attention function may call."""
+
+    def __init__(self, monkeypatch):
+        self.dense, self.varlen, self.fallback = 0, 0, 0
+        real_dense, real_varlen = st.attention, st.attention_varlen
+
+        def dense(*args, **kwargs):
+            self.dense += 1
+            self.fallback += kwargs.get("attn_mask") is not None
+            return real_dense(*args, **kwargs)
+
+        def varlen(*args, **kwargs):
+            self.varlen += 1
+            return real_varlen(*args, **kwargs)
+
+        monkeypatch.setattr(st, "attention", dense)
+        monkeypatch.setattr(st, "attention_varlen", varlen)
+
+
+def assert_matches(name, loss, logits, got_grads, want, what, rtol=2e-5):
+    want_loss, want_logits, want_grads = want
+    torch.testing.assert_close(loss, want_loss, rtol=rtol, atol=1e-6, msg=lambda m: f"{what} loss: {m}")
+    scale = want_logits.abs().max().item()
+    torch.testing.assert_close(logits, want_logits, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what} logits: {m}")
+    assert got_grads.keys() == want_grads.keys()
+    top = max(g.abs().max().item() for g in want_grads.values())
+    for n, g in want_grads.items():
+        torch.testing.assert_close(got_grads[n], g, rtol=rtol, atol=rtol * top, msg=lambda m, n=n: f"{what} d{n}: {m}")
+
+
+_REFERENCE: dict[str, tuple] = {}
+
+
+def reference(name: str):
+    if name not in _REFERENCE:
+        _REFERENCE[name] = separately(name, documents())
+    return _REFERENCE[name]
+
+
+CASES = [(name, backend, use_cache) for name in FAMILIES for backend in ("torch",) for use_cache in
+         (None, False)]
+
+
+@pytest.mark.parametrize(("name", "backend", "use_cache"), CASES)
+def test_packed_batch_equals_documents_run_separately(monkeypatch, name, backend, use_cache):
+    docs = documents()
+    batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d.tolist(), "labels": d.tolist()}
+                                                             for d in docs])
+    assert batch["input_ids"].shape == (1, sum(DOC_LENGTHS)) and "attention_mask" not in batch
+    model = build(name, "stable_attn")
+    st.configure(model, backend=backend)
+    calls = Calls(monkeypatch)
+    extra = {} if use_cache is None else {"use_cache": use_cache}
+    out = model(**batch, **extra)
+    out.loss.backward()
+    assert (calls.varlen, calls.dense, calls.fallback) == (2, 0, 0), "every layer on the varlen op, nothing else"
+    assert_matches(name, out.loss.detach(), out.logits[0].detach(), grads(model), reference(name),
+                   f"{name} {backend} use_cache={use_cache}")
+
+
+@pytest.mark.parametrize("use_cache", [None, False])
+def test_several_packed_rows_and_flash_kwargs(monkeypatch, use_cache):
+    """Two packed rows (B = 2), each row's documents on their own; FlashAttention's cu_seq_lens kwargs too."""
+    name = "llama"
+    rows = [(5, 3, 4), (2, 10)]
+    docs = [documents(r, seed=2 + i) for i, r in enumerate(rows)]
+    collate = DataCollatorWithFlattening(return_tensors="pt")
+    packed = [collate([{"input_ids": d.tolist(), "labels": d.tolist()} for d in row]) for row in docs]
+    batch = {k: torch.cat([p[k] for p in packed]) for k in ("input_ids", "labels", "position_ids")}
+    model = build(name, "stable_attn")
+    calls = Calls(monkeypatch)
+    extra = {} if use_cache is None else {"use_cache": use_cache}
+    out = model(**batch, **extra)
+    assert (calls.varlen, calls.dense, calls.fallback) == (2, 0, 0)
+    flat = [d for row in docs for d in row]
+    want_logits = separately(name, flat)[1]
+    torch.testing.assert_close(out.logits.reshape(-1, VOCAB).detach(), want_logits, rtol=2e-5, atol=2e-5)
+
+    # DataCollatorWithFlattening(return_flash_attn_kwargs=True): the cu_seq_lens the model forwards to attention
+    one = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True)(
+        [{"input_ids": d.tolist(), "labels": d.tolist()} for d in docs[0]])
+    assert "cu_seq_lens_q" in one
+    got = model(**one, **extra).logits[0].detach()
+    torch.testing.assert_close(got, separately(name, docs[0])[1], rtol=2e-5, atol=2e-5)
+
+
+def test_packed_mask_is_recognized_and_means_what_masking_utils_builds():
+    """create_causal_mask / create_sliding_window_causal_mask on packed positions: a StableAttnMask whose
+    documents, written out, are exactly sdpa's materialized mask for the same arguments."""
+    position_ids = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]])
+    B, N = position_ids.shape
+    for sliding in (None, 3):
+        config = LlamaConfig(**_SMALL) if sliding is None else MistralConfig(**_SMALL, sliding_window=sliding)
+        embeds = torch.zeros(B, N, 32)
+        make = mu.create_causal_mask if sliding is None else mu.create_sliding_window_causal_mask
+        masks = {}
+        for impl in ("stable_attn", "sdpa"):
+            config._attn_implementation = impl
+            masks[impl] = make(config=config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                               position_ids=position_ids)
+        ours, exact = masks["stable_attn"], masks["sdpa"]
+        assert isinstance(ours, st.StableAttnMask) and ours.causal and ours.window == sliding
+        assert ours.cu_seqlens.tolist() == [0, 3, 4, 9, 11, 17, 22] and ours.max_seqlen == 6
+        written = torch.zeros(B * N, B * N, dtype=torch.bool)
+        cu = ours.cu_seqlens.tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            i = torch.arange(b - a)
+            vis = i[None, :] <= i[:, None]
+            if sliding is not None:
+                vis &= i[None, :] > i[:, None] - sliding
+            written[a:b, a:b] = vis
+        blocks = torch.stack([written[r * N:(r + 1) * N, r * N:(r + 1) * N] for r in range(B)])
+        assert torch.equal(blocks, exact[:, 0]), sliding
+        assert not written[:N, N:].any()  # no document spans two rows
+
+
+def test_packed_documents_rule():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 5, 6, 0]])
+    cu, longest = st.packed_documents(pos, 1)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 7, 8] and longest == 3
+    assert st.packed_documents(torch.arange(9)[None] + 4, 3) is None  # one document per row: not packed
+    cu, _ = st.packed_documents(torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]]), 2)
+    assert cu.tolist() == [0, 2, 4, 8]
+    with pytest.raises(ValueError, match="position_ids of shape"):
+        st.packed_documents(torch.zeros(2, 5, dtype=torch.long), 3)
+
+
+def test_padding_and_decoding_are_never_read_as_packed(monkeypatch):
+    """Left padding makes position_ids non-monotone and decoding has q_length 1: both stay on the dense op."""
+    model = build("llama", "stable_attn")
+    calls = Calls(monkeypatch)
+    ids = documents((9,), seed=5)[0].expand(2, 9).clone()
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert calls.varlen == 0 and calls.dense == 3 * 2
+
+
+def test_readme_block_runs(monkeypatch):
+    """README's packed-training block runs as written, on the varlen op for every layer."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "DataCollatorWithFlattening" in b)
+    calls = Calls(monkeypatch)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert scope["batch"]["input_ids"].shape == (1, 35)
+    assert (calls.varlen, calls.dense, calls.fallback) == (2, 0, 0)
+    assert torch.isfinite(scope["loss"]) and all(p.grad is not None for p in scope["model"].parameters())
