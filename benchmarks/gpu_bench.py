@@ -19,8 +19,16 @@ implementation once per round, in a rotated order), and each cell is the median 
 clock and thermal drift hit all implementations alike. TFLOP/s count the visible (query, key)
 pairs: forward ``4 * pairs * D`` per head, backward 2.5x that, forward + backward 3.5x.
 
+Packed documents (issue 14): per D, documents of random lengths (64 to 4096 tokens, fixed seed) that
+fill the same 16k tokens, causal, bf16, stabilize=True, timed as ``stable_attn.attention_varlen`` on
+the packed ``[total, H, D]`` tensors against ``stable_attn.attention`` on the same documents padded to
+the longest one (``[docs, H, longest, D]`` with a key padding mask: what a padded batch costs). Both
+count the same useful FLOPs (the visible pairs inside the documents); the varlen output and gradients
+are first checked against the padded ones at the real tokens.
+
     python benchmarks/gpu_bench.py --json /tmp/gpu_bench.json
     python benchmarks/gpu_bench.py --n 4096 --d 128 --causal true --no-gqa --rounds 5
+    python benchmarks/gpu_bench.py --varlen-only --json /tmp/gpu_bench_varlen.json
 
 Needs torch >= 2.4 (torch.nn.attention.sdpa_kernel) and triton >= 3.4 (the backward's tensor
 descriptors); the target stack is torch 2.11 / triton 3.6.
@@ -33,6 +41,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -48,6 +57,8 @@ FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # FlashAttention's conve
 # max |x - x_sdpa| / max |x_sdpa| allowed for the output and for the gradients (bf16 inputs)
 TOLERANCE = {"out": 2e-2, "grad": 5e-2}
 LAUNCH_BOUND = 0.8  # CPU enqueue time / GPU time at which a measurement counts as launch-bound
+PACKED_IMPLS = ("stable_padded", "stable_varlen")
+DOC_LENGTHS = (64, 4096)  # range of the packed documents' lengths
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,43 @@ def shapes(ns: list[int], ds: list[int], causals: list[bool], gqa: bool) -> list
     if gqa:
         out.append(Shape(TOKENS // 4096, WIDTH // 128, WIDTH // 128 // 4, 4096, 128, True))
     return out
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Documents packed into one sequence: their lengths, heads, head dim (causal, bf16)."""
+
+    lengths: tuple[int, ...]
+    hq: int
+    hkv: int
+    d: int
+    causal: bool = True
+
+    @property
+    def name(self) -> str:
+        return (f"{len(self.lengths)} docs, {sum(self.lengths)} tokens (longest {max(self.lengths)}) D={self.d} "
+                f"{'causal' if self.causal else 'full'} H={self.hq}")
+
+
+def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
+    """Lengths drawn uniformly from [lo, hi] until they fill ``total`` tokens (the last one is cut to fit)."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    while sum(out) < total:
+        out.append(min(rng.randint(lo, hi), total - sum(out)))
+    return out
+
+
+def packed_shapes(ds: list[int], seed: int = 0) -> list[Packed]:
+    """One packed batch of :data:`TOKENS` tokens per head dim, H * D = :data:`WIDTH`."""
+    return [Packed(tuple(doc_lengths(TOKENS, *DOC_LENGTHS, seed=seed + d)), WIDTH // d, WIDTH // d, d)
+            for d in sorted(ds, reverse=True)]
+
+
+def packed_flops(p: Packed, kind: str) -> float:
+    """Useful FLOPs of one call: the visible pairs inside each document (the same for both layouts)."""
+    pairs = sum(visible_pairs(n, n, p.causal) for n in p.lengths)
+    return FLOP_FACTOR[kind] * 4.0 * p.hq * pairs * p.d
 
 
 def visible_pairs(nq: int, nk: int, causal: bool) -> int:
@@ -145,6 +193,39 @@ def rows_for(shape: Shape, timings: dict[tuple[str, str], dict], checks: dict[st
     return rows
 
 
+def packed_rows(p: Packed, timings: dict[tuple[str, str], dict], checks: dict[str, dict]) -> list[dict]:
+    """Rows of the packed comparison: ms, useful TFLOP/s, launch-bound flag per kind, varlen vs padded."""
+    rows = []
+    for impl, check in checks.items():
+        row = dict(shape=asdict(p), name=p.name, impl=impl, **check)
+        for kind in KINDS:
+            t = timings.get((impl, kind))
+            row[f"{kind}_ms"] = t["ms"] if t else None
+            row[f"{kind}_tflops"] = packed_flops(p, kind) / t["ms"] * 1e-9 if t else None
+            row[f"{kind}_launch_bound"] = bool(t and t["cpu_ms"] >= LAUNCH_BOUND * t["ms"])
+        rows.append(row)
+    base = next((r for r in rows if r["impl"] == "stable_padded"), None)
+    for r in rows:
+        for kind in KINDS:
+            ok = base and base[f"{kind}_ms"] and r[f"{kind}_ms"]
+            r[f"{kind}_speed_vs_padded"] = base[f"{kind}_ms"] / r[f"{kind}_ms"] if ok else None
+    return rows
+
+
+def packed_table(rows: list[dict]) -> str:
+    """Markdown: per packed batch, padded attention() against attention_varlen (above 1x: varlen faster)."""
+    out = ["| packed batch | impl | fwd ms | bwd ms | fwd+bwd ms | useful TFLOP/s fwd+bwd | fwd vs padded | "
+           "fwd+bwd vs padded | check |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        flag = " (launch-bound)" if any(r[f"{k}_launch_bound"] for k in KINDS) else ""
+        check = "ok" if r["ok"] else f"FAILED: {r['error']}"
+        out.append(f"| {r['name']} | {r['impl']}{flag} | {_cell(r['fwd_ms'], '.3f')} | {_cell(r['bwd_ms'], '.3f')} | "
+                   f"{_cell(r['fwd_bwd_ms'], '.3f')} | {_cell(r['fwd_bwd_tflops'], '.0f')} | "
+                   f"{_cell(r['fwd_speed_vs_padded'], '.2f')}x | {_cell(r['fwd_bwd_speed_vs_padded'], '.2f')}x | "
+                   f"{check} |")
+    return "\n".join(out)
+
+
 def _cell(x, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
@@ -180,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d", type=int, nargs="+", default=[64, 128])
     p.add_argument("--causal", type=_bool, nargs="+", default=[True, False])
     p.add_argument("--no-gqa", dest="gqa", action="store_false", help="skip the GQA shape")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--no-varlen", dest="varlen", action="store_false", help="skip the packed-documents rows")
+    g.add_argument("--varlen-only", action="store_true", help="only the packed-documents rows")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median over them)")
     p.add_argument("--target-ms", type=float, default=25.0, help="length of one measurement")
@@ -248,6 +332,91 @@ def implementations(names: list[str]) -> dict[str, Callable]:
     return {n: table_[n]() for n in names}
 
 
+def _time(fns: dict, rounds: int, target_ms: float, timer: Timer) -> dict[tuple[str, str], dict]:
+    """Calibrate ``iters`` per (implementation, kind) from one call (also the warm-up), then measure."""
+    iters = {}
+    for name, kinds in fns.items():
+        for kind, f in kinds.items():
+            once, _ = timer(f, 1)
+            iters[(name, kind)] = max(2, min(1000, math.ceil(target_ms / max(once, 1e-3))))
+    return measure(fns, timer, iters, rounds)
+
+
+def run_packed(p: Packed, rounds: int, target_ms: float, *, device: str = "cuda", timer: Timer = cuda_timer
+               ) -> list[dict]:
+    """attention_varlen on the packed documents against attention() on them padded: check, then time."""
+    import torch
+
+    import stable_attn
+
+    torch.manual_seed(0)
+    dt, total, nmax, docs = torch.bfloat16, sum(p.lengths), max(p.lengths), len(p.lengths)
+    lens = torch.tensor(p.lengths)
+    cu = torch.zeros(docs + 1, dtype=torch.int32)
+    cu[1:] = lens.cumsum(0)
+    cu = cu.to(device)
+    # the padded layout: document b's token i at [b, :, i]; valid[b, i] marks the real tokens
+    valid = torch.arange(nmax)[None, :] < lens[:, None]
+    where = tuple(w.to(device) for w in valid.nonzero(as_tuple=True))
+    leaves = {}
+    for name, heads in (("q", p.hq), ("k", p.hkv), ("v", p.hkv)):
+        x = torch.randn(total, heads, p.d, device=device, dtype=dt)
+        pad = torch.zeros(docs, nmax, heads, p.d, device=device, dtype=dt)
+        pad[where] = x
+        leaves[name] = x.requires_grad_()
+        leaves[name + "_pad"] = pad.transpose(1, 2).contiguous().requires_grad_()
+    do = torch.randn(total, p.hq, p.d, device=device, dtype=dt)
+    do_pad = torch.zeros(docs, nmax, p.hq, p.d, device=device, dtype=dt)
+    do_pad[where] = do
+    do_pad = do_pad.transpose(1, 2).contiguous()
+    kpm = valid.to(device)
+
+    def padded():
+        return stable_attn.attention(leaves["q_pad"], leaves["k_pad"], leaves["v_pad"], causal=p.causal,
+                                     key_padding_mask=kpm, backend="triton")
+
+    def varlen():
+        return stable_attn.attention_varlen(leaves["q"], leaves["k"], leaves["v"], cu, cu, nmax, nmax,
+                                            causal=p.causal, backend="triton")
+
+    runs = {"stable_padded": (padded, ("q_pad", "k_pad", "v_pad"), do_pad),
+            "stable_varlen": (varlen, ("q", "k", "v"), do)}
+    checks, fns, results = {}, {}, {}
+    for name, (fn, args, grad_out) in runs.items():
+        try:
+            out = fn()
+            grads = torch.autograd.grad(out, [leaves[a] for a in args], grad_out)
+        except Exception as e:  # noqa: BLE001  reported, not timed
+            checks[name] = dict(ok=False, error=str(e).splitlines()[0][:120], out_err=None, grad_err=None)
+            continue
+        if name == "stable_padded":  # to the packed layout, at the real tokens
+            out = out.transpose(1, 2)[where]
+            grads = [g.transpose(1, 2)[where] for g in grads]
+        results[name] = (out.detach(), grads)
+        checks[name] = dict(ok=True, error=None, out_err=None, grad_err=None)
+        saved = fn()
+        ins = [leaves[a] for a in args]
+        fns[name] = {
+            "fwd": fn,
+            "bwd": lambda saved=saved, ins=ins, g=grad_out: torch.autograd.grad(saved, ins, g, retain_graph=True),
+            "fwd_bwd": lambda fn=fn, ins=ins, g=grad_out: torch.autograd.grad(fn(), ins, g),
+        }
+    if len(results) == 2:  # varlen against padded; padded against itself is 0
+        (o_ref, g_ref), (o, g) = results["stable_padded"], results["stable_varlen"]
+        out_err, grad_err = rel_error(o, o_ref), max(rel_error(a, b) for a, b in zip(g, g_ref))
+        ok = out_err <= TOLERANCE["out"] and grad_err <= TOLERANCE["grad"]
+        checks["stable_padded"].update(out_err=0.0, grad_err=0.0)
+        checks["stable_varlen"] = dict(ok=ok, error=None if ok else f"vs padded: rel err out {out_err:.2e}, "
+                                       f"grads {grad_err:.2e}", out_err=out_err, grad_err=grad_err)
+        if not ok:
+            del fns["stable_varlen"]
+    rows = packed_rows(p, _time(fns, rounds, target_ms, timer), checks)
+    fns.clear()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run_shape(shape: Shape, impls: dict[str, Callable | None], rounds: int, target_ms: float, *,
               device: str = "cuda", timer: Timer = cuda_timer) -> list[dict]:
     """Check every implementation against SDPA-flash on ``shape``, then time the ones that passed.
@@ -288,13 +457,7 @@ def run_shape(shape: Shape, impls: dict[str, Callable | None], rounds: int, targ
                 "fwd_bwd": lambda fn=fn: torch.autograd.grad(fn(q, k, v, shape.causal), (q, k, v), do),
             }
         del out, grads
-    iters = {}
-    for name, kinds in fns.items():
-        for kind, f in kinds.items():
-            once, _ = timer(f, 1)  # also the warm-up
-            iters[(name, kind)] = max(2, min(1000, math.ceil(target_ms / max(once, 1e-3))))
-    timings = measure(fns, timer, iters, rounds)
-    rows = rows_for(shape, timings, checks)
+    rows = rows_for(shape, _time(fns, rounds, target_ms, timer), checks)
     fns.clear()  # the saved graphs, before the next shape allocates
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -314,8 +477,15 @@ def main(argv: list[str] | None = None) -> int:
                f"CUDA {torch.version.cuda} | python {platform.python_version()}")
     print(machine, flush=True)
     rows: list[dict] = []
+    packed: list[dict] = []
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    for shape in shapes(args.n, args.d, args.causal, args.gqa):
+
+    def save():
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "command": " ".join(sys.argv), "rows": rows, "packed_rows": packed}, f,
+                      indent=1)
+
+    for shape in ([] if args.varlen_only else shapes(args.n, args.d, args.causal, args.gqa)):
         t0 = time.perf_counter()
         # fresh per shape: an AttentionStats keeps per-head totals, and the head count changes
         new = run_shape(shape, implementations(args.impls), args.rounds, args.target_ms)
@@ -325,13 +495,24 @@ def main(argv: list[str] | None = None) -> int:
                   f"  fwd+bwd {_cell(r['fwd_bwd_ms'], '8.3f')} ms  {_cell(r['fwd_bwd_tflops'], '4.0f')} TFLOP/s  "
                   f"{'ok' if r['ok'] else r['error']}", flush=True)
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+        save()
+    for p in (packed_shapes(args.d) if args.varlen else []):
+        t0 = time.perf_counter()
+        new = run_packed(p, args.rounds, args.target_ms)
+        packed += new
+        for r in new:
+            print(f"{r['name']:>60} {r['impl']:>14}  fwd {_cell(r['fwd_ms'], '8.3f')}  bwd {_cell(r['bwd_ms'], '8.3f')}"
+                  f"  fwd+bwd {_cell(r['fwd_bwd_ms'], '8.3f')} ms  {'ok' if r['ok'] else r['error']}", flush=True)
+        print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        save()
     print()
-    print(table(rows))
+    if rows:
+        print(table(rows))
+    if packed:
+        print(packed_table(packed))
     print(f"wrote {args.json}")
     # a failed check is an error; an implementation this torch does not offer is not
-    return 1 if any(not r["ok"] and r["error"] != "not offered by this torch" for r in rows) else 0
+    return 1 if any(not r["ok"] and r["error"] != "not offered by this torch" for r in rows + packed) else 0
 
 
 if __name__ == "__main__":

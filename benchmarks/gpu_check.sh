@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One command for a GPU slot (H100/H200), timing FIRST, done in well under 8 minutes: the per-step
-# time-outs add up to 7 minutes (210 + 150 + 60 s), and each step's output is written as it goes.
+# One command for a GPU slot (H100/H200), timing FIRST: the per-step time-outs add up to 8.5 minutes
+# (210 + 90 + 150 + 60 s; the packed step JIT-compiles its kernels first), and each step's output is
+# written as it goes.
 #   1. timing table: stable_attn's Triton kernels against SDPA flash / cuDNN (benchmarks/gpu_bench.py)
-#   2. the Triton kernel tests on CUDA (each variant is JIT-compiled for the real GPU there)
-#   3. the rounding-bias study with real bf16 tensor-core products (docs/NUMERICS.md)
+#   2. packed documents: attention_varlen against attention() on the same documents padded (gpu_bench.py)
+#   3. the Triton kernel tests on CUDA (each variant is JIT-compiled for the real GPU there)
+#   4. the rounding-bias study with real bf16 tensor-core products (docs/NUMERICS.md)
 # Exit status 1 if a step failed or ran out of time (a time-out is reported by name).
 #   bash benchmarks/gpu_check.sh [json-path]      (default: $OUT/gpu_bench.json, or ./gpu_bench.json)
 set -uo pipefail
@@ -29,7 +31,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 
 step "timing: stable_attn vs SDPA (interleaved rounds, kernels only)" 210 \
-    python benchmarks/gpu_bench.py --json "$JSON"
+    python benchmarks/gpu_bench.py --no-varlen --json "$JSON"
+
+step "timing: packed documents, varlen vs padded" 90 \
+    python benchmarks/gpu_bench.py --varlen-only --json "$DIR/gpu_bench_varlen.json"
 
 # the compile-only tests need no GPU (CI runs them); everything else in tests/kernels runs on CUDA
 step "kernel tests on CUDA" 150 env STABLE_ATTN_TEST_DEVICE=cuda python -m pytest tests/kernels -q -m "not slow" \

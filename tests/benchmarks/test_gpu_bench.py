@@ -149,3 +149,54 @@ def test_main_without_a_gpu_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine
     assert gb.main(["--no-gqa"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_packed_shapes_fill_the_tokens():
+    ps = gb.packed_shapes([64, 128])
+    assert [p.d for p in ps] == [128, 64] and ps == gb.packed_shapes([64, 128])  # fixed seed: the same batches
+    for p in ps:
+        assert sum(p.lengths) == gb.TOKENS and p.hq * p.d == gb.WIDTH and len(p.lengths) > 1
+        assert all(1 <= n <= gb.DOC_LENGTHS[1] for n in p.lengths)
+        assert all(n >= gb.DOC_LENGTHS[0] for n in p.lengths[:-1])  # only the last one is cut
+    p = gb.Packed((3, 5), hq=2, hkv=2, d=16)
+    assert gb.packed_flops(p, "fwd") == 4 * 2 * (6 + 15) * 16  # causal pairs 3*4/2 + 5*6/2
+    assert gb.packed_flops(p, "fwd_bwd") == 3.5 * gb.packed_flops(p, "fwd")
+
+
+def test_packed_rows_and_table():
+    p = gb.Packed((100, 28), hq=4, hkv=4, d=64)
+    ms = {"stable_padded": 3.0, "stable_varlen": 2.0}
+    timings = {(i, k): dict(ms=t * gb.FLOP_FACTOR[k], cpu_ms=0.01) for i, t in ms.items() for k in gb.KINDS}
+    ok = dict(ok=True, error=None, out_err=0.0, grad_err=0.0)
+    rows = gb.packed_rows(p, timings, {i: ok for i in ms})
+    by = {r["impl"]: r for r in rows}
+    assert by["stable_varlen"]["fwd_bwd_speed_vs_padded"] == pytest.approx(1.5)
+    assert by["stable_padded"]["fwd_speed_vs_padded"] == 1.0
+    assert by["stable_varlen"]["fwd_tflops"] == pytest.approx(gb.packed_flops(p, "fwd") / 2.0 * 1e-9)
+    text = gb.packed_table(rows)
+    assert "| 2 docs, 128 tokens (longest 100) D=64 causal H=4 | stable_varlen | 2.000 | 5.000 | 7.000 |" in text
+    assert "| 1.50x | 1.50x | ok |" in text
+
+
+def test_run_packed_checks_varlen_against_padded():
+    """The packed path on the CPU (our kernels under the interpreter), each closure run once."""
+    def timer(fn, iters):
+        fn()
+        return 1.0, 0.0
+
+    p = gb.Packed((1, 17, 40), hq=2, hkv=1, d=16)
+    rows = gb.run_packed(p, rounds=1, target_ms=2.0, device="cpu", timer=timer)
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == set(gb.PACKED_IMPLS)
+    for r in rows:
+        assert r["ok"], r["error"]
+        assert r["fwd_bwd_ms"] == 1.0 and r["fwd_bwd_speed_vs_padded"] == 1.0
+    assert by["stable_varlen"]["out_err"] <= gb.TOLERANCE["out"] and by["stable_varlen"]["grad_err"] <= 0.05
+
+
+def test_varlen_arguments():
+    a = gb.parse_args(["--varlen-only"])
+    assert a.varlen and a.varlen_only
+    assert not gb.parse_args(["--no-varlen"]).varlen
+    with pytest.raises(SystemExit):
+        gb.parse_args(["--no-varlen", "--varlen-only"])

@@ -29,6 +29,11 @@ REPRESENTATIVE = [
     Variant("bwd_dq", FP16, 64, False, cc=90),
     # every optional feature at once (window, softcap, padding mask, dropout, stats)
     Variant("fwd", BF16, 64, True, EXACT, True, 90, features=True),
+    # packed sequences (the varlen kernels): the common Hopper case, and every feature on A100
+    Variant("fwd", BF16, 128, True, EXACT, True, 90, varlen=True),
+    Variant("bwd_pre", BF16, 80, True, cc=90, varlen=True),
+    Variant("bwd_dkdv", BF16, 128, True, cc=90, varlen=True),
+    Variant("bwd_dq", FP16, 64, True, cc=80, features=True, varlen=True),
 ]
 
 FULL = [Variant("fwd", dt, d, causal, mode, False, cc)
@@ -40,6 +45,9 @@ FULL += [Variant(kind, dt, d, causal, cc=cc)
 FULL += [Variant(kind, dt, d, True, EXACT, True, cc, features=True)
          for kind, dt, d, cc in itertools.product(("fwd", "bwd_dkdv", "bwd_dq"), (BF16, FP16), (64, 128, 256),
                                                   (80, 90))]
+FULL += [Variant(kind, dt, d, causal, EXACT, kind == "fwd", cc, features=causal, varlen=True)
+         for kind, dt, d, causal, cc in itertools.product(("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq"), (BF16, FP16),
+                                                          (64, 128, 256), (False, True), (80, 90))]
 
 
 def check(v: Variant, r: dict) -> None:
