@@ -8,7 +8,8 @@ and the documents are read from ``position_ids``) and with ``use_cache=False`` (
 builds its packed-sequence mask, which the mask builder recognizes), on the PyTorch path and on the
 Triton kernels under the interpreter. Every layer must be served by ``attention_varlen``; the dense
 op never sees the packed batch, and the arbitrary-mask fallback (``attn_mask``) is never taken.
-Tiny models (2 layers, width 32): the interpreter is slow.
+Families: Llama, Qwen3, GPT-2, Mistral (sliding window) and Gemma 2 (alternating sliding/global layers,
+softcap). Tiny models (2 layers, width 32): the interpreter is slow.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pytest
 import torch
 from transformers import (
     DataCollatorWithFlattening,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -45,6 +48,9 @@ FAMILIES = {
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(**_SMALL, head_dim=8)),
     "gpt2": (GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
     "mistral": (MistralForCausalLM, MistralConfig(**_SMALL, sliding_window=WINDOW)),
+    # layers alternate sliding window / global; a small softcap and scale so that the capping bites
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config(**_SMALL, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=0.5,
+                                               query_pre_attn_scalar=2, initializer_range=0.2)),
 }
 
 
@@ -78,7 +84,7 @@ def separately(name: str, docs: list[torch.Tensor]):
 
 
 class Calls:
-    """Spies on the two ops the attention function may call."""
+    """Spies on the two ops the attention function may call (``fallback``: calls with an ``attn_mask``)."""
 
     def __init__(self, monkeypatch):
         self.dense, self.varlen, self.fallback = 0, 0, 0
@@ -216,6 +222,28 @@ def test_padding_and_decoding_are_never_read_as_packed(monkeypatch):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert calls.varlen == 0 and calls.dense == 3 * 2
 
+
+def test_statistics_are_per_document():
+    """attach_stats on a packed batch: the same per-head totals as the documents run one by one (each
+    document's first key is its own key 0, for the sink mass too)."""
+    docs = documents()
+    batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d.tolist()} for d in docs])
+    model = build("llama", "stable_attn")
+    packed = st.attach_stats(model)
+    with torch.no_grad():
+        model(**batch)
+    alone_model = build("llama", "stable_attn")
+    alone = st.attach_stats(alone_model)
+    with torch.no_grad():
+        for d in docs:
+            alone_model(input_ids=d[None])
+    for layer, s in packed.items():
+        a = alone[layer]
+        assert int(s.calls) == 1 and int(a.calls) == len(docs)
+        assert torch.equal(s.rows, a.rows) and int(s.rows[0]) == sum(DOC_LENGTHS)
+        assert torch.equal(s.saturated_rows, a.saturated_rows) and torch.equal(s.fixed_blocks, a.fixed_blocks)
+        torch.testing.assert_close(s.max_logit, a.max_logit, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s.sink_mass, a.sink_mass, rtol=1e-5, atol=1e-6)
 
 def test_readme_block_runs(monkeypatch):
     """README's packed-training block runs as written, on the varlen op for every layer."""
