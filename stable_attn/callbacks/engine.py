@@ -82,6 +82,11 @@ class World:
     grad_norm: Callable[[Iterable[torch.nn.Parameter]], torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"World(size={self.size!r}) is not supported; use an int >= 1")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
+            raise ValueError(f"World(rank={self.rank!r}) is not supported with size={self.size}; use an int in "
+                             f"[0, {self.size})")
         if self.size > 1 and self.all_gather is None:
             raise ValueError(f"World(size={self.size}) needs all_gather: every rank must see every rank's values")
 
@@ -392,6 +397,9 @@ class MonitorEngine:
         Call it on every rank with the gradients complete and unscaled, before ``optimizer.step()``.
         ``loss`` replaces what :meth:`add_loss` summed; ``scaler``: an fp16 GradScaler is active (its
         inf gradients are not alerts); ``lr`` defaults to the first param group's."""
+        if self._step < 0:
+            raise RuntimeError(f"{self.name}: before_optimizer_step was called before begin_step; call "
+                               "begin_step(step) when each optimizer step's first micro-batch starts")
         if loss is not None:
             self._loss = torch.as_tensor(loss).detach().float().reshape(())
         params = list(parameters)

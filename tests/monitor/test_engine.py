@@ -234,6 +234,10 @@ def test_state_dict_keeps_the_checkpoint_keys_and_round_trips(tmp_path):
 def test_bad_world_and_arguments_are_refused():
     with pytest.raises(ValueError, match=r"World\(size=2\) needs all_gather"):
         World(size=2)
+    with pytest.raises(ValueError, match=r"World\(rank=2\) is not supported with size=2; use an int in \[0, 2\)"):
+        World(rank=2, size=2, all_gather=lambda t: t)
+    with pytest.raises(RuntimeError, match=r"before_optimizer_step was called before begin_step"):
+        MonitorEngine().before_optimizer_step(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), [])
     with pytest.raises(ValueError, match=r"on_spike='explode'"):
         MonitorEngine(on_spike="explode")
     with pytest.raises(ValueError, match=r"not_training_stop_after=5 .*int >= 10 or None"):
