@@ -1,13 +1,20 @@
 """Turn a training run's metrics CSV and alerts JSONL into plots and a Markdown report.
 
 A run directory holds what a Lightning run with :class:`~stable_attn.callbacks.lightning.StableAttentionCallback`
-and a ``CSVLogger`` leaves behind. :func:`build_report` finds the files like this:
+and a ``CSVLogger`` leaves behind, or the ``output_dir`` of a transformers ``Trainer`` run with
+:class:`~stable_attn.callbacks.trainer.StableAttentionTrainerCallback`. :func:`build_report` finds the files
+like this:
 
 - metrics: ``RUN_DIR/metrics.csv`` if present, else the most recently modified ``metrics.csv``
   anywhere below ``RUN_DIR`` (a ``CSVLogger(save_dir=RUN_DIR, name="csv")`` writes
   ``RUN_DIR/csv/version_N/metrics.csv``; a rerun adds a new ``version_N``, and the newest is the one
   you are looking at). Ties on the modification time go to the longer, then the larger path, so
   ``version_10`` wins over ``version_9``.
+- or, without any ``metrics.csv``, a Trainer's ``trainer_state.json``: its ``log_history`` (the Trainer
+  writes one into every ``checkpoint-N`` and with ``trainer.save_state()`` into ``output_dir``; the one
+  with the highest ``global_step`` wins, then the most recently modified). The Trainer's names are read
+  as the callback's: ``loss`` as ``train/loss``, ``eval_loss`` as ``val/loss``, ``grad_norm`` as
+  ``train/grad_norm``, ``learning_rate`` as ``train/lr``; the ``stable_attn/...`` metrics keep their names.
 - alerts: the callback's ``stable_attn_alerts.jsonl`` (:data:`~stable_attn.monitor.names.ALERTS_FILE`;
   older runs' ``alerts.jsonl`` is read too). The callback writes it in ``trainer.log_dir``, which with a
   CSVLogger is the directory of ``metrics.csv``: the alerts file next to the chosen metrics file wins,
@@ -41,8 +48,10 @@ import numpy as np
 from .monitor.names import (
     ALERT_KINDS,
     ALERTS_FILE,
+    GRAD_NORM,
     LEGACY_ALERTS_FILES,
     LOSS,
+    LR,
     METRICS_FILE,
     VAL_LOSS,
     layer_metric,
@@ -234,6 +243,63 @@ def read_alerts(path: str | os.PathLike) -> tuple[list[dict], int]:
     return alerts, bad
 
 
+#: The file a transformers ``Trainer`` writes its state and ``log_history`` to.
+TRAINER_STATE_FILE = "trainer_state.json"
+# The Trainer's log names that mean what the callback's names mean.
+_TRAINER_NAMES = {"loss": LOSS, "eval_loss": VAL_LOSS, "grad_norm": GRAD_NORM, "learning_rate": LR}
+# Keys of a log_history entry that are not metrics over steps: the position, and the end-of-run summary.
+_TRAINER_SKIP = ("step", "epoch", "total_flos")
+
+
+def _global_step(path: Path) -> int:
+    try:
+        with open(path, encoding="utf-8") as f:
+            step = json.load(f).get("global_step", -1)
+    except (OSError, ValueError, AttributeError):
+        return -1
+    return step if isinstance(step, int) else -1
+
+
+def find_trainer_state(run_dir: str | os.PathLike) -> Path | None:
+    """The ``trainer_state.json`` below ``run_dir`` with the highest ``global_step`` (then the newest), or None."""
+    found = [p for p in Path(run_dir).rglob(TRAINER_STATE_FILE) if p.is_file()]
+    if not found:
+        return None
+    return max(found, key=lambda p: (_global_step(p), p.stat().st_mtime, str(p)))
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Series]:
+    """The ``log_history`` of a transformers ``trainer_state.json`` as one :class:`Series` per metric.
+
+    Entries without an integer ``step`` and non-numeric values are skipped; the end-of-run summary
+    (``train_runtime``, ``train_loss``, ...) is left out; when a step logs a metric twice, the last wins.
+    ValueError when the file is not a Trainer state.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)  # Python's json reads the NaN and Infinity the Trainer writes
+    except ValueError as err:
+        raise ValueError(f"{str(path)!r} is not JSON: {err}") from None
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise ValueError(f"{str(path)!r} has no 'log_history' list; expected a transformers trainer_state.json")
+    per_metric: dict[str, dict[int, float]] = {}
+    for entry in history:
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            continue
+        for key, value in entry.items():
+            if key in _TRAINER_SKIP or key.startswith("train_") or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
+                per_metric.setdefault(_TRAINER_NAMES.get(key, key), {})[step] = float(value)
+    out = {}
+    for key, by_step in per_metric.items():
+        steps = np.array(sorted(by_step), dtype=np.int64)
+        out[key] = Series(steps, np.array([by_step[s] for s in steps.tolist()], dtype=np.float64))
+    return out
+
+
 def load_run(run_dir: str | os.PathLike) -> RunData:
     """Find and read the metrics CSV and the alerts JSONL of ``run_dir``; a missing file is a note."""
     root = Path(run_dir)
@@ -245,8 +311,16 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     notes: list[str] = []
     metrics_path = find_metrics_csv(root)
     metrics: dict[str, Series] = {}
-    if metrics_path is None:
-        notes.append(f"No {METRICS_FILE} found below the run directory: no loss or attention plots.")
+    trainer_state = find_trainer_state(root) if metrics_path is None else None
+    if trainer_state is not None:
+        metrics_path = trainer_state
+        try:
+            metrics = read_trainer_state(trainer_state)
+        except ValueError as err:
+            notes.append(f"Could not read {trainer_state.name}: {err}")
+    elif metrics_path is None:
+        notes.append(f"No {METRICS_FILE} found below the run directory (nor a Trainer's {TRAINER_STATE_FILE}): "
+                     "no loss or attention plots.")
     else:
         try:
             metrics = read_metrics(metrics_path)

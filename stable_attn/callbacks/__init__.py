@@ -1,10 +1,14 @@
-"""Training-loop integrations. ``StableAttentionCallback`` is the Lightning one:
+"""Training-loop integrations: one engine, two adapters.
 
-    from stable_attn.callbacks import StableAttentionCallback
+    from stable_attn.callbacks import StableAttentionCallback            # lightning.Trainer
     trainer = lightning.Trainer(callbacks=[StableAttentionCallback(on_spike="skip")])
 
-Lightning is imported on first use of the callback, so the helpers here (``grad_norm``, ``rollback``,
-``layer_stats``) can be used from any training loop without it.
+    from stable_attn.callbacks import StableAttentionTrainerCallback     # transformers.Trainer
+    trainer = transformers.Trainer(..., callbacks=[StableAttentionTrainerCallback(on_spike="skip")])
+
+Both are thin adapters over ``engine.MonitorEngine``, which imports no training loop. Each adapter is
+imported on first use (Lightning, or transformers' Trainer and accelerate), so the engine and the
+helpers here (``grad_norm``, ``rollback``, ``layer_stats``) can be used from any training loop without them.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .lightning import StableAttentionCallback
+    from .trainer import StableAttentionTrainerCallback
 
-__all__ = ["StableAttentionCallback"]
+__all__ = ["StableAttentionCallback", "StableAttentionTrainerCallback"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from .lightning import StableAttentionCallback
 
         return StableAttentionCallback
+    if name == "StableAttentionTrainerCallback":  # transformers.Trainer's; imports transformers' trainer
+        from .trainer import StableAttentionTrainerCallback
+
+        return StableAttentionTrainerCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,334 @@
+"""StableAttentionTrainerCallback: the stabilized attention, monitoring, alerts and spike handling for a
+transformers ``Trainer`` (and the trainers built on it, such as TRL's).
+
+A thin adapter: :class:`~stable_attn.callbacks.engine.MonitorEngine` decides everything; this module
+only turns the Trainer's hooks into the engine's calls. One optimizer step of the Trainer
+(transformers >= 4.45 has every hook used here; the project requires transformers >= 5):
+
+1. ``on_step_begin`` (first micro-batch): :meth:`~MonitorEngine.begin_step`.
+2. ``Trainer.training_step`` returns each micro-batch's loss, already divided for gradient
+   accumulation: :meth:`~MonitorEngine.add_loss`.
+3. The Trainer computes the gradient norm before clipping (``accelerator.clip_grad_norm_``, with
+   ``max_norm=inf`` when ``max_grad_norm`` is 0) and clips; that pre-clip norm is what the detectors see.
+4. ``on_pre_optimizer_step`` (gradients complete, clipped, update not done):
+   :meth:`~MonitorEngine.before_optimizer_step`. A dropped update has its gradients set to None there, so
+   ``optimizer.step()`` leaves every weight and every optimizer state tensor as it was (torch optimizers
+   skip parameters without a gradient: no moment update, no step count, no weight decay).
+5. ``on_step_end`` (after the LR scheduler step): :meth:`~MonitorEngine.end_step`: statistics, rollback,
+   stop. Monitored steps are the Trainer's logging steps; their metrics go into the Trainer's own log
+   entry of that step, so ``trainer.state.log_history`` and every ``report_to`` backend get them.
+
+Why the callback reaches into the Trainer: its callbacks receive neither the loss, nor the gradient norm
+before clipping, nor a way to add metrics to the step's log (``on_log`` runs after ``log_history`` and
+the reporting integrations have their copy). So at ``on_train_begin`` the callback finds the Trainer
+that called it (it is ``self`` in the calling frame of ``CallbackHandler``) and wraps three of its
+bound methods on that instance only: ``training_step``, ``accelerator.clip_grad_norm_`` and ``log``.
+``on_train_end`` puts them back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from ..monitor import Alert, SpikeDetector, names
+from .engine import MonitorEngine, Trainables, World
+from .grad_norm import total_grad_norm
+
+__all__ = ["StableAttentionTrainerCallback"]
+
+log = logging.getLogger("stable_attn")
+
+_NAME = "StableAttentionTrainerCallback"
+# Constructor arguments that trainer_state.json can hold (plain values, no secrets). The others (objects,
+# callables, the webhook's URL and headers, which often carry a token) are never written there.
+_JSON_ARGS = ("on_spike", "log_every_n_steps", "swap", "patch_sdpa", "monitor_grad_norm", "attention_stats",
+              "early_warnings", "early_warning_warmup", "rollback_every", "webhook_timeout", "alerts_file",
+              "layer_window", "not_training_after", "not_training_stop_after")
+_OTHER_ARGS = ("loss_detector", "grad_norm_detector", "on_alert", "webhook_url", "webhook_headers")
+# The Trainer logs its own loss, gradient norm and learning rate; the callback adds only its own metrics.
+_TRAINER_LOGS = (names.LOSS, names.GRAD_NORM, names.LR)
+
+
+def _calling_trainer() -> Trainer | None:
+    """The ``transformers.Trainer`` whose training loop is running this hook (a few frames up), or None."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+    return None
+
+
+def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked in rank order (``torch.distributed.all_gather``: gloo and NCCL)."""
+    import torch.distributed as dist
+
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor.contiguous())
+    return torch.stack(out)
+
+
+class _Taps:
+    """The three wrapped methods of one Trainer instance, and what they saw."""
+
+    def __init__(self, trainer: Trainer, on_loss: Callable[[torch.Tensor], None]) -> None:
+        self.trainer = trainer
+        self.norm: torch.Tensor | None = None  # the Trainer's pre-clip gradient norm of the current step
+        self.pending: tuple[int, dict[str, float]] | None = None  # metrics waiting for the Trainer's log
+        step_fn, clip_fn, log_fn = trainer.training_step, trainer.accelerator.clip_grad_norm_, trainer.log
+
+        def training_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = step_fn(*args, **kwargs)
+            on_loss(loss)
+            return loss
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            norm = clip_fn(*args, **kwargs)
+            self.norm = norm if isinstance(norm, torch.Tensor) else None
+            return norm
+
+        def log_(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+            pending, self.pending = self.pending, None
+            if pending is not None and pending[0] == trainer.state.global_step:
+                logs.update(pending[1])
+            return log_fn(logs, *args, **kwargs)
+
+        trainer.training_step = training_step
+        trainer.accelerator.clip_grad_norm_ = clip_grad_norm_
+        trainer.log = log_
+
+    def grad_norm(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
+        """The Trainer's pre-clip norm of this step; without one (DeepSpeed, a custom clip), the norm of the
+        gradients as they are now."""
+        norm, self.norm = self.norm, None
+        return norm.detach() if norm is not None else total_grad_norm(parameters)
+
+    def flush(self) -> None:
+        """Metrics of a monitored step the Trainer did not log: an entry of their own."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.trainer.log(dict(pending[1]))
+
+    def remove(self) -> None:
+        for owner, name in ((self.trainer, "training_step"), (self.trainer.accelerator, "clip_grad_norm_"),
+                            (self.trainer, "log")):
+            owner.__dict__.pop(name, None)
+
+
+class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
+    r"""Swap in the stabilized attention, monitor attention and training health, alert, and act on spikes,
+    in a ``transformers.Trainer``::
+
+        trainer = Trainer(model=model, args=args, train_dataset=data,
+                          callbacks=[StableAttentionTrainerCallback(on_spike="skip")])
+
+    **Swap.** At ``on_train_begin`` the Trainer's model (every outermost ``PreTrainedModel`` inside it) is
+    switched to ``attn_implementation="stable_attn"`` and gets per-layer statistics.
+
+    **Monitor.** On the Trainer's logging steps (every ``logging_steps`` with ``logging_strategy="steps"``;
+    ``log_every_n_steps`` overrides), the per-layer saturation, fixed-block rate, max logit and sink mass
+    (``stable_attn/<stat>/layer<i>``) and the alert count (``stable_attn/alerts``) join the Trainer's own
+    log entry of that step (``loss``, ``grad_norm``, ``learning_rate``): ``trainer.state.log_history``,
+    ``trainer_state.json`` and every ``report_to`` backend get them.
+
+    **Detect, alert, act.** Every optimizer step's loss (each rank's, summed over the accumulated
+    micro-batches) and gradient norm before clipping go to the spike detectors, on every rank, with the
+    same rules, alerts and actions as :class:`~stable_attn.callbacks.StableAttentionCallback`: alerts to
+    the ``stable_attn`` logger, ``<output_dir>/<alerts_file>`` (JSONL), ``on_alert`` callables and
+    ``webhook_url``; ``on_spike="skip"`` drops the step's update (weights and optimizer state unchanged,
+    the LR scheduler still advances); ``"rollback"`` drops it and restores the model, optimizer, LR
+    scheduler, grad scaler and RNG state kept in memory every ``rollback_every`` steps; ``"stop"`` drops
+    it, saves a checkpoint (``<output_dir>/checkpoint-<step>``, the Trainer's own format, whatever
+    ``save_strategy`` says) and stops training. A NaN or inf loss or gradient never reaches the weights.
+    Under DDP every rank shares its values each step, so all ranks take the same action.
+
+    **Steps.** Steps are counted as the Trainer counts them: step ``N`` is the ``N``-th optimizer
+    update, logged at ``"step": N`` and checkpointed as ``checkpoint-N``; alerts, ``skipped_steps`` and
+    ``rollbacks`` use the same numbers.
+
+    **Resume.** The detectors' state is saved in each checkpoint's ``trainer_state.json`` (the Trainer's
+    ``ExportableState`` mechanism) and restored by ``trainer.train(resume_from_checkpoint=...)``; the
+    rollback snapshot is not (a resumed run takes a fresh one at its first step). Leave
+    ``TrainingArguments.restore_callback_states_from_checkpoint`` False (the default): with True the
+    Trainer rebuilds the callback from the JSON, which cannot hold callables, detector objects or the
+    webhook, so the callback refuses it when any of those were given.
+
+    **End of run.** ``on_train_end`` logs the summary line, closes the alert channels (within one
+    ``webhook_timeout``), puts back ``F.scaled_dot_product_attention`` if ``patch_sdpa`` replaced it and
+    unwraps the Trainer. The Trainer has no hook for a ``train()`` that raises: the channels of such a
+    run are closed at the start of the callback's next ``train()``.
+
+    Args:
+        on_spike, swap, patch_sdpa, loss_detector, grad_norm_detector, monitor_grad_norm, attention_stats,
+        early_warnings, early_warning_warmup, rollback_every, on_alert, webhook_url, webhook_timeout,
+        webhook_headers, alerts_file, layer_window, not_training_after, not_training_stop_after: as for
+        :class:`~stable_attn.callbacks.StableAttentionCallback`; ``alerts_file`` is written in
+        ``TrainingArguments.output_dir``.
+        log_every_n_steps: optimizer steps between monitored steps; None follows the Trainer's
+            ``logging_steps`` (no monitored steps when ``logging_strategy`` is not ``"steps"``).
+    """
+
+    def __init__(
+        self,
+        *,
+        on_spike: str = "warn",
+        log_every_n_steps: int | None = None,
+        swap: bool = True,
+        patch_sdpa: bool = False,
+        loss_detector: SpikeDetector | None = None,
+        grad_norm_detector: SpikeDetector | None = None,
+        monitor_grad_norm: bool = True,
+        attention_stats: bool = True,
+        early_warnings: bool = True,
+        early_warning_warmup: int | None = None,
+        rollback_every: int = 100,
+        on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None = None,
+        webhook_url: str | None = None,
+        webhook_timeout: float = 2.0,
+        webhook_headers: Mapping[str, str] | None = None,
+        alerts_file: str | None = names.ALERTS_FILE,
+        layer_window: int = 10,
+        not_training_after: int = 10,
+        not_training_stop_after: int | None = 100,
+    ) -> None:
+        given = dict(locals())
+        self.engine = MonitorEngine(name=_NAME, **{k: given[k] for k in _JSON_ARGS + _OTHER_ARGS})
+        self._args = {k: given[k] for k in _JSON_ARGS}
+        self._unsaved = [k for k in _OTHER_ARGS if given[k] is not None]
+        self._checkpoint_state: dict[str, Any] | None = None  # set by the Trainer's own restore (see state())
+        self._taps: _Taps | None = None
+        self._every = 0
+        self._running = False
+
+    # Results, as the Lightning callback names them.
+    @property
+    def alert_count(self) -> int:
+        return self.engine.alert_count
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        return self.engine.skipped_steps
+
+    @property
+    def rollbacks(self) -> list[tuple[int, int]]:
+        return self.engine.rollbacks
+
+    @property
+    def stop_checkpoint(self) -> str | None:
+        return self.engine.stop_checkpoint
+
+    def summary(self) -> str:
+        return self.engine.summary()
+
+    # Given to lightning.Trainer: Lightning reads ``state_key`` from a callback before each of its hooks
+    # (``setup`` first, then ``on_exception`` when that raised), so it is where the mistake is named.
+    @property
+    def state_key(self) -> str:
+        raise TypeError(f"{_NAME} is a transformers.Trainer callback; for lightning.Trainer use "
+                        "stable_attn.callbacks.StableAttentionCallback")
+
+    def setup(self, *args: Any, **kwargs: Any) -> None:
+        self.state_key  # noqa: B018 - raises the TypeError above
+
+    def on_exception(self, *args: Any, **kwargs: Any) -> None:
+        self.state_key  # noqa: B018
+
+    # ---------------------------------------------------------------- resume
+    def state(self) -> dict[str, Any]:
+        """What ``trainer_state.json`` keeps (``ExportableState``): the plain constructor arguments and
+        the engine's state, without the rollback snapshot (tensors)."""
+        engine = {k: v for k, v in self.engine.state_dict().items() if k != "rollback_snapshot"}
+        return {"args": dict(self._args),
+                "attributes": {"_checkpoint_state": {"engine": engine, "unsaved_args": list(self._unsaved)}}}
+
+    def _restore(self, args: Any, state: Any) -> None:
+        saved = self._checkpoint_state  # the Trainer rebuilt this callback from the checkpoint
+        if saved is None and state.global_step > 0:  # a resumed run: the checkpoint's trainer_state.json
+            entry = state.stateful_callbacks.get(_NAME)
+            entry = entry[0] if isinstance(entry, list) else entry
+            saved = entry.get("attributes", {}).get("_checkpoint_state") if isinstance(entry, dict) else None
+        self._checkpoint_state = None
+        if saved is None:
+            if state.global_step > 0 and state.is_world_process_zero:
+                log.warning("%s: the checkpoint at step %d holds no %s state; detectors start afresh", _NAME,
+                            state.global_step, _NAME)
+            return
+        if args.restore_callback_states_from_checkpoint and saved.get("unsaved_args"):
+            raise ValueError(
+                f"TrainingArguments(restore_callback_states_from_checkpoint=True) rebuilt {_NAME} from "
+                f"trainer_state.json, which does not hold its arguments {saved['unsaved_args']}; resume with "
+                f"restore_callback_states_from_checkpoint=False: {_NAME} restores its own state either way")
+        self.engine.load_state_dict(saved["engine"])
+
+    # ---------------------------------------------------------------- hooks
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+        if self._running:  # the last train() raised: end that run first
+            self._end("before a new train()")
+        trainer = _calling_trainer()
+        if trainer is None:
+            raise RuntimeError(f"{_NAME} found no transformers.Trainer running it; it works inside Trainer.train()")
+        self._taps = _Taps(trainer, self.engine.add_loss)
+        self._restore(args, state)
+        size = args.world_size
+        world = World(rank=args.process_index, size=size, device=args.device,
+                      all_gather=_all_gather if size > 1 else None, grad_norm=self._taps.grad_norm)
+        self.engine.setup(model, world, stage="train")
+        steps = args.logging_strategy == "steps"
+        self._every = self.engine.log_every_n_steps or (state.logging_steps if steps else 0)
+        output_dir = args.output_dir or "."
+        self.engine.start(output_dir, self._every, lambda step: os.path.join(output_dir, f"checkpoint-{step}"))
+        self.engine.train_start(self._trainables(state, model, optimizer, lr_scheduler))
+        self._running = True
+
+    def _trainables(self, state: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> Trainables:
+        scaler = getattr(self._taps.trainer.accelerator, "scaler", None) if self._taps is not None else None
+        return Trainables(step=state.global_step, model=model, optimizers=[optimizer] if optimizer else [],
+                          schedulers=[lr_scheduler] if lr_scheduler is not None else [], precision=scaler)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._taps is not None:
+            self._taps.flush()
+        step = state.global_step + 1  # the Trainer's number of the update this step makes
+        self.engine.begin_step(step, monitor=self._every > 0 and step % self._every == 0)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                              **kwargs: Any) -> None:
+        scaler = self._taps is not None and getattr(self._taps.trainer.accelerator, "scaler", None) is not None
+        self.engine.before_optimizer_step(optimizer, model.parameters(), scaler=scaler)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                    lr_scheduler: Any = None, **kwargs: Any) -> None:
+        end = self.engine.end_step(self._trainables(state, model, optimizer, lr_scheduler))
+        if end.metrics is not None and self._taps is not None:
+            ours = {k: v for k, v in end.metrics.items() if k not in _TRAINER_LOGS}
+            self._taps.pending = (state.global_step, ours)
+            if not control.should_log:
+                self._taps.flush()
+        if end.stop_checkpoint is not None:
+            control.should_save = True  # the Trainer saves output_dir/checkpoint-<global_step> next
+            control.should_training_stop = True
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._taps is not None:
+            self._taps.flush()
+        self.engine.log_summary()
+        self._end("at the end of train()")
+
+    def _end(self, when: str) -> None:
+        self.engine.end_run(when)
+        if self._taps is not None:
+            self._taps.remove()
+            self._taps = None
+        self._running = False

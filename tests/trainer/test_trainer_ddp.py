@@ -1,0 +1,41 @@
+"""StableAttentionTrainerCallback under DDP: transformers.Trainer in 2 CPU processes (torchrun, gloo);
+only rank 1 sees a garbled batch, and only rank 1's logits turn NaN."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def test_ddp_ranks_agree_on_every_action(tmp_path, pretrained):
+    from ddp_trainer_run import BAD, NAN_STEP, STEPS
+
+    path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.join(HERE, "ddp_trainer_run.py"), pretrained, str(tmp_path)],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+
+    assert r0["world"] == r1["world"] == 2
+    assert r0["global_step"] == r1["global_step"] == STEPS
+    assert r0["skipped_steps"] == r1["skipped_steps"] == [BAD, NAN_STEP]  # both ranks skip what rank 1 saw
+    assert all(r0["unchanged"].values()) and all(r1["unchanged"].values())
+    assert r0["final"] == r1["final"]  # replicas identical: the same decision everywhere, no NaN applied
+    assert r0["alert_count"] == r1["alert_count"] >= 2
+    assert r0["alerts_file"]  # side effects on rank zero (both ranks share output_dir here)
+    with open(tmp_path / "stable_attn_alerts.jsonl", encoding="utf-8") as f:
+        alerts = [json.loads(line) for line in f]
+    assert {a["step"] for a in alerts} == {BAD, NAN_STEP}
+    loss = [a for a in alerts if a["metric"] == "train/loss"]
+    assert [(a["step"], a["kind"]) for a in loss] == [(BAD, "spike"), (NAN_STEP, "nonfinite")]
+    assert all("on rank 1 of 2" in a["message"] and a["action"] == "skip" for a in loss)
+    assert len(alerts) == r0["alert_count"]
