@@ -178,6 +178,10 @@ VARLEN_TORCH = [
     (((113, 203), (1, 239), (799, 3), (64, 64)), False, (23, 0), 5.0, 2, 2, 32),
     (((17, 17), (40, 90), (5, 1)), False, (6, -1), 0.0, 4, 1, 16),
 ]
+VARLEN_TRITON = [
+    (((13, 29), (1, 39), (35, 3)), True, (-1, -1), 0.0, 2, 1, 16),
+    (((9, 9), (20, 33)), False, (4, 0), 2.0, 2, 2, 8),
+]
 
 
 def _check_varlen(backend, pairs, causal, window_size, softcap, hq, hkv, d):
@@ -211,6 +215,11 @@ def _check_varlen(backend, pairs, causal, window_size, softcap, hq, hkv, d):
 @pytest.mark.parametrize(("pairs", "causal", "window_size", "softcap", "hq", "hkv", "d"), VARLEN_TORCH)
 def test_flash_attn_varlen_func_matches_oracle_torch(pairs, causal, window_size, softcap, hq, hkv, d):
     _check_varlen("torch", pairs, causal, window_size, softcap, hq, hkv, d)
+
+
+@pytest.mark.parametrize(("pairs", "causal", "window_size", "softcap", "hq", "hkv", "d"), VARLEN_TRITON)
+def test_flash_attn_varlen_func_matches_oracle_triton(pairs, causal, window_size, softcap, hq, hkv, d):
+    _check_varlen("triton", pairs, causal, window_size, softcap, hq, hkv, d)
 
 
 def test_flash_attn_varlen_func_refusals():

@@ -123,7 +123,7 @@ def reference(name: str):
     return _REFERENCE[name]
 
 
-CASES = [(name, backend, use_cache) for name in FAMILIES for backend in ("torch",) for use_cache in
+CASES = [(name, backend, use_cache) for name in FAMILIES for backend in ("torch", "triton") for use_cache in
          (None, False)]
 
 
