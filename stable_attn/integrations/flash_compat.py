@@ -12,10 +12,11 @@ stride, which the kernels take as it is, and the output is allocated with the in
 comes back as a contiguous ``[B, N, H, D]`` tensor like FlashAttention's.
 
 ``window_size=(left, right)``: FlashAttention lets the query at position ``p`` (bottom-right aligned,
-``p = i + Nk - Nq``) see keys ``p - left <= j <= p + right``, ``-1`` meaning unbounded. stable_attn's
-``window=W`` keeps keys ``j > p - W``, i.e. ``W = left + 1``, and bounds only the left side; so a right
-bound is expressible only as none (``-1``) or as causality (``0``). :func:`window_arguments` maps the
-supported combinations and refuses the others. ``alibi_slopes``, ``return_attn_probs=True`` and a paged
+``p = i + Nk - Nq``) see keys ``p - left <= j <= p + right``, ``-1`` meaning unbounded, and with
+``causal=True`` it takes ``right = 0``. stable_attn's ``window=W`` keeps keys ``j > p - W``, i.e.
+``W = left + 1``, and bounds only the left side; so a right bound is expressible only as none (``-1``)
+or as causality (``0``). :func:`window_arguments` maps the supported combinations and refuses the
+others. ``alibi_slopes``, ``return_attn_probs=True`` and a paged
 ``block_table`` are refused. ``deterministic`` is accepted and changes nothing: the backward has no
 atomics and is deterministic already.
 """
@@ -36,22 +37,22 @@ Window = tuple[int, int]
 def window_arguments(window_size: Any, causal: bool) -> tuple[bool, int | None]:
     """``(causal, window)`` for :func:`stable_attn.attention` from FlashAttention's ``causal, window_size``.
 
-    Supported: ``(-1, -1)``: no window; ``(left, -1)``: keys ``j >= p - left``, the right unbounded
-    (non-causal) or cut at ``p`` (causal); ``(left, 0)`` or ``(-1, 0)``: causal, with the left bound.
+    As in FlashAttention, a negative bound is unbounded and ``causal=True`` sets the right bound to 0
+    whatever ``window_size`` says. Supported: a left bound ``left >= 0`` (keys ``j >= p - left``) or
+    none, with the right bound unbounded (non-causal) or 0 (causal). A right bound > 0 without
+    ``causal`` raises.
     """
     ok_pair = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
                and all(isinstance(x, int) and not isinstance(x, bool) for x in window_size))
     if not ok_pair:
         raise TypeError(f"window_size={window_size!r} must be a pair of ints (left, right), -1 = unbounded")
     left, right = window_size
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size={tuple(window_size)!r}: each bound is -1 (unbounded) or >= 0")
-    if right > 0:
+    if right > 0 and not causal:
         raise ValueError(
-            f"window_size={tuple(window_size)!r} with causal={causal}: a right bound > 0 is not supported; "
+            f"window_size={tuple(window_size)!r} with causal=False: a right bound > 0 is not supported; "
             "stable_attn's window bounds the left side only, so right must be -1 (unbounded) or 0 (causal)"
         )
-    window = None if left == -1 else left + 1  # FlashAttention's left bound is inclusive, ours exclusive
+    window = None if left < 0 else left + 1  # FlashAttention's left bound is inclusive, ours exclusive
     return bool(causal) or right == 0, window
 
 

@@ -46,7 +46,8 @@ def oracle_bnhd(q, k, v, vis, **kw):
     return out.transpose(1, 2)
 
 
-@pytest.mark.parametrize("window_size", [(-1, -1), (0, -1), (3, -1), (5, 0), (-1, 0), (0, 0), (1000, -1)])
+@pytest.mark.parametrize("window_size", [(-1, -1), (0, -1), (3, -1), (5, 0), (-1, 0), (0, 0), (1000, -1), (-3, -1),
+                                         (4, -2)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_window_mapping_is_flash_attention_semantics(causal, window_size):
     for nq, nk in ((7, 7), (3, 11), (11, 3)):
@@ -55,9 +56,16 @@ def test_window_mapping_is_flash_attention_semantics(causal, window_size):
         assert torch.equal(ours, flash_visibility(nq, nk, causal, window_size)), (nq, nk)
 
 
+@pytest.mark.parametrize("window_size", [(2, 3), (-1, 5)])
+def test_causal_ignores_the_right_bound_as_flash_attention_does(window_size):
+    assert window_arguments(window_size, True) == window_arguments((window_size[0], 0), True)
+    ours = naive.visibility(6, 9, **dict(zip(("causal", "window"), window_arguments(window_size, True))))[0, 0]
+    assert torch.equal(ours, flash_visibility(6, 9, True, window_size))
+
+
 @pytest.mark.parametrize(("window_size", "causal", "error"), [
-    ((2, 3), False, "right bound > 0"), ((2, 3), True, "right bound > 0"), ((-1, 4), False, "right bound > 0"),
-    ((-2, -1), False, "-1 \\(unbounded\\) or >= 0"), ((1,), False, "pair of ints"), ((1.0, -1), False, "pair"),
+    ((2, 3), False, "right bound > 0"), ((-1, 4), False, "right bound > 0"), ((1,), False, "pair of ints"),
+    ((1.0, -1), False, "pair"), ((True, -1), False, "pair"),
     (None, False, "pair of ints"),
 ])
 def test_unsupported_windows_are_refused(window_size, causal, error):
