@@ -123,10 +123,11 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
     consts, opts = _constants(v)
     fn = (_VARLEN_KERNELS if v.varlen else _KERNELS)[v.kind]
     descriptors = {}
-    if consts.get("TMA"):  # the launcher's descriptors: one (batch, head) row block of [B, H, N, D]
-        rows = consts["BLOCK_M"] if v.kind == "bwd_dkdv" else consts["BLOCK_N"]
+    if consts.get("TMA"):  # the launcher's descriptors: a row block of one (batch, head) of [B, H, N, D]
+        rows = consts["BLOCK_M"] if v.kind == "bwd_dkdv" else consts["BLOCK_N"]  # or of one head of [total, H, D]
         names = ("Q", "DO") if v.kind == "bwd_dkdv" else ("K", "V")
-        descriptors = {n: (1, 1, rows, consts["BLOCK_D"]) for n in names}
+        block = (rows, 1, consts["BLOCK_D"]) if v.varlen else (1, 1, rows, consts["BLOCK_D"])
+        descriptors = {n: block for n in names}
     sig, attrs = _signature(fn, v.dtype, consts, descriptors)
     return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), opts
 
@@ -137,7 +138,7 @@ def _constants(v: Variant) -> tuple[dict, dict]:
     f = v.features
     common = dict(CAUSAL=v.causal, WINDOW=f, SOFTCAP=f, DROPOUT=f, HEAD_D=v.head_dim, BLOCK_D=block_d,
                   DTYPE=_TL_DTYPE[v.dtype], UPCAST=False, PREC="ieee" if v.dtype == torch.float32 else "tf32")
-    if not v.varlen:  # the varlen kernels take no padding mask and no descriptors
+    if not v.varlen:  # the varlen kernels take no padding mask
         common["HAS_KPM"] = f
     if v.kind == "fwd":
         cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc)
@@ -147,10 +148,10 @@ def _constants(v: Variant) -> tuple[dict, dict]:
         consts = dict(HEAD_D=v.head_dim, BLOCK_D=block_d, BLOCK_M=64)
         opts = dict(num_warps=4, num_stages=1)
     else:
-        c = bwd_config(block_d, v.dtype, v.cc, tma=not v.varlen, heavy=f)  # varlen: pointer loads
+        c = bwd_config(block_d, v.dtype, v.cc, heavy=f)
         m, n, warps, stages = (c.m1, c.n1, c.warps1, c.stages1) if v.kind == "bwd_dkdv" else (c.m2, c.n2, c.warps2,
                                                                                                c.stages2)
-        consts = dict(common, BLOCK_M=m, BLOCK_N=n, **({} if v.varlen else dict(TMA=c.tma)))
+        consts = dict(common, BLOCK_M=m, BLOCK_N=n, TMA=c.tma)
         opts = dict(num_warps=warps, num_stages=stages)
     return consts, opts
 

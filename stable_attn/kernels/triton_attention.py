@@ -1,6 +1,7 @@
 """Launchers for the Triton FlashAttention-2 kernels with the dynamic-max fix.
 
-``forward`` and ``backward`` are what ``stable_attn.attention`` calls for ``backend="triton"``; they
+``forward`` and ``backward`` are what ``stable_attn.attention`` calls for ``backend="triton"``
+(``forward_varlen`` / ``backward_varlen``: ``stable_attn.attention_varlen``, packed sequences); they
 take ``options.Options`` and return exactly what ``reference.attention_forward`` /
 ``attention_backward`` return, computed by the kernels in ``triton_forward.py`` and
 ``triton_backward.py`` (no autograd anywhere on this path).
@@ -146,6 +147,13 @@ def _descriptor(x: torch.Tensor, rows: int, block_d: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, block_d])
+
+
+def _packed_descriptor(x: torch.Tensor, rows: int, block_d: int):
+    """A TMA descriptor over packed ``[total, H, D]`` loading ``rows x block_d`` tiles of one head."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, 1, block_d])
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -343,9 +351,11 @@ def backward_varlen(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """Backward of :func:`forward_varlen` from its ``out`` and ``lse2 [Hq, total_q]``: ``(dq, dk, dv)``, packed.
 
     Three launches for all sequences, no atomics; each sequence's gradients are bit for bit those of
-    :func:`backward` on that sequence alone with the same tiling. The streamed tiles come through
-    pointer loads even on sm_90 (a descriptor over the packed tensor would read the next sequence's
-    rows where the dense descriptor zero-fills), with the pointer tiling of :func:`bwd_config`.
+    :func:`backward` on that sequence alone with the same tiling (for finite inputs). With ``cfg.tma``
+    (sm_90) the streamed tiles come through descriptors over the packed tensors: the rows they read
+    past a sequence's end are the next sequence's, which add exact zeros where the dense descriptor's
+    zero-filled rows do (an inf or NaN there would reach this sequence's gradients, as it reaches the
+    loss anyway).
     """
     packed = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _backward(do, q, k, v, out, lse2, None, opts, config, packed)
@@ -366,11 +376,8 @@ def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: _P
     dtype = q.dtype
     upcast = interpreting()
     block_d = head_block(D)
-    cfg = config or bwd_config(block_d, dtype, _capability(q.device),
-                               packed is None and tma_compatible(q, k, v, do),
+    cfg = config or bwd_config(block_d, dtype, _capability(q.device), tma_compatible(q, k, v, do),
                                heavy=opts.dropout_p > 0 or opts.softcap is not None)
-    if packed is not None and cfg.tma:
-        raise ValueError("the varlen backward loads its tiles through pointers: pass a BwdConfig with tma=False")
 
     delta = _empty(lse2.shape, torch.float32, q.device)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
@@ -423,14 +430,19 @@ def _backward_varlen(do, q, k, v, out, lse2, delta, dq, dk, dv, packed: _Packed,
             BLOCK_D=common["BLOCK_D"], BLOCK_M=64,
         )
     rest = (Hq, G, window, total_q, *scalars)
+    # with cfg.tma the streamed operands go in as descriptors over the packed tensors
+    q_in, do_in = (_packed_descriptor(q, cfg.m1, common["BLOCK_D"]), _packed_descriptor(do, cfg.m1, common["BLOCK_D"])
+                   ) if cfg.tma else (q, do)
+    k_in, v_in = (_packed_descriptor(k, cfg.n2, common["BLOCK_D"]), _packed_descriptor(v, cfg.n2, common["BLOCK_D"])
+                  ) if cfg.tma else (k, v)
     if min(B, packed.max_k) > 0:  # keys no query sees get zeros here
         attn_bwd_dkdv_varlen_kernel[(triton.cdiv(packed.max_k, cfg.n1), k.shape[1], B)](
-            q, k, v, do, lse2, delta, dk, dv, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, do, dk, dv), *rest,
-            **dkdv_tiles, **common,
+            q_in, k, v, do_in, lse2, delta, dk, dv, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, do, dk, dv),
+            *rest, TMA=cfg.tma, **dkdv_tiles, **common,
         )
     if min(B, Hq, packed.max_q) > 0:
         attn_bwd_dq_varlen_kernel[(triton.cdiv(packed.max_q, cfg.m2), Hq, B)](
-            q, k, v, do, lse2, delta, dq, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, do, dq), *rest,
-            **dq_tiles, **common,
+            q, k_in, v_in, do, lse2, delta, dq, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, do, dq), *rest,
+            TMA=cfg.tma, **dq_tiles, **common,
         )
     return dq, dk, dv

@@ -19,6 +19,12 @@ past ``HEAD_D``, as the masked loads of the pointer path do. The
 stabilization does not appear here: it changed only the offset, not ``O`` or ``lse``. Rounding
 points as in the reference: ``P`` (after dropout scaling) is cast to the input dtype before
 ``P^T dO``; ``dS * scale`` is cast to the input dtype before ``dS K`` and ``dS^T Q``.
+
+Packed sequences: ``attn_bwd_preprocess_varlen``, ``attn_bwd_dkdv_varlen_kernel`` and
+``attn_bwd_dq_varlen_kernel`` run the same program bodies (``delta_program``, ``dkdv_program``,
+``dq_program``) over (block of the longest sequence, head, sequence), with the offsets of
+``triton_forward.fwd_program`` (same reason for separate entries: the dense kernels' SASS is unchanged).
+With ``TMA`` the descriptors are 3D over the packed ``[total, H, D]`` tensors (``TMA_PACKED``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ import triton
 import triton.language as tl
 
 from .triton_forward import key_range, round_to, scores_tile, tanh_f32, varlen_bounds
+
+# ``TMA`` of the varlen kernels' programs: 3D descriptors over packed ``[total, H, D]`` (the dense
+# kernels pass True for 4D descriptors over ``[B, H, N, D]``, False for pointers)
+TMA_PACKED = tl.constexpr(2)
 
 
 @triton.jit
@@ -72,9 +82,16 @@ def attn_bwd_preprocess_varlen(Out, DO, Delta, CuQ, stride_oh, stride_on, stride
 def load_tile(desc, ptrs, b, h, start, stride, offs_r0, offs_d, n_rows, ROWS: tl.constexpr, HEAD_D: tl.constexpr,
               BLOCK_D: tl.constexpr, TMA: tl.constexpr):
     """Rows ``[start, start + ROWS)`` of one (batch, head) of a ``[B, H, N, D]`` tensor, zero past ``N``
-    and past ``HEAD_D``: through the tensor descriptor ``desc`` (``TMA``) or the pointers ``ptrs``."""
+    and past ``HEAD_D``: through the tensor descriptor ``desc`` (``TMA``) or the pointers ``ptrs``.
+
+    ``TMA == TMA_PACKED``: rows ``b + start ...`` of a packed ``[total, H, D]`` tensor (``b`` is the
+    sequence's first row); rows past the sequence are the next sequence's, zero only past ``total``.
+    """
     if TMA:
-        x = desc.load([b, h, start, 0]).reshape(ROWS, BLOCK_D)
+        if TMA == TMA_PACKED:
+            x = desc.load([b + start, h, 0]).reshape(ROWS, BLOCK_D)
+        else:
+            x = desc.load([b, h, start, 0]).reshape(ROWS, BLOCK_D)
     else:
         mask = (start + offs_r0)[:, None] < n_rows
         if HEAD_D != BLOCK_D:
@@ -151,13 +168,16 @@ def dkdv_program(
 ):
     """dK, dV of one key block; with ``TMA``, ``Q`` and ``DO`` are descriptors (block ``[1, 1, BLOCK_M, BLOCK_D]``).
 
-    ``VARLEN`` (never with ``TMA``): a key block of sequence ``b`` of packed tensors, offsets as in
-    ``triton_forward.fwd_program``.
+    ``VARLEN``: a key block of sequence ``b`` of packed tensors, offsets as in ``triton_forward.fwd_program``
+    (``TMA`` is then ``TMA_PACKED``). The query rows a descriptor reads past the sequence's end belong to
+    the next sequence: their ``lse`` is read as ``+inf``, so ``P = 0`` and ``dS = 0`` there and they add
+    exact zeros (finite inputs), as the zero-filled rows of the dense descriptor do.
     """
     start_n = tl.program_id(0) * BLOCK_N
     hkv = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
+    tile_b = q_start.to(tl.int32) if VARLEN else b  # what the descriptor loads index by
     pos_offset = Nk - Nq
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -214,20 +234,20 @@ def dkdv_program(
         # varlen: the counters of attention() on the sequence alone (b = 0)
         drop_head = h.to(tl.int64) * Nq * Nk if VARLEN else row0 * Nk
         for start_m in range(q_lo, mid_lo, BLOCK_M):
-            dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
+            dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, tile_b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
                                 offs_m0, offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window,
                                 qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, drop_head, True,
                                 CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE, UPCAST,
                                 PREC, TMA)
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
-            dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
+            dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, tile_b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
                                 offs_m0, offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window,
                                 qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, drop_head, False,
                                 CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE, UPCAST,
                                 PREC, TMA)
         if WINDOW:  # without a window every query block past the diagonal sees the whole key block
             for start_m in range(mid_hi, q_hi, BLOCK_M):
-                dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
+                dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, tile_b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
                                     offs_m0, offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window,
                                     qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, drop_head,
                                     True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE,
@@ -265,10 +285,10 @@ def attn_bwd_dkdv_varlen_kernel(
     Hq, G, window, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Program ``(key block, kv head, sequence)`` of packed tensors (pointer loads: a descriptor over the
-    packed rows would read the next sequence where the dense one zero-fills)."""
+    """Program ``(key block, kv head, sequence)`` of packed tensors; with ``TMA``, ``Q`` and ``DO`` are
+    descriptors over ``[total_q, Hq, D]`` (block ``[BLOCK_M, 1, BLOCK_D]``)."""
     b = tl.program_id(2)
     q_start, k_start, Nq, Nk = varlen_bounds(CuQ, CuK, b)
     if tl.program_id(0) * BLOCK_N >= Nk:
@@ -277,7 +297,7 @@ def attn_bwd_dkdv_varlen_kernel(
                  stride_vn, 0, stride_doh, stride_don, 0, stride_dkh, stride_dkn, 0, stride_dvh, stride_dvn, 0, Hq, G,
                  Nq, Nk, window, q_start, k_start, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed + b, drop_p,
                  keep_scale, CAUSAL, WINDOW, SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE,
-                 UPCAST, PREC, False)
+                 UPCAST, PREC, TMA_PACKED if TMA else False)
 
 
 @triton.jit
@@ -333,13 +353,15 @@ def dq_program(
 ):
     """dQ of one query block; with ``TMA``, ``K`` and ``V`` are descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``).
 
-    ``VARLEN`` (never with ``TMA``): a query block of sequence ``b`` of packed tensors, offsets as in
-    ``triton_forward.fwd_program``.
+    ``VARLEN``: a query block of sequence ``b`` of packed tensors, offsets as in ``triton_forward.fwd_program``
+    (``TMA`` is then ``TMA_PACKED``). Key rows a descriptor reads past the sequence's end (the next
+    sequence's) lie in the masked stretch (``offs_n < Nk``): ``P = 0`` there, exact zeros as in the dense case.
     """
     start_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
+    tile_b = k_start.to(tl.int32) if VARLEN else b  # what the descriptor loads index by
     hkv = h // G
     pos_offset = Nk - Nq
 
@@ -376,17 +398,17 @@ def dq_program(
     lo, mid_lo, mid_hi, hi = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     if WINDOW:  # blocks cut by the window's left edge (lo == mid_lo == 0 without a window)
         for start_n in range(lo, mid_lo, BLOCK_N):
-            dq = dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            dq = dq_block(dq, q, do, lse, delta, K, V, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                           offs_n0, offs_d, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale,
                           cap_log2e, scale, seed, drop_p, keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP,
                           HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
-        dq = dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
+        dq = dq_block(dq, q, do, lse, delta, K, V, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
                       offs_d, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
                       seed, drop_p, keep_scale, drop_row, False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D,
                       BLOCK_D, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
     for start_n in range(mid_hi, hi, BLOCK_N):
-        dq = dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
+        dq = dq_block(dq, q, do, lse, delta, K, V, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
                       offs_d, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
                       seed, drop_p, keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D,
                       BLOCK_D, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
@@ -419,9 +441,10 @@ def attn_bwd_dq_varlen_kernel(
     Hq, G, window, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Program ``(query block, head, sequence)`` of packed tensors (pointer loads, as the dK/dV one)."""
+    """Program ``(query block, head, sequence)`` of packed tensors; with ``TMA``, ``K`` and ``V`` are
+    descriptors over ``[total_k, Hkv, D]`` (block ``[BLOCK_N, 1, BLOCK_D]``)."""
     b = tl.program_id(2)
     q_start, k_start, Nq, Nk = varlen_bounds(CuQ, CuK, b)
     if tl.program_id(0) * BLOCK_M >= Nq:
@@ -429,4 +452,5 @@ def attn_bwd_dq_varlen_kernel(
     dq_program(Q, K, V, Q, DO, Lse, Delta, DQ, 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh,
                stride_vn, 0, stride_doh, stride_don, 0, stride_dqh, stride_dqn, 0, Hq, G, Nq, Nk, window, q_start,
                k_start, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed + b, drop_p, keep_scale, CAUSAL, WINDOW,
-               SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC, False)
+               SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC,
+               TMA_PACKED if TMA else False)

@@ -13,6 +13,19 @@ statistics), so a variant pays only for what it uses. ``UPCAST`` is set only und
 ``TRITON_INTERPRET=1``: the interpreter cannot do bf16 arithmetic or bf16 ``tl.dot``, so operands
 are widened to fp32 right after loading, and every rounding point stays an explicit cast to
 ``DTYPE`` (bf16 x bf16 products are exact in fp32, so CPU and GPU round ``P-bar`` at the same place).
+
+Packed sequences (``attn_fwd_varlen_kernel``, FlashAttention's varlen layout: q ``[total_q, Hq, D]``,
+k/v ``[total_k, Hkv, D]``, ``cu_seqlens``): one launch over (query block of the longest sequence,
+head, sequence); a program past its sequence's last query block returns at once. Both kernels are
+thin entries to one program body, :func:`fwd_program`, whose only varlen lines are offsets, each
+chosen where it is used (``x if VARLEN else y``, resolved at compile time): the sequence's first
+query and key and its lengths (so causal and window are bottom-right per sequence and the key blocks
+start at its first key: the rule sees the partition ``attention()`` sees on the sequence alone),
+rows ``[Hq, total_q]`` of lse and statistics, and the dropout counters of the sequence alone with
+seed ``seed + b``. Two entries rather than a flag on one kernel: the varlen arguments alone (unused)
+changed the dense kernel's SASS, while this way the dense kernels compile to the same SASS as before
+(all 12 sm_90 D = 64/128 variants of ``benchmarks/kernel_resources.py`` compared instruction by
+instruction).
 """
 
 from __future__ import annotations

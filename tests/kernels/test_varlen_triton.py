@@ -189,10 +189,19 @@ def test_dropout_is_the_dense_mask_seeded_per_sequence():
 
 
 def test_default_tiles():
-    """The launchers' own tiling (the backward: pointer tiles, the dense one may take descriptors)."""
+    """The launchers' own tiling: sm_90's under the interpreter, with the backward's tensor descriptors."""
     lens = random_lengths(3, 150, 11)
-    run_varlen(lens, lens, 2, 1, 64, torch.bfloat16, opts_for(64, True), seed=11, config=None, bwd_config=None,
-               same_bwd_tiles=False)
+    assert ta.bwd_config(64, torch.bfloat16, 90).tma
+    run_varlen(lens, lens, 2, 1, 64, torch.bfloat16, opts_for(64, True), seed=11, config=None, bwd_config=None)
+
+
+def test_descriptor_tiles_read_past_the_sequence():
+    """Small descriptor tiles: most tiles overhang their sequence into the next one (the dense descriptor
+    zero-fills there); the overhang must add exact zeros, with GQA and every feature but dropout."""
+    lens_q, lens_k = random_lengths(4, 60, 12), random_lengths(4, 60, 13)
+    opts = opts_for(32, True, block_n=16, window=21, softcap=10.0)
+    run_varlen(lens_q, lens_k, 4, 2, 32, torch.bfloat16, opts, seed=12, qk_std=1.5,
+               bwd_config=dataclasses.replace(SMALL_BWD, tma=True))
 
 
 def test_launcher_errors():
@@ -202,10 +211,8 @@ def test_launcher_errors():
         ta.forward_varlen(q, k, v, good.long(), good, 4, 4, opts_for(16), False)
     with pytest.raises(ValueError, match="same length"):
         ta.forward_varlen(q, k, v, good, cu([2, 2]), 4, 4, opts_for(16), False)
-    o, lse, _ = ta.forward_varlen(q, k, v, good, good, 4, 4, opts_for(16), False)
-    with pytest.raises(ValueError, match="tma=False"):
-        ta.backward_varlen(do, q, k, v, o, lse, good, good, 4, 4, opts_for(16),
-                           config=dataclasses.replace(SMALL_BWD, tma=True))
+    with pytest.raises(ValueError, match="int32 offsets"):
+        ta.forward_varlen(q, k, v, good, good, 2**31 // 16, 4, opts_for(16), False)
 
 
 @pytest.mark.slow
