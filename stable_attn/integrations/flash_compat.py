@@ -18,7 +18,9 @@ comes back as a contiguous ``[B, N, H, D]`` tensor like FlashAttention's.
 or as causality (``0``). :func:`window_arguments` maps the supported combinations and refuses the
 others. ``alibi_slopes``, ``return_attn_probs=True`` and a paged
 ``block_table`` are refused. ``deterministic`` is accepted and changes nothing: the backward has no
-atomics and is deterministic already.
+atomics and is deterministic already. The packed-input variants (``flash_attn_qkvpacked_func``,
+``flash_attn_kvpacked_func`` and their varlen forms) split the stacked tensor into views and call the
+two functions above.
 """
 
 from __future__ import annotations
@@ -154,4 +156,69 @@ def flash_attn_varlen_func(
     )
 
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "window_arguments"]
+# FlashAttention's packed-input variants: q, k, v stacked along one dimension of a single tensor. They
+# take views of it (unit last stride kept), so the gradients flow back into the stacked tensor.
+
+
+def _split(x: Any, parts: int, layout: str, fn: str, name: str) -> tuple[torch.Tensor, ...]:
+    if not isinstance(x, torch.Tensor) or x.dim() != layout.count(",") + 1 or x.shape[-3] != parts:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{fn}: {name} must have the layout {layout}, got {got}")
+    return x.unbind(-3)
+
+
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                              causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                              return_attn_probs: bool = False, **options: Any) -> torch.Tensor:
+    """FlashAttention 2's ``flash_attn_qkvpacked_func``: qkv ``[B, N, 3, H, D]`` -> ``[B, N, H, D]``."""
+    q, k, v = _split(qkv, 3, "[B, N, 3, H, D]", "flash_attn_qkvpacked_func", "qkv")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, **options)
+
+
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
+                             softmax_scale: float | None = None, causal: bool = False,
+                             window_size: Window = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                             return_attn_probs: bool = False, **options: Any) -> torch.Tensor:
+    """FlashAttention 2's ``flash_attn_kvpacked_func``: q ``[B, Nq, Hq, D]``, kv ``[B, Nk, 2, Hkv, D]``."""
+    k, v = _split(kv, 2, "[B, N, 2, H, D]", "flash_attn_kvpacked_func", "kv")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, **options)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                                     dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                     causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
+                                     alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                     return_attn_probs: bool = False, **options: Any) -> torch.Tensor:
+    """FlashAttention 2's ``flash_attn_varlen_qkvpacked_func``: qkv ``[total, 3, H, D]`` -> ``[total, H, D]``."""
+    q, k, v = _split(qkv, 3, "[total, 3, H, D]", "flash_attn_varlen_qkvpacked_func", "qkv")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, **options)
+
+
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                    dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                    causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                    return_attn_probs: bool = False, **options: Any) -> torch.Tensor:
+    """FlashAttention 2's ``flash_attn_varlen_kvpacked_func``: q ``[total_q, Hq, D]``, kv ``[total_k, 2, Hkv, D]``."""
+    k, v = _split(kv, 2, "[total, 2, H, D]", "flash_attn_varlen_kvpacked_func", "kv")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, **options)
+
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "window_arguments",
+]

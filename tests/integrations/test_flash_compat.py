@@ -16,6 +16,7 @@ import torch
 
 import stable_attn
 from stable_attn import flash_attn_func, flash_attn_varlen_func
+from stable_attn.integrations import flash_compat as fc
 from stable_attn.integrations.flash_compat import window_arguments
 from stable_attn.kernels import naive
 
@@ -241,6 +242,36 @@ def test_flash_attn_varlen_func_refusals():
         flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, window_size=(2, 2))
     with pytest.raises(ValueError, match=r"rank 3 \[total, H, D\]"):
         flash_attn_varlen_func(q[None], q[None], q[None], cu, cu, 6, 6)
+
+def test_packed_variants_are_the_unpacked_functions_on_views():
+    """qkv / kv stacked in one tensor: the same output as the unpacked call, gradients into the stack."""
+    g = torch.Generator().manual_seed(31)
+    qkv = torch.randn(2, 37, 3, 4, 16, generator=g).requires_grad_()
+    out = fc.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(9, 0))
+    q, k, v = (qkv[:, :, i].detach().requires_grad_() for i in range(3))
+    want = flash_attn_func(q, k, v, causal=True, window_size=(9, 0))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    do = torch.randn(out.shape, generator=g)
+    (dqkv,) = torch.autograd.grad(out, qkv, do)
+    torch.testing.assert_close(dqkv, torch.stack(torch.autograd.grad(want, (q, k, v), do), dim=2), rtol=0, atol=0)
+
+    kv = qkv[:, :20, 1:, :2].detach()  # GQA: 2 kv heads for 4 query heads, Nk != Nq
+    out = fc.flash_attn_kvpacked_func(qkv[:, :, 0].detach(), kv, softcap=3.0, stabilize=False)
+    want = flash_attn_func(qkv[:, :, 0].detach(), kv[:, :, 0], kv[:, :, 1], softcap=3.0, stabilize=False)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+    flat = qkv.detach().reshape(74, 3, 4, 16)
+    cu = torch.tensor([0, 30, 74], dtype=torch.int32)
+    out = fc.flash_attn_varlen_qkvpacked_func(flat, cu, 44, causal=True)
+    want = flash_attn_varlen_func(flat[:, 0], flat[:, 1], flat[:, 2], cu, cu, 44, 44, causal=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    out = fc.flash_attn_varlen_kvpacked_func(flat[:, 0], flat[:, 1:], cu, cu, 44, 44, window_size=(5, -1))
+    want = flash_attn_varlen_func(flat[:, 0], flat[:, 1], flat[:, 2], cu, cu, 44, 44, window_size=(5, -1))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"flash_attn_qkvpacked_func: qkv must have the layout \[B, N, 3, H, D\]"):
+        fc.flash_attn_qkvpacked_func(qkv[:, :, :2])
+    with pytest.raises(ValueError, match=r"kv must have the layout \[total, 2, H, D\]"):
+        fc.flash_attn_varlen_kvpacked_func(flat[:, 0], flat, cu, cu, 44, 44)
 
 def test_readme_block_runs():
     """README's FlashAttention-compatible block runs as written and means what its comments say."""
