@@ -95,7 +95,10 @@ class _Taps:
 
         def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
             norm = clip_fn(*args, **kwargs)
-            self.norm = norm if isinstance(norm, torch.Tensor) else None
+            if isinstance(norm, (int, float)):  # DeepSpeed's engine reports a float
+                self.norm = torch.tensor(float(norm))
+            else:
+                self.norm = norm if isinstance(norm, torch.Tensor) else None
             return norm
 
         def log_(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -71,12 +71,14 @@ def test_healthy_run_logs_layer_metrics_and_raises_no_alert(tmp_path, pretrained
 
 
 def test_corrupted_batch_alerts_at_its_step_and_skip_leaves_weights_and_optimizer_unchanged(tmp_path, pretrained):
-    cb = StableAttentionTrainerCallback(on_spike="skip")
+    seen = []
+    cb = StableAttentionTrainerCallback(on_spike="skip", on_alert=seen.append)
     probe = Probe(steps=[BAD])
     trainer = make_trainer(str(tmp_path), [cb, probe], steps=BAD + 4, weights=pretrained, corrupt=batch_of(BAD))
     trainer.train()
 
     alerts = read_alerts(tmp_path)
+    assert [(a.step, a.metric) for a in seen] == [(a["step"], a["metric"]) for a in alerts]  # callables too
     loss = [a for a in alerts if a["metric"] == names.LOSS]
     assert [(a["step"], a["kind"], a["action"]) for a in loss] == [(BAD, "spike", "skip")]
     assert all(a["step"] == BAD for a in alerts)
