@@ -5,7 +5,8 @@ For each tiny random model (no downloads) and dtype it compares "stable_attn" (f
 backend=BACKEND) with "eager" on the same weights: logits at real tokens of a ragged, padded batch,
 and every parameter gradient. For bf16 it also prints eager's own bf16 error against the fp32 model,
 the yardstick for "within bf16 error". Then greedy generate() with a KV cache against sdpa (eager for
-Gemma 2), and a nanoGPT-style module under patch_sdpa() against plain sdpa. Exit code 1 on a failure.
+Gemma 2), packed documents (DataCollatorWithFlattening) against eager on each document alone, and a
+nanoGPT-style module under patch_sdpa() against plain sdpa. Exit code 1 on a failure.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForMaskedLM,
+    DataCollatorWithFlattening,
     Gemma2Config,
     Gemma2ForCausalLM,
     GPT2Config,
@@ -41,6 +43,7 @@ DEV = os.environ.get("CHECK_DEVICE", "cuda")  # "cpu" dry-runs the script on the
 BACKEND = "triton" if DEV == "cuda" else "torch"
 VOCAB, SEQ, WINDOW = 128, 200, 48
 LENGTHS = (SEQ, SEQ - 37, SEQ - 90)
+DOC_LENGTHS = (SEQ, 1, 57, 130, 90)  # packed documents: one token, some shorter and some longer than WINDOW
 small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=512)
 FAMILIES = {
@@ -141,6 +144,31 @@ def main() -> int:
                                             do_sample=False, pad_token_id=0)
         same = torch.equal(outs["stable_attn"], outs[reference])
         print(f"  {name:8} vs {reference:5}: {check(same, f'{name} generate')}")
+
+    print("\npacked documents (DataCollatorWithFlattening, fp32) vs eager on each document alone")
+    docs = [torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(3 + i)).tolist()
+            for i, n in enumerate(DOC_LENGTHS)]
+    packed = {k: v.to(DEV) for k, v in DataCollatorWithFlattening(return_tensors="pt")(
+        [{"input_ids": d, "labels": d} for d in docs]).items()}
+    for name, (_, _, reference) in FAMILIES.items():
+        if reference is None:  # an encoder: transformers packs only causal masks
+            continue
+        eager = build(name, "eager")
+        ref_logits = torch.cat([eager(input_ids=torch.tensor([d], device=DEV)).logits[0] for d in docs])
+        w = torch.randn(ref_logits.shape, generator=torch.Generator().manual_seed(4)).to(DEV)
+        (ref_logits * w).sum().backward()
+        ref = ref_logits.detach(), {n: p.grad.detach() for n, p in eager.named_parameters() if p.grad is not None}
+        for use_cache in (None, False):
+            model = build(name, "stable_attn")
+            st.configure(model, backend=BACKEND)
+            stats = st.attach_stats(model)
+            logits = model(**packed, **({} if use_cache is None else {"use_cache": use_cache})).logits[0]
+            (logits * w).sum().backward()
+            got = logits.detach(), {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+            le, ge = errors(*got, *ref)
+            served = sum(s.calls for s in stats.values()) == 2
+            print(f"  {name:8} use_cache={use_cache!s:5}: logit err {le:.2e}, grad err {ge:.2e}: "
+                  f"{check(served and le < 1e-4 and ge < 1e-3, f'{name} packed use_cache={use_cache}')}")
 
     print("\npatch_sdpa on a causal self-attention call (bf16, B=2, H=8, N=512, D=64) vs plain sdpa")
     g = torch.Generator(device=DEV).manual_seed(0)
