@@ -23,7 +23,8 @@ class Command(NamedTuple):
 def _report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "run_dir", metavar="RUN_DIR",
-        help="directory a training run wrote: its metrics CSV and the callback's alerts JSONL are found below it",
+        help="directory a training run wrote: its metrics (a Lightning metrics.csv, or a transformers Trainer's "
+        "trainer_state.json) and the callback's alerts JSONL are found below it",
     )
     parser.add_argument(
         "--out", metavar="DIR", default=None, help="where to write the PNGs and report.md (default: RUN_DIR)"
@@ -53,7 +54,7 @@ def _probe_run(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Command] = {
     "report": Command(
-        "rebuild the plots and report.md of a run from its metrics CSV and alerts JSONL",
+        "rebuild the plots and report.md of a run from its metrics.csv or trainer_state.json and alerts JSONL",
         _report_arguments,
         _report_run,
     ),

@@ -47,6 +47,8 @@ __all__ = ["StableAttentionTrainerCallback"]
 log = logging.getLogger("stable_attn")
 
 _NAME = "StableAttentionTrainerCallback"
+# The rollback snapshot (weights, optimizer state: tensors) saved next to a single-process checkpoint.
+SNAPSHOT_FILE = "stable_attn_rollback.pt"
 # Constructor arguments that trainer_state.json can hold (plain values, no secrets). The others (objects,
 # callables, the webhook's URL and headers, which often carry a token) are never written there.
 _JSON_ARGS = ("on_spike", "log_every_n_steps", "swap", "patch_sdpa", "monitor_grad_norm", "attention_stats",
@@ -57,17 +59,20 @@ _OTHER_ARGS = ("loss_detector", "grad_norm_detector", "on_alert", "webhook_url",
 _TRAINER_LOGS = (names.LOSS, names.GRAD_NORM, names.LR)
 
 
-def _calling_trainer() -> Trainer | None:
-    """The ``transformers.Trainer`` whose training loop is running this hook (a few frames up), or None."""
+def _calling_trainer() -> tuple[Trainer | None, str | None]:
+    """The ``transformers.Trainer`` whose training loop is running this hook (a few frames up), and the
+    checkpoint that loop resumes from (its ``resume_from_checkpoint``, already resolved to a path), or
+    ``(None, None)``."""
     frame = sys._getframe(1)
     for _ in range(12):
         frame = frame.f_back
         if frame is None:
-            return None
+            break
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, Trainer):
-            return candidate
-    return None
+            resume = frame.f_locals.get("resume_from_checkpoint")
+            return candidate, resume if isinstance(resume, (str, os.PathLike)) else None
+    return None, None
 
 
 def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
@@ -161,8 +166,11 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     ``rollbacks`` use the same numbers.
 
     **Resume.** The detectors' state is saved in each checkpoint's ``trainer_state.json`` (the Trainer's
-    ``ExportableState`` mechanism) and restored by ``trainer.train(resume_from_checkpoint=...)``; the
-    rollback snapshot is not (a resumed run takes a fresh one at its first step). Leave
+    ``ExportableState`` mechanism) and restored by ``trainer.train(resume_from_checkpoint=...)``. With
+    ``on_spike="rollback"`` in a single process, the last rollback snapshot is saved beside it
+    (``checkpoint-N/stable_attn_rollback.pt``: one more copy of the weights and optimizer state), so a
+    resumed run rolls back as one never interrupted; with several ranks a resumed run takes a fresh
+    snapshot at its start (the engine says so at WARNING). Leave
     ``TrainingArguments.restore_callback_states_from_checkpoint`` False (the default): with True the
     Trainer rebuilds the callback from the JSON, which cannot hold callables, detector objects or the
     webhook, so the callback refuses it when any of those were given.
@@ -255,7 +263,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         return {"args": dict(self._args),
                 "attributes": {"_checkpoint_state": {"engine": engine, "unsaved_args": list(self._unsaved)}}}
 
-    def _restore(self, args: Any, state: Any) -> None:
+    def _restore(self, args: Any, state: Any, checkpoint: str | None) -> None:
         saved = self._checkpoint_state  # the Trainer rebuilt this callback from the checkpoint
         if saved is None and state.global_step > 0:  # a resumed run: the checkpoint's trainer_state.json
             entry = state.stateful_callbacks.get(_NAME)
@@ -272,18 +280,29 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
                 f"TrainingArguments(restore_callback_states_from_checkpoint=True) rebuilt {_NAME} from "
                 f"trainer_state.json, which does not hold its arguments {saved['unsaved_args']}; resume with "
                 f"restore_callback_states_from_checkpoint=False: {_NAME} restores its own state either way")
-        self.engine.load_state_dict(saved["engine"])
+        engine = dict(saved["engine"])
+        snapshot = os.path.join(checkpoint, SNAPSHOT_FILE) if checkpoint is not None else None
+        if snapshot is not None and self.engine.on_spike == "rollback" and os.path.isfile(snapshot):
+            engine["rollback_snapshot"] = torch.load(snapshot, map_location=args.device, weights_only=True)
+        self.engine.load_state_dict(engine)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Only a single-process engine keeps its snapshot in its state (one rank's snapshot is not another's).
+        snapshot = self.engine.state_dict().get("rollback_snapshot")
+        folder = os.path.join(args.output_dir or ".", f"checkpoint-{state.global_step}")
+        if snapshot is not None and state.is_world_process_zero and os.path.isdir(folder):
+            torch.save(snapshot, os.path.join(folder, SNAPSHOT_FILE))
 
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self._running:  # the last train() raised: end that run first
             self._end("before a new train()")
-        trainer = _calling_trainer()
+        trainer, checkpoint = _calling_trainer()
         if trainer is None:
             raise RuntimeError(f"{_NAME} found no transformers.Trainer running it; it works inside Trainer.train()")
         self._taps = _Taps(trainer, self.engine.add_loss)
-        self._restore(args, state)
+        self._restore(args, state, checkpoint)
         size = args.world_size
         world = World(rank=args.process_index, size=size, device=args.device,
                       all_gather=_all_gather if size > 1 else None, grad_norm=self._taps.grad_norm)

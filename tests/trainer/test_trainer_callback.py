@@ -182,3 +182,22 @@ def test_bf16_autocast_run(tmp_path, pretrained):
     entry = next(e for e in trainer.state.log_history if "loss" in e)
     assert torch.isfinite(torch.tensor(entry["loss"])) and "stable_attn/max_logit/layer1" in entry
     assert cb.alert_count == 0
+
+
+def test_resume_rolls_back_to_the_snapshot_saved_with_the_checkpoint(tmp_path, pretrained):
+    first = StableAttentionTrainerCallback(on_spike="rollback", rollback_every=5)
+    probe = Probe()
+    trainer = make_trainer(str(tmp_path), [first, probe], steps=12, weights=pretrained, batches=20,
+                           save_strategy="steps", save_steps=12)
+    trainer.train()
+    assert (tmp_path / "checkpoint-12" / "stable_attn_rollback.pt").is_file()
+
+    # resumed at 12, the garbled batch at 14 rolls back to step 10's state, as in an uninterrupted run
+    # (a snapshot taken afresh at the resume would be step 12's)
+    resumed = StableAttentionTrainerCallback(on_spike="rollback", rollback_every=5)
+    after = Probe()
+    trainer = make_trainer(str(tmp_path), [resumed, after], steps=15, weights=pretrained, batches=20,
+                           corrupt=batch_of(14))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-12"))
+    assert resumed.rollbacks == [(14, 10)]
+    assert after.after[14] == probe.after[10]  # weights and optimizer state
