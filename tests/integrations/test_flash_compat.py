@@ -273,6 +273,21 @@ def test_packed_variants_are_the_unpacked_functions_on_views():
     with pytest.raises(ValueError, match=r"kv must have the layout \[total, 2, H, D\]"):
         fc.flash_attn_varlen_kvpacked_func(flat[:, 0], flat, cu, cu, 44, 44)
 
+def test_torch_compile_keeps_both_functions_in_one_graph():
+    q = torch.randn(2, 17, 4, 16, requires_grad=True)
+    dense = torch.compile(lambda q: flash_attn_func(q, q, q, causal=True, window_size=(5, 0)), fullgraph=True,
+                          backend="aot_eager")  # fullgraph: a graph break raises
+    torch.testing.assert_close(dense(q), flash_attn_func(q, q, q, causal=True, window_size=(5, 0)), rtol=0, atol=0)
+    packed = torch.randn(30, 4, 16, requires_grad=True)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    varlen = torch.compile(lambda q: flash_attn_varlen_func(q, q, q, cu, cu, 20, 20, causal=True), fullgraph=True,
+                           backend="aot_eager")
+    out = varlen(packed)
+    torch.testing.assert_close(out, flash_attn_varlen_func(packed, packed, packed, cu, cu, 20, 20, causal=True),
+                               rtol=0, atol=0)
+    out.sum().backward()
+    assert packed.grad is not None and torch.isfinite(packed.grad).all()
+
 def test_readme_block_runs():
     """README's FlashAttention-compatible block runs as written and means what its comments say."""
     import re
