@@ -1,8 +1,11 @@
-"""``stable_attn.attention``: argument checks, backend dispatch, and the torch.library op.
+"""``stable_attn.attention``: tensor checks, backend dispatch, and the torch.library op.
 
 The op is registered as ``stable_attn::attention_fwd`` / ``stable_attn::attention_bwd`` with a fake
 (meta) implementation and an autograd formula, so ``torch.compile`` keeps it in the graph as one
-opaque call and autograd never traces through a reference implementation.
+opaque call and autograd never traces through a reference implementation. Its scalar arguments are
+the fields of :class:`stable_attn.options.Options`, by name (``options.op_schema``); the options
+themselves are checked in options.py. The helpers here (autocast, seed, backend choice, statistics
+placeholders) are shared with the varlen op (varlen.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""``stable_attn.attention_varlen`` on the PyTorch path: packed sequences, FlashAttention's varlen layout.
+"""``stable_attn.attention_varlen``, the op: packed sequences, FlashAttention's varlen layout.
 
-Sequence by sequence, the varlen op must be ``attention()`` on that sequence alone: the same bits for
-the output, the gradients and every row statistic (the torch backend runs the reference on each
-sequence's rows; the Triton launchers have their own file, test_varlen_triton.py). Then the whole
+Sequence by sequence, the varlen op must be ``attention()`` on that sequence alone, on the same
+backend: the same bits for the output, the gradients and every row statistic. Every case runs on the
+PyTorch path (one reference call per sequence); a subset runs on the Triton kernels under the
+interpreter (the launchers' own tests are in test_varlen_triton.py). Then the whole
 packed call is compared with the fp64 oracle, one sequence at a time, so a token that saw another
 document fails. Lengths are drawn from fixed, untuned generator seeds, always with a sequence of
 length 1 and lengths that are no multiple of the key block (16 here).
@@ -76,16 +77,16 @@ class RowCapture(stable_attn.AttentionStats):
         super().update(rows)
 
 
-def run_varlen(q, k, v, do, lens_q, lens_k, **kw):
+def run_varlen(q, k, v, do, lens_q, lens_k, backend="torch", **kw):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     st = RowCapture()
     out = stable_attn.attention_varlen(*leaves, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), stats=st,
-                                       backend="torch", **kw)
+                                       backend=backend, **kw)
     out.backward(do)
     return out.detach(), [t.grad for t in leaves], st
 
 
-def run_per_sequence(q, k, v, do, lens_q, lens_k, **kw):
+def run_per_sequence(q, k, v, do, lens_q, lens_k, backend="torch", **kw):
     """attention() on each sequence's rows viewed as [1, H, N, D]; results put back in the packed layout."""
     out, grads = torch.zeros_like(q), [torch.zeros_like(t) for t in (q, k, v)]
     st = RowCapture()
@@ -94,7 +95,7 @@ def run_per_sequence(q, k, v, do, lens_q, lens_k, **kw):
         (qs, qe), (ks, ke) = (cq[b], cq[b + 1]), (ck[b], ck[b + 1])
         leaves = [t[s:e].detach().transpose(0, 1)[None].requires_grad_()
                   for t, s, e in ((q, qs, qe), (k, ks, ke), (v, ks, ke))]
-        o = stable_attn.attention(*leaves, stats=st, backend="torch", **kw)
+        o = stable_attn.attention(*leaves, stats=st, backend=backend, **kw)
         o.backward(do[qs:qe].transpose(0, 1)[None])
         out[qs:qe] = o.detach()[0].transpose(0, 1)
         for g, leaf, (s, e) in zip(grads, leaves, ((qs, qe), (ks, ke), (ks, ke)), strict=True):
@@ -123,12 +124,24 @@ def _case(name, dtype):
     return q, k, v, do, lens_q, lens_k, dict(block_n=16, **c["kw"])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", list(CASES))
-def test_varlen_is_attention_on_each_sequence_bit_for_bit(name, dtype):
+def on_backends(torch_cases, triton_cases):
+    """``backend, name, dtype``: every case on torch; on Triton (the interpreter, ~100x slower) a subset
+    that covers each feature once (the launchers' own tests are in test_varlen_triton.py)."""
+    rows = [("torch", *c) for c in torch_cases] + [("triton", *c) for c in triton_cases]
+    return pytest.mark.parametrize(("backend", "name", "dtype"), rows,
+                                   ids=["-".join(str(x).replace("torch.", "") for x in r) for r in rows])
+
+
+ALL = [(n, dt) for n in CASES for dt in DTYPES]
+TRITON = [("causal-gqa", torch.bfloat16), ("causal-unequal-lengths", torch.float32),
+          ("window-softcap", torch.float16), ("window-not-causal", torch.bfloat16), ("tied", torch.bfloat16)]
+
+
+@on_backends(ALL, TRITON + [("paper", torch.bfloat16)])
+def test_varlen_is_attention_on_each_sequence_bit_for_bit(backend, name, dtype):
     q, k, v, do, lens_q, lens_k, kw = _case(name, dtype)
-    out, grads, st = run_varlen(q, k, v, do, lens_q, lens_k, **kw)
-    out1, grads1, st1 = run_per_sequence(q, k, v, do, lens_q, lens_k, **kw)
+    out, grads, st = run_varlen(q, k, v, do, lens_q, lens_k, backend, **kw)
+    out1, grads1, st1 = run_per_sequence(q, k, v, do, lens_q, lens_k, backend, **kw)
     assert torch.equal(out, out1), "out"
     for what, a, b in zip(("dq", "dk", "dv"), grads, grads1, strict=True):
         assert torch.equal(a, b), what
@@ -159,11 +172,10 @@ def _oracle(q, k, v, do, lens_q, lens_k, kw):
     return out, grads
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ("paper", "off")])
-def test_varlen_matches_the_fp64_oracle(name, dtype):
+@on_backends([(n, dt) for n, dt in ALL if n not in ("paper", "off")], TRITON)
+def test_varlen_matches_the_fp64_oracle(backend, name, dtype):
     q, k, v, do, lens_q, lens_k, kw = _case(name, dtype)
-    out, grads, _ = run_varlen(q, k, v, do, lens_q, lens_k, **kw)
+    out, grads, _ = run_varlen(q, k, v, do, lens_q, lens_k, backend, **kw)
     o64, g64 = _oracle(q, k, v, do, lens_q, lens_k, kw)
     tol = OUT_TOL[dtype]
     torch.testing.assert_close(out.double(), o64, atol=tol, rtol=tol)
@@ -171,12 +183,13 @@ def test_varlen_matches_the_fp64_oracle(name, dtype):
         assert rel_max(a, x) <= GRAD_TOL[dtype], (what, rel_max(a, x))
 
 
-def test_sequences_without_queries_or_keys():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sequences_without_queries_or_keys(backend):
     """Zero-length sequences are allowed (as in FlashAttention): queries without keys output zeros and get
     zero gradients, keys without queries get zero gradients; the others are attention() on their own."""
     lens_q, lens_k = [3, 0, 5, 2, 4], [4, 6, 0, 3, 4]
     q, k, v, do = packed_inputs(lens_q, lens_k, 2, 1, 16, torch.float32, seed=8)
-    out, (dq, dk, dv), st = run_varlen(q, k, v, do, lens_q, lens_k, causal=True)
+    out, (dq, dk, dv), st = run_varlen(q, k, v, do, lens_q, lens_k, backend, causal=True)
     assert (out[3:8] == 0).all() and (dq[3:8] == 0).all()  # sequence 2: 5 queries, no key
     assert (dk[4:10] == 0).all() and (dv[4:10] == 0).all()  # sequence 1: 6 keys, no query
     rows = st.calls_rows[0]
@@ -186,7 +199,7 @@ def test_sequences_without_queries_or_keys():
     keep_k = [j for j in range(sum(lens_k)) if not 4 <= j < 10]
     sub_q, sub_k = [3, 2, 4], [4, 3, 4]
     out1, (dq1, dk1, dv1), _ = run_per_sequence(q[keep_q], k[keep_k], v[keep_k], do[keep_q], sub_q, sub_k,
-                                                causal=True)
+                                                backend, causal=True)
     assert torch.equal(out[keep_q], out1) and torch.equal(dq[keep_q], dq1)
     assert torch.equal(dk[keep_k], dk1) and torch.equal(dv[keep_k], dv1)
 
