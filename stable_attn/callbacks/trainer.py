@@ -28,6 +28,7 @@ bound methods on that instance only: ``training_step``, ``accelerator.clip_grad_
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -177,8 +178,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
 
     **End of run.** ``on_train_end`` logs the summary line, closes the alert channels (within one
     ``webhook_timeout``), puts back ``F.scaled_dot_product_attention`` if ``patch_sdpa`` replaced it and
-    unwraps the Trainer. The Trainer has no hook for a ``train()`` that raises: the channels of such a
-    run are closed at the start of the callback's next ``train()``.
+    unwraps the Trainer. The Trainer has no hook for a ``train()`` that raises: such a run is ended (the
+    same way) at the start of the callback's next ``train()``, or at the interpreter's exit.
 
     Args:
         on_spike, swap, patch_sdpa, loss_detector, grad_norm_detector, monitor_grad_norm, attention_stats,
@@ -301,8 +302,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         trainer, checkpoint = _calling_trainer()
         if trainer is None:
             raise RuntimeError(f"{_NAME} found no transformers.Trainer running it; it works inside Trainer.train()")
-        self._taps = _Taps(trainer, self.engine.add_loss)
         self._restore(args, state, checkpoint)
+        self._taps = _Taps(trainer, self.engine.add_loss)
         size = args.world_size
         world = World(rank=args.process_index, size=size, device=args.device,
                       all_gather=_all_gather if size > 1 else None, grad_norm=self._taps.grad_norm)
@@ -313,6 +314,9 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         self.engine.start(output_dir, self._every, lambda step: os.path.join(output_dir, f"checkpoint-{step}"))
         self.engine.train_start(self._trainables(state, model, optimizer, lr_scheduler))
         self._running = True
+        # The Trainer has no event for a train() that raises: then the next train() or the interpreter's
+        # exit ends the run (closes the channels within one webhook timeout, says what was not delivered).
+        atexit.register(self._end, "at interpreter exit (train() did not finish)")
 
     def _trainables(self, state: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> Trainables:
         scaler = getattr(self._taps.trainer.accelerator, "scaler", None) if self._taps is not None else None
@@ -349,6 +353,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         self._end("at the end of train()")
 
     def _end(self, when: str) -> None:
+        atexit.unregister(self._end)
         self.engine.end_run(when)
         if self._taps is not None:
             self._taps.remove()

@@ -201,3 +201,22 @@ def test_resume_rolls_back_to_the_snapshot_saved_with_the_checkpoint(tmp_path, p
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-12"))
     assert resumed.rollbacks == [(14, 10)]
     assert after.after[14] == probe.after[10]  # weights and optimizer state
+
+
+def test_a_train_that_raises_is_ended_by_the_next_train(tmp_path, pretrained):
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise KeyError("user code failed")
+
+    cb = StableAttentionTrainerCallback()
+    failing = make_trainer(str(tmp_path), [cb, Boom()], steps=6, weights=pretrained)
+    with pytest.raises(KeyError):
+        failing.train()
+    assert cb.engine.dispatcher is not None  # no Trainer event ran for the failure: the run is still open
+    assert "training_step" in vars(failing)
+
+    healthy = make_trainer(str(tmp_path), [cb], steps=4, weights=pretrained)
+    healthy.train()  # ends the failed run first (its channels closed, its Trainer unwrapped), then runs
+    assert "training_step" not in vars(failing) and "training_step" not in vars(healthy)
+    assert cb.engine.dispatcher is None and healthy.state.global_step == 4
