@@ -40,7 +40,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..monitor import Alert, SpikeDetector, names
-from .engine import MonitorEngine, Trainables, World
+from .engine import MonitorEngine, SpikeAction, Trainables, World
 from .grad_norm import total_grad_norm
 
 __all__ = ["StableAttentionTrainerCallback"]
@@ -118,8 +118,8 @@ class _Taps:
         trainer.log = log_
 
     def grad_norm(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
-        """The Trainer's pre-clip norm of this step; without one (DeepSpeed, a custom clip), the norm of the
-        gradients as they are now."""
+        """The Trainer's pre-clip norm of this step; without one (a clip that bypasses the accelerator, such
+        as SageMaker's fp16 or gradients on mixed device meshes), the norm of the gradients as they are now."""
         norm, self.norm = self.norm, None
         return norm.detach() if norm is not None else total_grad_norm(parameters)
 
@@ -194,7 +194,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     def __init__(
         self,
         *,
-        on_spike: str = "warn",
+        on_spike: SpikeAction = "warn",
         log_every_n_steps: int | None = None,
         swap: bool = True,
         patch_sdpa: bool = False,
@@ -239,6 +239,15 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     @property
     def stop_checkpoint(self) -> str | None:
         return self.engine.stop_checkpoint
+
+    @property
+    def alert_kinds(self) -> dict[str, int]:
+        return self.engine.alert_kinds
+
+    @property
+    def alert_delivery(self) -> dict[str, dict[str, int]]:
+        """Per channel: alerts delivered, failed, dropped and abandoned (closed channels and earlier runs)."""
+        return self.engine.alert_delivery
 
     def summary(self) -> str:
         return self.engine.summary()

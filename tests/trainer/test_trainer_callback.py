@@ -79,6 +79,8 @@ def test_corrupted_batch_alerts_at_its_step_and_skip_leaves_weights_and_optimize
 
     alerts = read_alerts(tmp_path)
     assert [(a.step, a.metric) for a in seen] == [(a["step"], a["metric"]) for a in alerts]  # callables too
+    jsonl = next(counts for channel, counts in cb.alert_delivery.items() if names.ALERTS_FILE in channel)
+    assert jsonl["delivered"] == len(alerts) and jsonl["failed"] == 0
     loss = [a for a in alerts if a["metric"] == names.LOSS]
     assert [(a["step"], a["kind"], a["action"]) for a in loss] == [(BAD, "spike", "skip")]
     assert all(a["step"] == BAD for a in alerts)
