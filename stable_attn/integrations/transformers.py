@@ -146,20 +146,22 @@ def recognize_packed_mask_function(mask_function: Callable) -> tuple[bool, int |
     """``(causal, window, segment_ids)`` if ``mask_function`` is masking_utils' packed-sequence mask, else None.
 
     That mask is ``and_masks(remap_positions_for_packed_sequence(pattern, position_ids),
-    packed_sequence_mask_function(segment_ids))``: ``pattern`` (causal, or causal with a sliding window)
-    read at the tokens' positions, and only within a document (``segment_ids[b, i]``, from
-    ``find_packed_sequence_indices``: a new document wherever the position does not grow by 1). Inside a
-    document the positions grow by 1, so the pattern on positions is the pattern on token indices, and
-    the whole mask is ``pattern`` per document: what the varlen kernel computes.
+    packed_sequence_mask_function(segment_ids))`` (transformers before the remap: ``and_masks(pattern,
+    packed_sequence_mask_function(segment_ids))``): ``pattern`` (causal, or causal with a sliding
+    window) read at the tokens' positions (or indices), and only within a document (``segment_ids[b, i]``,
+    from ``find_packed_sequence_indices``: a new document wherever the position does not grow by 1).
+    Inside a document the positions grow by 1, so the pattern on positions is the pattern on token
+    indices, and the whole mask is ``pattern`` per document: what the varlen kernel computes.
     """
     if not _made_by(mask_function, "and_masks.<locals>.and_mask"):
         return None
     parts = _closure_vars(mask_function).get("mask_functions")
     if not (isinstance(parts, tuple) and len(parts) == 2
-            and _made_by(parts[0], "remap_positions_for_packed_sequence.<locals>.inner_mask")
             and _made_by(parts[1], "packed_sequence_mask_function.<locals>.inner_mask")):
         return None
-    inner = _closure_vars(parts[0]).get("mask_function")
+    inner = parts[0]
+    if _made_by(inner, "remap_positions_for_packed_sequence.<locals>.inner_mask"):
+        inner = _closure_vars(inner).get("mask_function")
     pattern = None if inner is None else recognize_mask_function(inner)
     segment_ids = _closure_vars(parts[1]).get("packed_sequence_mask")
     if pattern is None or not pattern[0] or not isinstance(segment_ids, torch.Tensor) or segment_ids.dim() != 2:

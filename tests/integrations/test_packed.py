@@ -200,6 +200,25 @@ def test_packed_mask_is_recognized_and_means_what_masking_utils_builds():
         assert not written[:N, N:].any()  # no document spans two rows
 
 
+@pytest.mark.parametrize("remapped", [True, False])
+@pytest.mark.parametrize("window", [None, 3])
+def test_both_forms_of_the_packed_mask_are_recognized(remapped, window):
+    """transformers composes the packed mask with the positions remapped (5.2x) or, earlier, without; a
+    packed mask over a pattern the kernel cannot take (bidirectional, chunked) is not recognized."""
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    pattern = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    if remapped:
+        pattern = mu.remap_positions_for_packed_sequence(pattern, positions)
+    fn = mu.and_masks(pattern, mu.packed_sequence_mask_function(segments))
+    assert st.recognize_packed_mask_function(fn)[:2] == (True, window)
+    built = st.stable_attn_mask(1, 8, mask_function=fn, local_size=window, q_length=8, q_offset=0)
+    assert isinstance(built, st.StableAttnMask) and built.cu_seqlens.tolist() == [0, 3, 5, 8]
+    for other in (mu.bidirectional_mask_function, mu.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long))):
+        fn = mu.and_masks(other, mu.packed_sequence_mask_function(segments))
+        assert st.recognize_packed_mask_function(fn) is None
+        assert isinstance(st.stable_attn_mask(1, 8, mask_function=fn, q_length=8, q_offset=0), torch.Tensor)
+
 def test_packed_documents_rule():
     pos = torch.tensor([[0, 1, 2, 0, 1, 5, 6, 0]])
     cu, longest = st.packed_documents(pos, 1)
