@@ -3,7 +3,8 @@ transformers ``Trainer`` (and the trainers built on it, such as TRL's).
 
 A thin adapter: :class:`~stable_attn.callbacks.engine.MonitorEngine` decides everything; this module
 only turns the Trainer's hooks into the engine's calls. One optimizer step of the Trainer
-(transformers >= 4.45 has every hook used here; the project requires transformers >= 5):
+(``on_pre_optimizer_step`` exists from transformers 4.45 on, 4.44 lacks it; the project requires
+transformers >= 5, whose Trainer also computes the gradient norm on every step):
 
 1. ``on_step_begin`` (first micro-batch): :meth:`~MonitorEngine.begin_step`.
 2. ``Trainer.training_step`` returns each micro-batch's loss, already divided for gradient
