@@ -47,11 +47,20 @@ def batch_of(step: int, accumulation: int = 1) -> list[int]:
 
 
 def test_healthy_run_logs_layer_metrics_and_raises_no_alert(tmp_path, pretrained):
-    cb = StableAttentionTrainerCallback()
-    trainer = make_trainer(str(tmp_path), [cb], steps=30, weights=pretrained)
+    class Reporter(TrainerCallback):  # stands for a report_to integration: those run before user callbacks
+        def __init__(self):
+            self.logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    cb, reporter = StableAttentionTrainerCallback(), Reporter()
+    trainer = make_trainer(str(tmp_path), [reporter, cb], steps=30, weights=pretrained)
     trainer.train()
 
     assert trainer.model.config._attn_implementation == "stable_attn"
+    reported = [e for e in reporter.logs if "loss" in e]
+    assert len(reported) == 6 and all("stable_attn/max_logit/layer1" in e for e in reported)
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert [e["step"] for e in logged] == [5, 10, 15, 20, 25, 30]
     for entry in logged:  # the Trainer's own entry of the step carries the layer statistics
