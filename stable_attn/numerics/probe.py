@@ -35,7 +35,7 @@ from torch import nn
 
 from ..attention import attention
 from ..kernels import naive
-from ..options import model_options
+from ..options import DEFAULTS, model_options
 from ..stats import AttentionStats
 from .bias import BF16_UNIT_ROUNDOFF, ErrorStats, error_stats, row_unit
 
@@ -245,7 +245,7 @@ def probe(
     *,
     fixes: Sequence[str] = ("off", "ours", "paper"),
     dtype: torch.dtype = torch.bfloat16,
-    backend: str = "auto",
+    backend: str = DEFAULTS["backend"],
     seed: int = 0,
 ) -> ProbeReport:
     """Measure, per attention layer of a transformers ``model``, the bias of ``O`` and ``delta``.

@@ -18,6 +18,7 @@ import torch
 
 from stable_attn.kernels import reference, rules
 from stable_attn.kernels import triton_attention as ta
+from stable_attn.options import Options
 
 DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
 EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -58,7 +59,7 @@ def test_descriptors_and_pointers_agree(case):
     kpm = None
     if kpm_drop:
         kpm = (torch.rand(B, Nk, generator=torch.Generator().manual_seed(1)) >= kpm_drop).to(DEVICE)
-    opts = reference.Options(causal=causal, scale=1.0 / math.sqrt(D), mode=rules.MODE_EXACT, **extra)
+    opts = Options(causal=causal, scale=1.0 / math.sqrt(D), mode=rules.MODE_EXACT, **extra)
     out, lse, _ = reference.attention_forward(q, k, v, kpm, None, opts)
     heavy = "dropout_p" in extra or "softcap" in extra  # the launcher's narrower tiles for these
     tma_cfg = ta.bwd_config(ta.head_block(D), dtype, 90, tma=True, heavy=heavy)
@@ -96,7 +97,7 @@ def test_inputs_tma_cannot_address_take_the_pointer_path(monkeypatch):
     def refuse(*args):
         raise AssertionError("a descriptor was built for inputs TMA cannot address")
 
-    opts = reference.Options(causal=True, scale=1.0 / math.sqrt(D), mode=rules.MODE_EXACT)
+    opts = Options(causal=True, scale=1.0 / math.sqrt(D), mode=rules.MODE_EXACT)
     out, lse, _ = reference.attention_forward(q, k, v, None, None, opts)
     want = reference.attention_backward(do, q, k, v, out, lse, None, None, opts)
     monkeypatch.setattr(ta, "_descriptor", refuse)

@@ -19,6 +19,7 @@ import torch
 
 from stable_attn.kernels import reference, rules
 from stable_attn.kernels import triton_attention as ta
+from stable_attn.options import Options
 
 DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
 MODES = (rules.MODE_EXACT, rules.MODE_PAPER, rules.MODE_OFF)
@@ -104,7 +105,7 @@ def test_decisions_match_the_per_element_count(case, monkeypatch):
     kpm = None
     if with_kpm:
         kpm = (torch.rand(B, N, generator=torch.Generator().manual_seed(3)) > 0.2).to(DEVICE)
-    opts = reference.Options(causal=causal, scale=scale, mode=mode, block_n=block_n)
+    opts = Options(causal=causal, scale=scale, mode=mode, block_n=block_n)
     offsets, fires, sat, fixed = per_element_decisions(q, k, opts, kpm)
 
     calls = []

@@ -25,6 +25,7 @@ import triton.language as tl
 from stable_attn.kernels import reference, rules
 from stable_attn.kernels import triton_attention as ta
 from stable_attn.kernels import triton_forward as tf
+from stable_attn.options import Options
 
 MODES = (rules.MODE_EXACT, rules.MODE_PAPER, rules.MODE_OFF)
 INF = math.inf
@@ -210,6 +211,6 @@ def test_forward_rounds_like_the_reference_on_the_gpu(monkeypatch):
 
     monkeypatch.setattr(ta, "attn_fwd_kernel", Kernel())
     q = torch.zeros(1, 1, 16, 16, dtype=torch.bfloat16)
-    ta.forward(q, q, q, None, reference.Options(), False)
+    ta.forward(q, q, q, None, Options(), False)
     assert launched["enable_fp_fusion"] is False
 

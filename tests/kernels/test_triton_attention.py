@@ -22,6 +22,7 @@ from closeness import close, no_worse_than_reference
 from stable_attn.kernels import naive, reference, rules
 from stable_attn.kernels import triton_attention as ta
 from stable_attn.kernels.philox import keep_mask
+from stable_attn.options import Options
 
 DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
 SMALL = ta.FwdConfig(block_m=32, num_warps=4, num_stages=1)  # several query blocks at test sizes
@@ -87,7 +88,7 @@ def run_case(B, Hq, Hkv, Nq, Nk, D, dtype, opts, *, kpm_drop=0.0, seed=0, qk_std
 
 
 def opts_for(D, causal=False, mode=rules.MODE_EXACT, **kw):
-    return reference.Options(causal=causal, scale=1.0 / math.sqrt(D), mode=mode, **kw)
+    return Options(causal=causal, scale=1.0 / math.sqrt(D), mode=mode, **kw)
 
 
 # One line per case: a compact cover of dtype x causal x mode x shapes (odd lengths, Nq != Nk both ways,
@@ -153,7 +154,7 @@ def test_dropout_same_mask_as_reference():
     q = (torch.randn(B, H, N, D, generator=g) * 0.1).to(dtype).to(DEVICE)
     k = (torch.randn(B, H, N, D, generator=g) * 0.1).to(dtype).to(DEVICE)
     v = torch.eye(N, D).expand(B, H, N, D).to(dtype).to(DEVICE)
-    opts = reference.Options(scale=1.0, dropout_p=0.3, seed=2**40 + 12345, block_n=16)
+    opts = Options(scale=1.0, dropout_p=0.3, seed=2**40 + 12345, block_n=16)
     out, _, _ = ta.forward(q, k, v, None, opts, False, config=SMALL)
     i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
     h = torch.arange(H)[:, None, None]
