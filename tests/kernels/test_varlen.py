@@ -240,24 +240,28 @@ def test_reference_varlen_returns_what_the_triton_launchers_return():
     assert torch.equal(lse[:, :2], lse1[0])
 
 
-def test_torch_compile_has_no_graph_break_and_matches_eager():
+def test_torch_compile_has_no_graph_break_and_matches_eager(monkeypatch):
     torch._dynamo.reset()
     st = stable_attn.AttentionStats()
 
-    def call(q, k, v, cu_q, max_q):
-        return stable_attn.attention_varlen(q, k, v, cu_q, cu_q, max_q, max_q, causal=True, stats=st, block_n=16)
+    def call(q, k, v, cu_q, max_q, p=0.0):
+        return stable_attn.attention_varlen(q, k, v, cu_q, cu_q, max_q, max_q, causal=True, stats=st, block_n=16,
+                                            dropout_p=p)
 
     fn = torch.compile(call, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
-    for seed, lens in enumerate((random_lengths(3, 30, seed=11), random_lengths(5, 20, seed=12))):
-        q, k, v, do = packed_inputs(lens, lens, 4, 2, 16, torch.float32, seed=seed)
+    packings = [random_lengths(3, 30, seed=11), random_lengths(5, 20, seed=12), random_lengths(4, 25, seed=14)]
+    for i, lens in enumerate(packings):
+        if i == 2:  # the second packing made the lengths dynamic: a third one must not recompile
+            monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        q, k, v, do = packed_inputs(lens, lens, 4, 2, 16, torch.float32, seed=i)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         fn(*leaves, cu(lens), max(lens)).backward(do)
         eager = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = call(*eager, cu(lens), max(lens))
-        out.backward(do)
+        call(*eager, cu(lens), max(lens)).backward(do)
         for a, b in zip(leaves, eager, strict=True):
             assert torch.equal(a.grad, b.grad)
-    assert int(st.calls) == 4
+        fn(q, k, v, cu(lens), max(lens), 0.2)  # dropout: the seed is drawn inside the graph
+    assert int(st.calls) == 9
 
 
 def _inputs():
