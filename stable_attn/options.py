@@ -10,7 +10,9 @@ same fp64 expressions. :meth:`Options.create` is the only way from the public ar
 Vocabulary of the mode: the public spelling is ``stabilize=True`` (our rule), ``"paper"`` (the published
 rule) or ``False`` (plain FlashAttention-2). The integers ``rules.MODE_*`` are the kernels' compile-time
 constants, and :data:`MODE_NAMES` names them where a mode is printed (kernel variant names,
-benchmark tables). :func:`mode_of` and :func:`stabilize_of` are the only translations between them.
+benchmark tables); :data:`FIX_NAMES` names the ``stabilize`` values in the numerics lab's and the probe's
+reports (``"ours"`` there is ``stabilize=True``). :func:`mode_of` and :func:`stabilize_of` are the only
+translations between the integers and the public values.
 
 Defaults are written once, in :data:`DEFAULTS`: ``attention()``, ``attention_varlen()``, ``patch_sdpa()``,
 ``configure()`` and ``config.stable_attn`` all read them from there. :data:`MODEL_OPTIONS` are the options
@@ -37,6 +39,8 @@ Stabilize = bool | Literal["paper"]
 STABILIZE_VALUES: tuple[Stabilize, ...] = (True, "paper", False)
 MODE_NAMES: Mapping[int, str] = MappingProxyType(
     {rules.MODE_EXACT: "exact", rules.MODE_PAPER: "paper", rules.MODE_OFF: "off"})
+# What the numerics lab and the probe print for each setting (their reports and stored results use these).
+FIX_NAMES: Mapping[str, Stabilize] = MappingProxyType({"off": False, "ours": True, "paper": "paper"})
 BACKENDS = ("auto", "torch", "triton")
 
 # Default key-block size: the partition the per-block rule sees, the same in both backends.

@@ -18,6 +18,7 @@ from stable_attn.kernels import rules
 from stable_attn.options import (
     BLOCK_N,
     DEFAULTS,
+    FIX_NAMES,
     MODE_NAMES,
     MODEL_OPTIONS,
     STABILIZE_VALUES,
@@ -87,6 +88,11 @@ def test_one_mode_vocabulary():
     from stable_attn.kernels.triton_aot import Variant
 
     assert [Variant("fwd", torch.bfloat16, 64, mode=m).mode_name for m in MODE_NAMES] == list(MODE_NAMES.values())
+    # the numerics lab's names map to the same three values, through the one table
+    from stable_attn.numerics import arithmetic, probe
+
+    assert sorted(map(str, FIX_NAMES.values())) == sorted(map(str, STABILIZE_VALUES))
+    assert arithmetic.FIXES == tuple(FIX_NAMES) and probe.FIXES is FIX_NAMES
 
 
 def test_derived_kernel_scalars():

@@ -32,10 +32,10 @@ import torch
 
 from ..attention import attention
 from ..kernels import naive, rules
+from ..options import FIX_NAMES
 from ..stats import AttentionStats
 
-FIXES = ("off", "ours", "paper")
-_STABILIZE = {"off": False, "ours": True, "paper": "paper"}
+FIXES = tuple(FIX_NAMES)
 _BF16 = torch.bfloat16
 
 
@@ -85,7 +85,7 @@ def kernel_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: 
     k = torch.zeros(T, 1, N, D, dtype=_BF16, device=dev)
     k[:, 0, :, 0] = scores.to(_BF16)
     stats = AttentionStats()
-    out = attention(q, k, values[:, None], scale=1.0, stabilize=_STABILIZE[fix], stats=stats, backend=backend,
+    out = attention(q, k, values[:, None], scale=1.0, stabilize=FIX_NAMES[fix], stats=stats, backend=backend,
                     block_n=block_n)
     return ModelOutput(out[:, 0, 0].double(), None, float(stats.fixed_rate.sum()))
 

@@ -35,12 +35,12 @@ from torch import nn
 
 from ..attention import attention
 from ..kernels import naive
-from ..options import DEFAULTS, model_options
+from ..options import DEFAULTS, FIX_NAMES, model_options
 from ..stats import AttentionStats
 from .bias import BF16_UNIT_ROUNDOFF, ErrorStats, error_stats, row_unit
 
 PROBE_NAME = "stable_attn_probe"  # private AttentionInterface name used only while probing
-FIXES = {"off": False, "ours": True, "paper": "paper"}
+FIXES = FIX_NAMES
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
