@@ -107,11 +107,15 @@ def flash_attn_func(
         raise ValueError(f"{fn}: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch B and head dim D "
                          "in the layout [B, N, H, D]")
     causal, window = window_arguments(window_size, causal)
-    out = attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale,
-        window=window, softcap=softcap or None, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
-        stats=stats, backend=backend,
-    )
+    try:
+        out = attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale,
+            window=window, softcap=softcap or None, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
+            stats=stats, backend=backend,
+        )
+    except (ValueError, TypeError) as err:  # its shapes are the [B, H, N, D] transposes of the caller's
+        raise type(err)(f"{fn} (q, k, v given as [B, N, H, D], seen by stable_attn.attention as their "
+                        f"[B, H, N, D] transposes): {err}") from err
     return out.transpose(1, 2)
 
 
@@ -149,11 +153,14 @@ def flash_attn_varlen_func(
     if block_table is not None:
         raise ValueError(f"{fn}: a paged KV cache (block_table) is not supported; pass block_table=None")
     causal, window = window_arguments(window_size, causal)
-    return attention_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,
-        window=window, softcap=softcap or None, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
-        stats=stats, backend=backend,
-    )
+    try:
+        return attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,
+            window=window, softcap=softcap or None, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
+            stats=stats, backend=backend,
+        )
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"{fn}: {err}") from err
 
 
 # FlashAttention's packed-input variants: q, k, v stacked along one dimension of a single tensor. They

@@ -85,6 +85,8 @@ def test_refusals_name_the_argument():
         flash_attn_func(q[0], q[0], q[0])
     with pytest.raises(ValueError, match=r"batch B and head dim D in the layout \[B, N, H, D\]"):
         flash_attn_func(q, torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"flash_attn_func \(q, k, v given as \[B, N, H, D\].*Hkv=3"):
+        flash_attn_func(q, torch.randn(1, 6, 3, 8), torch.randn(1, 6, 3, 8))  # 2 query heads on 3 kv heads
 
 
 # (Nq, Nk, causal, window_size, softcap, Hq, Hkv, D): FlashAttention-style length pairs, GQA, windows, softcap
