@@ -338,6 +338,11 @@ def stable_attn_attention_forward(
     :class:`StableAttnMask`, a 4D bool/additive tensor (which then holds causality, window and padding,
     as for sdpa), or None (no mask was built: causality comes from ``is_causal`` or ``module.is_causal``,
     the window from ``sliding_window``). Dropout applies only while ``module.training``, as in eager.
+
+    Packed documents, with no padding and no arbitrary mask, go to :func:`stable_attn.attention_varlen`
+    on ``[B * N, H, D]`` views, taken (as ``flash_attention_2`` does) from FlashAttention's
+    ``cu_seq_lens_q/k`` + ``max_length_q/k`` keyword arguments, else from the packed mask, else, for a
+    causal self-attention call, from ``position_ids`` (:func:`packed_documents`).
     """
     who = _who(module)
     if _wants_attention_weights(module, kwargs):
