@@ -264,6 +264,38 @@ def test_statistics_are_per_document():
         torch.testing.assert_close(s.max_logit, a.max_logit, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(s.sink_mass, a.sink_mass, rtol=1e-5, atol=1e-6)
 
+def test_trainer_with_flattening_collator_trains_padding_free(monkeypatch, tmp_path):
+    """transformers.Trainer + DataCollatorWithFlattening: every step on the varlen op, and the first
+    step's logged loss is the loss of its documents run one by one (eager, the initial weights)."""
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    lengths = tuple(torch.randint(1, 30, (12,), generator=g).tolist())
+    data = [{"input_ids": d.tolist(), "labels": d.tolist()} for d in documents(lengths, seed=7)]
+    collate = DataCollatorWithFlattening()
+    batches = []
+
+    def recording(features):
+        batches.append([f["input_ids"] for f in features])
+        return collate(features)
+
+    model = build("llama", "stable_attn")
+    initial = copy.deepcopy(model)
+    calls = Calls(monkeypatch)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=recording)
+    trainer.train()
+    assert (calls.varlen, calls.dense, calls.fallback) == (3 * 2, 0, 0)
+
+    initial.set_attn_implementation("eager")
+    docs = [torch.tensor(d) for d in batches[0]]
+    n_predicted = sum(len(d) - 1 for d in docs)
+    with torch.no_grad():
+        want = sum(initial(input_ids=d[None], labels=d[None]).loss * (len(d) - 1) for d in docs if len(d) > 1)
+    first_loss = trainer.state.log_history[0]["loss"]
+    assert abs(first_loss - want.item() / n_predicted) < 1e-4 * abs(first_loss)
+
 def test_readme_block_runs(monkeypatch):
     """README's packed-training block runs as written, on the varlen op for every layer."""
     import re
