@@ -75,7 +75,7 @@ def dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def run_varlen(lens_q, lens_k, Hq, Hkv, D, dtype, opts, *, seed=0, qk_std=1.0, tied=False, config=SMALL,
-               bwd_config=SMALL_BWD, same_bwd_tiles=True, oracle=True):
+               bwd_config=SMALL_BWD, oracle=True):
     """Varlen forward + backward, checked against the dense launcher and the oracle, sequence by sequence."""
     q, k, v, do = packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, qk_std, tied)
     cu_q, cu_k = cu(lens_q), cu(lens_k)
@@ -83,7 +83,6 @@ def run_varlen(lens_q, lens_k, Hq, Hkv, D, dtype, opts, *, seed=0, qk_std=1.0, t
     out, lse, st = ta.forward_varlen(q, k, v, cu_q, cu_k, mq, mk, opts, True, config=config)
     dq, dk, dv = ta.backward_varlen(do, q, k, v, out, lse, cu_q, cu_k, mq, mk, opts, config=bwd_config)
     assert lse.shape == (Hq, q.shape[0]) and all(getattr(st, f).shape == (1, Hq, q.shape[0]) for f in FIELDS)
-    dense_bwd = bwd_config if same_bwd_tiles else None
     for b, sq, sk in sequences(cu_q, cu_k):
         ob = dataclasses.replace(opts, seed=opts.seed + b)
         qb, kb, vb, dob = dense(q[sq]), dense(k[sk]), dense(v[sk]), dense(do[sq])
@@ -92,11 +91,10 @@ def run_varlen(lens_q, lens_k, Hq, Hkv, D, dtype, opts, *, seed=0, qk_std=1.0, t
         assert torch.equal(lse[:, sq], l1[0]), f"lse of sequence {b}"
         for f in FIELDS:
             assert torch.equal(getattr(st, f)[0][:, sq], getattr(s1, f)[0]), f"{f} of sequence {b}"
-        g1 = ta.backward(dob, qb, kb, vb, o1, l1, None, ob, config=dense_bwd)
+        g1 = ta.backward(dob, qb, kb, vb, o1, l1, None, ob, config=bwd_config)
         grads = ((dq[sq], g1[0]), (dk[sk], g1[1]), (dv[sk], g1[2]))
-        if same_bwd_tiles:
-            for name, (got, want) in zip(("dq", "dk", "dv"), grads, strict=True):
-                assert torch.equal(got, want[0].transpose(0, 1)), f"{name} of sequence {b}"
+        for name, (got, want) in zip(("dq", "dk", "dv"), grads, strict=True):
+            assert torch.equal(got, want[0].transpose(0, 1)), f"{name} of sequence {b}"
         seen = naive.visibility(sq.stop - sq.start, sk.stop - sk.start, causal=opts.causal,
                                 window=opts.window).any(-1)[0, 0]
         assert (out[sq][~seen] == 0).all() and torch.isinf(lse[:, sq][:, ~seen]).all()
@@ -116,8 +114,10 @@ def check_oracle(q, k, v, do, opts, dtype, out, grads):
                              (o64.detach(), qd.grad, kd.grad, vd.grad), strict=True):
         if x.abs().max() > FLOOR:
             no_worse_than_reference(a, r, x, dtype, name)
-        else:  # e.g. dq of a sequence with one key: exactly 0, computed as a cancellation
-            assert (a.double().cpu() - x).abs().max() <= FLOOR, name
+        else:  # e.g. dq of a sequence with one key: exactly 0, computed as dP - delta, a cancellation of
+            # two fp32 dot products of length D (summed in different orders) of magnitude |dO| |V|
+            noise = q.shape[-1] * 2.0**-23 * do.abs().max() * v.abs().max() * k.abs().max() * opts.scale
+            assert (a.double().cpu() - x).abs().max() <= FLOOR + noise.item(), name
 
 
 def opts_for(D, causal=False, mode=rules.MODE_EXACT, **kw):
@@ -224,4 +224,4 @@ def test_exhaustive_matrix(dtype, causal, mode, extra):
     seed = 100 + 7 * int(causal) + mode + len(extra)
     lens_q, lens_k = random_lengths(5, 140, seed), random_lengths(5, 140, seed + 1)
     run_varlen(lens_q, lens_k, 4, 2, 48, dtype, opts_for(48, causal, mode, **extra), seed=seed, qk_std=1.5,
-               config=None, bwd_config=None, same_bwd_tiles=False)
+               config=None, bwd_config=None)
