@@ -122,16 +122,18 @@ def test_torch_compile_inductor_with_transposed_inputs():
         torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_torch_compile_stats_and_dropout_neither_break_the_graph_nor_recompile(monkeypatch):
+def test_torch_compile_stats_and_dropout_neither_break_the_graph_nor_recompile():
     torch._dynamo.reset()
     st = stable_attn.AttentionStats()
     q, k, v = _hf_layout(seed=1)
     call = lambda a, b, c: stable_attn.attention(a, b, c, causal=True, stats=st, dropout_p=0.2)  # noqa: E731
     call(q, k, v)  # the stats allocate their tensors on the first update (a different code path)
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     fn = torch.compile(call, fullgraph=True, backend="aot_eager")
-    for _ in range(4):
-        fn(q, k, v).sum().backward()
+    # config.patch, not monkeypatch: pytest's undo deletes the entry (it is not in the module's __dict__),
+    # which hides torch._dynamo.config.error_on_recompile from every later test in the process
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(4):
+            fn(q, k, v).sum().backward()
     assert int(st.calls) == 5 and st.rows.tolist() == [5 * 24] * 2
 
 

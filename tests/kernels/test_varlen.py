@@ -240,7 +240,7 @@ def test_reference_varlen_returns_what_the_triton_launchers_return():
     assert torch.equal(lse[:, :2], lse1[0])
 
 
-def test_torch_compile_has_no_graph_break_and_matches_eager(monkeypatch):
+def test_torch_compile_has_no_graph_break_and_matches_eager():
     torch._dynamo.reset()
     st = stable_attn.AttentionStats()
 
@@ -251,17 +251,22 @@ def test_torch_compile_has_no_graph_break_and_matches_eager(monkeypatch):
     fn = torch.compile(call, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
     packings = [random_lengths(3, 30, seed=11), random_lengths(5, 20, seed=12), random_lengths(4, 25, seed=14)]
     for i, lens in enumerate(packings):
-        if i == 2:  # the second packing made the lengths dynamic: a third one must not recompile
-            monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-        q, k, v, do = packed_inputs(lens, lens, 4, 2, 16, torch.float32, seed=i)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        fn(*leaves, cu(lens), max(lens)).backward(do)
-        eager = [t.clone().requires_grad_() for t in (q, k, v)]
-        call(*eager, cu(lens), max(lens)).backward(do)
-        for a, b in zip(leaves, eager, strict=True):
-            assert torch.equal(a.grad, b.grad)
-        fn(q, k, v, cu(lens), max(lens), 0.2)  # dropout: the seed is drawn inside the graph
+        # the second packing made the lengths dynamic: a third one must not recompile (config.patch, not
+        # monkeypatch, which would hide the config entry from later tests)
+        with torch._dynamo.config.patch(error_on_recompile=i == 2):
+            _compiled_matches_eager(fn, call, lens, seed=i)
     assert int(st.calls) == 9
+
+
+def _compiled_matches_eager(fn, call, lens, seed):
+    q, k, v, do = packed_inputs(lens, lens, 4, 2, 16, torch.float32, seed=seed)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fn(*leaves, cu(lens), max(lens)).backward(do)
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    call(*eager, cu(lens), max(lens)).backward(do)
+    for a, b in zip(leaves, eager, strict=True):
+        assert torch.equal(a.grad, b.grad)
+    fn(q, k, v, cu(lens), max(lens), 0.2)  # dropout: the seed is drawn inside the graph
 
 
 def _inputs():
