@@ -104,14 +104,20 @@ def test_derived_kernel_scalars():
     assert capped.keep_scale == 1.0 / 0.8
 
 
-@pytest.mark.parametrize("fn", [stable_attn.attention, stable_attn.attention_varlen, stable_attn.patch_sdpa,
-                                hf.configure], ids=lambda f: f.__name__)
-def test_every_entry_point_takes_its_defaults_from_DEFAULTS(fn):
+ENTRY_POINTS = [(stable_attn.attention, DEFAULTS), (stable_attn.attention_varlen, DEFAULTS),
+                (stable_attn.patch_sdpa, MODEL_OPTIONS), (hf.configure, MODEL_OPTIONS),
+                # FlashAttention's own arguments keep FlashAttention's defaults (softcap=0.0 is "off" there)
+                (stable_attn.flash_attn_func, ("stabilize", "beta", "backend")),
+                (stable_attn.flash_attn_varlen_func, ("stabilize", "beta", "backend"))]
+
+
+@pytest.mark.parametrize("fn,names", ENTRY_POINTS, ids=[f.__name__ for f, _ in ENTRY_POINTS])
+def test_every_entry_points_defaults_agree_with_DEFAULTS(fn, names):
     params = inspect.signature(fn).parameters
-    shared = [name for name in DEFAULTS if name in params]
-    assert set(MODEL_OPTIONS) <= set(shared)
+    shared = [name for name in names if name in params]
+    assert shared == list(names)
     for name in shared:
-        assert params[name].default is DEFAULTS[name] or params[name].default == DEFAULTS[name], name
+        assert params[name].default == DEFAULTS[name], name
     assert hf.OPTION_DEFAULTS == {name: DEFAULTS[name] for name in MODEL_OPTIONS}
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..attention import attention
+from ..options import DEFAULTS, Stabilize
 from ..stats import AttentionStats
 from ..varlen import attention_varlen
 
@@ -89,10 +90,10 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     *,
-    stabilize: bool | str = True,
-    beta: float = 2.0,
+    stabilize: Stabilize = DEFAULTS["stabilize"],
+    beta: float = DEFAULTS["beta"],
     stats: AttentionStats | None = None,
-    backend: str = "auto",
+    backend: str = DEFAULTS["backend"],
 ) -> torch.Tensor:
     """FlashAttention 2's ``flash_attn_func``: q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D]`` -> ``[B, Nq, Hq, D]``.
 
@@ -137,10 +138,10 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
     *,
-    stabilize: bool | str = True,
-    beta: float = 2.0,
+    stabilize: Stabilize = DEFAULTS["stabilize"],
+    beta: float = DEFAULTS["beta"],
     stats: AttentionStats | None = None,
-    backend: str = "auto",
+    backend: str = DEFAULTS["backend"],
 ) -> torch.Tensor:
     """FlashAttention 2's ``flash_attn_varlen_func``: q ``[total_q, Hq, D]``, k/v ``[total_k, Hkv, D]``.
 
