@@ -309,13 +309,9 @@ def _options(module: nn.Module) -> dict[str, Any]:
     own = getattr(module, "stable_attn_options", None)
     if own is not None:
         return own
+    # config.stable_attn: a dict or None, checked and completed with the defaults
     from_config = getattr(getattr(module, "config", None), "stable_attn", None)
-    return _validated_options(from_config, where=f"{_who(module)}: config.stable_attn")
-
-
-def _validated_options(options: Any, where: str) -> dict[str, Any]:
-    """``config.stable_attn`` (a dict or None) checked and completed with the defaults."""
-    return model_options(options, where=where)
+    return model_options(from_config, where=f"{_who(module)}: config.stable_attn")
 
 
 def stable_attn_attention_forward(
