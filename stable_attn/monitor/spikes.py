@@ -82,7 +82,9 @@ _DRIFT_CAP = 1.5
 _FREEZE_MOMENTS = 0.25
 # After a jump the drift sum waits until this many residuals in a row are back below drift_slack.
 _SETTLE_UPDATES = 5
-_STATE_VERSION = 2
+_STATE_VERSION = 2  # SurgeDetector
+# SpikeDetector: version 3 counts the samples of the residual moments apart (they start later).
+_SPIKE_STATE_VERSION = 3
 Phase = Literal["starting", "gross", "calibrated"]
 
 
@@ -270,7 +272,9 @@ class SpikeDetector:
       mean (a persistent bias goes into the mean, not the variance); the lag-1 autocorrelation
       ``rho`` of the residuals widens the jump bar by ``sqrt(1 + rho)`` and slows the drift sum by
       ``sqrt((1 + rho) / (1 - rho))`` (runs above the forecast last that much longer on such
-      noise). Those moments stop learning while a drift is accumulating.
+      noise). Those moments stop learning while a drift is accumulating, and learn only while the
+      forecast is unbiased: its catching up with the first descent (or after a re-baseline) is a
+      bias, not noise; until then the successive-difference scale serves alone.
     - **Jumps are measured from the forecast, never from below the lowest of the last 5 values**:
       after a fast fall (a learning-rate drop) the trend runs on below a curve that has flattened.
     - **No poisoning**: a flagged value never enters level, trend or scale (the forecast just
@@ -292,7 +296,7 @@ class SpikeDetector:
       and it keeps a very smooth curve (noise near zero) from flagging rounding-level wiggles.
 
     On synthetic LM loss traces (``benchmarks/spike_detection.py``, docs/BENCHMARKS.md) the defaults
-    flag 96-97% of spikes of 8 sigma and more within 2 steps of onset with 0.10-0.18 false alarms
+    flag 97% of spikes of 8 sigma and more within 2 steps of onset with 0.10-0.18 false alarms
     per 10,000 clean steps on held-out traces of kinds they were not tuned on (autocorrelated noise,
     clusters of hard batches, learning-rate drops, events in the first 300 steps). Defaults suit a
     loss fed once per optimizer step; the time constants count updates, not steps, so feeding
@@ -407,10 +411,11 @@ class SpikeDetector:
         self._last_residual: float | None = None
         # Centered moments of the residuals (mean, variance about it, lag-1 covariance): the scale
         # from successive differences reads low on autocorrelated noise, this one does not; a
-        # persistent bias goes into the mean, not the variance.
+        # persistent bias goes into the mean, not the variance. _rcount: residuals folded in.
         self._rmean = 0.0
         self._rvar: float | None = None
         self._rcov = 0.0
+        self._rcount = 0
         self._episodes = _Episodes()
         self._recent: list[float] = []
         self._window: list[float] = []  # last accepted values (transformed), for the gross rule
@@ -419,7 +424,7 @@ class SpikeDetector:
         """Plain-Python state (ints, floats, str, None, lists) for checkpoints; config under ``"config"``
         is informational: :meth:`load_state_dict` keeps the constructor's settings."""
         return {
-            "version": _STATE_VERSION,
+            "version": _SPIKE_STATE_VERSION,
             "type": "SpikeDetector",
             "config": self._config(),
             "n": self._n,
@@ -440,14 +445,20 @@ class SpikeDetector:
             "rmean": self._rmean,
             "rvar": self._rvar,
             "rcov": self._rcov,
+            "rcount": self._rcount,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict` (e.g. on resume; a version-1 state, saved
-        before the gross rule existed, loads with an empty gross-rule window)."""
-        if isinstance(state, Mapping) and state.get("version") == 1 and state.get("type") == "SpikeDetector":
-            state = {**state, "version": _STATE_VERSION, "window": [], "rmean": 0.0, "rvar": None, "rcov": 0.0}
-        _check_state(state, "SpikeDetector", tuple(self.state_dict()))
+        before the gross rule existed, loads with an empty gross-rule window; a version-2 one with
+        its moments counted as many samples as its scale)."""
+        if isinstance(state, Mapping) and state.get("type") == "SpikeDetector":
+            if state.get("version") == 1:
+                state = {**state, "version": 2, "window": [], "rmean": 0.0, "rvar": None, "rcov": 0.0}
+            if state.get("version") == 2 and "residuals" in state:
+                # Version 2 folded the moments in from the first residual on: as many samples as the scale.
+                state = {**state, "version": _SPIKE_STATE_VERSION, "rcount": state["residuals"]}
+        _check_state(state, "SpikeDetector", tuple(self.state_dict()), _SPIKE_STATE_VERSION)
         self._n = int(state["n"])
         self._armed = bool(state["armed"])
         self._bias = float(state["bias"])
@@ -466,6 +477,7 @@ class SpikeDetector:
         self._rmean = float(state["rmean"])
         self._rvar = None if state["rvar"] is None else float(state["rvar"])
         self._rcov = float(state["rcov"])
+        self._rcount = int(state["rcount"])
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -647,9 +659,14 @@ class SpikeDetector:
         self._var, self._residuals = _update_scale(
             self._var, self._residuals, residual, self._last_residual, bound, trusted, self.scale_rate, self._kappa
         )
-        if self._cusum <= _FREEZE_MOMENTS * (self.drift_threshold or math.inf):
-            # While a rise is accumulating in the drift sum, it must not widen its own threshold
-            # (a slow explosion's residuals look like slowly varying, autocorrelated noise).
+        # While a rise is accumulating in the drift sum, it must not widen its own threshold (a slow
+        # explosion's residuals look like slowly varying, autocorrelated noise). Nor may the forecast's
+        # own catching up: in the first steps of a run (and after a re-baseline) the residuals are
+        # the trend converging onto the curve, a bias that is large and varies, and as "noise" it
+        # inflated the scale and the autocorrelation for hundreds of updates (a 94-sigma spike at step
+        # 51 read as 4.7 sigmas). So the moments learn only while the forecast is unbiased.
+        unbiased = self._armed or self._calm > 0
+        if unbiased and self._cusum <= _FREEZE_MOMENTS * (self.drift_threshold or math.inf):
             self._update_moments(residual, bound, trusted)
         self._last_residual = residual
         if not self._armed:
@@ -664,7 +681,8 @@ class SpikeDetector:
             self._armed = self._n >= max(self.warmup, 2) and self._calm >= _CALM_UPDATES
 
     def _update_moments(self, residual: float, bound: float, trusted: bool) -> None:
-        rate = max(self.scale_rate, 1.0 / self._residuals)
+        self._rcount += 1
+        rate = max(self.scale_rate, 1.0 / self._rcount)
         previous = None if self._last_residual is None else self._last_residual - self._rmean
         r = min(max(residual, -bound), bound) if trusted else residual
         self._rmean += rate * (r - self._rmean)
@@ -1085,13 +1103,13 @@ class SurgeDetector:
         )
 
 
-def _check_state(state: Mapping[str, Any], kind: str, keys: tuple[str, ...]) -> None:
+def _check_state(state: Mapping[str, Any], kind: str, keys: tuple[str, ...], version: int = _STATE_VERSION) -> None:
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping from {kind}.state_dict(), got {type(state).__name__}")
     if state.get("type", kind) != kind:
         raise ValueError(f"state is a {state.get('type')!r} state, expected one from {kind}.state_dict()")
-    if state.get("version") != _STATE_VERSION:
-        raise ValueError(f"state version {state.get('version')!r} is not supported (expected {_STATE_VERSION})")
+    if state.get("version") != version:
+        raise ValueError(f"state version {state.get('version')!r} is not supported (expected {version})")
     missing = [k for k in keys if k not in state]
     if missing:
         raise ValueError(f"state is missing keys {missing}; pass the dict returned by {kind}.state_dict()")
