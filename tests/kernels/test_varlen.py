@@ -41,13 +41,14 @@ def cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, tied=False):
+def packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, tied=False, qk_std=1.0):
     """q ``[total_q, Hq, D]``, k, v ``[total_k, Hkv, D]``, do. ``tied``: in every sequence, copies of one key
-    at local positions 1, 3, 17, 20 (two key blocks of 16) tie exactly at every row's max."""
+    at local positions 1, 3, 17, 20 (two key blocks of 16) tie exactly at every row's max. ``qk_std``
+    scales q and k (8: scaled scores of std 64 at D=16, softmax rows close to one-hot)."""
     g = torch.Generator().manual_seed(seed)
     tq, tk = sum(lens_q), sum(lens_k)
-    q = torch.randn(tq, Hq, D, generator=g)
-    k = torch.randn(tk, Hkv, D, generator=g)
+    q = torch.randn(tq, Hq, D, generator=g) * qk_std
+    k = torch.randn(tk, Hkv, D, generator=g) * qk_std
     v = torch.randn(tk, Hkv, D, generator=g)
     do = torch.randn(tq, Hq, D, generator=g)
     if tied:
@@ -113,6 +114,7 @@ CASES = {
     "paper": dict(lens=random_lengths(4, 40, seed=5), Hq=2, Hkv=2, kw=dict(causal=True, stabilize="paper")),
     "off": dict(lens=random_lengths(4, 40, seed=6), Hq=2, Hkv=2, kw=dict(stabilize=False)),
     "tied": dict(lens=random_lengths(3, 40, seed=7) + [24], Hq=2, Hkv=2, kw=dict(), tied=True),
+    "huge-logits": dict(lens=random_lengths(4, 40, seed=15), Hq=2, Hkv=1, kw=dict(causal=True), qk_std=8.0),
 }
 
 
@@ -120,7 +122,8 @@ def _case(name, dtype):
     c = CASES[name]
     lens_q = c["lens"]
     lens_k = c.get("lens_k", lens_q)
-    q, k, v, do = packed_inputs(lens_q, lens_k, c["Hq"], c["Hkv"], 16, dtype, seed=len(name), tied=c.get("tied", False))
+    q, k, v, do = packed_inputs(lens_q, lens_k, c["Hq"], c["Hkv"], 16, dtype, seed=len(name), tied=c.get("tied", False),
+                                qk_std=c.get("qk_std", 1.0))
     return q, k, v, do, lens_q, lens_k, dict(block_n=16, **c["kw"])
 
 
@@ -134,7 +137,8 @@ def on_backends(torch_cases, triton_cases):
 
 ALL = [(n, dt) for n in CASES for dt in DTYPES]
 TRITON = [("causal-gqa", torch.bfloat16), ("causal-unequal-lengths", torch.float32),
-          ("window-softcap", torch.float16), ("window-not-causal", torch.bfloat16), ("tied", torch.bfloat16)]
+          ("window-softcap", torch.float16), ("window-not-causal", torch.bfloat16), ("tied", torch.bfloat16),
+          ("huge-logits", torch.bfloat16)]
 
 
 @on_backends(ALL, TRITON + [("paper", torch.bfloat16)])
