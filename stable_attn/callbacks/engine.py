@@ -48,7 +48,8 @@ import torch
 from ..monitor import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, names
 from . import alerting
 from .grad_norm import nonfinite_grads, total_grad_norm
-from .layer_stats import STAT_NAMES, LayerStats
+from .layer_stats import LayerStats
+from .layer_watch import LayerWatch
 from .rollback import Snapshot, Trainables, restore_snapshot, snapshot_from_state, snapshot_state, take_snapshot
 from .swap import find_hf_models, swap_attention
 from .verdict import FIELDS, NotTrainingStreak, PhaseNotes, StepJudge
@@ -200,7 +201,7 @@ class MonitorEngine:
         self.not_training_stop_after = not_training_stop_after
         self.loss_detector = loss_detector if loss_detector is not None else SpikeDetector.loss()
         self.grad_norm_detector = grad_norm_detector if grad_norm_detector is not None else SpikeDetector.grad_norm()
-        self.surge_detectors: dict[str, SurgeDetector] = {}
+        self._watch = LayerWatch(layer_window, early_warnings and attention_stats, early_warning_warmup)
 
         self.world = World()
         self.alert_count = 0
@@ -208,7 +209,6 @@ class MonitorEngine:
         self.skipped_steps: list[int] = []
         self.rollbacks: list[tuple[int, int]] = []  # (spiking step, snapshot step)
         self.stop_checkpoint: str | None = None
-        self.layers: LayerStats | None = None
         self.dispatcher: AlertDispatcher | None = None
         # per channel: delivered, failed, dropped, abandoned (closed channels and earlier runs of a resume)
         self.alert_delivery: dict[str, dict[str, int]] = {}
@@ -221,7 +221,6 @@ class MonitorEngine:
         self._stop_path: Callable[[int], str] = self._default_stop_path
         self._swapped: dict[int, str] = {}
         self.sdpa_patch: Any = None  # the patch_sdpa() handle while F.scaled_dot_product_attention is patched
-        self._pending_state: dict[str, Any] | None = None
         self._every = 1
         self._step = -1
         self._alerts_at_start = 0
@@ -235,6 +234,16 @@ class MonitorEngine:
         self._snapshot_in_checkpoint = False
         self._loaded_snapshot: Snapshot | None = None
         self._resumed = False
+
+    @property
+    def layers(self) -> LayerStats | None:
+        """The watched attention layers and their recent statistics (None before :meth:`setup`)."""
+        return self._watch.layers
+
+    @property
+    def surge_detectors(self) -> dict[str, SurgeDetector]:
+        """Early-warning detectors by metric name (``stable_attn/saturation/layer0``, ...)."""
+        return self._watch.surge_detectors
 
     @property
     def not_training_streak(self) -> int:
@@ -266,26 +275,14 @@ class MonitorEngine:
 
         if self.swap:
             swap_attention(models)
-        stats: dict[str, Any] = dict(self.layers.stats) if self.layers is not None else {}
+        stats: dict[str, Any] = {}
         several = len(models) + len(self._swapped) > 1
         for path, model in models.items():
             self._swapped[id(model)] = path
-            if not self.attention_stats:
-                continue
-            for layer, s in attach_stats(model).items():
-                stats[f"{path or 'model'}.{layer}" if several else layer] = s
-        self.layers = LayerStats(stats, window=self.layer_window)
-        if self._pending_state is not None:
-            self.layers.load_state_dict(self._pending_state.get("layers", {}))
-        if self.early_warnings and self.attention_stats:
-            for layer in stats:
-                for stat, make in (("saturation", SurgeDetector.saturation), ("max_logit", SurgeDetector.max_logit)):
-                    metric = names.layer_metric(stat, layer)
-                    if metric not in self.surge_detectors:
-                        warmup = {} if self.early_warning_warmup is None else {"warmup": self.early_warning_warmup}
-                        self.surge_detectors[metric] = make(metric, **warmup)
-            if self._pending_state is not None:
-                self._load_surge(self._pending_state.get("surge", {}))
+            if self.attention_stats:
+                stats.update({f"{path or 'model'}.{layer}" if several else layer: s
+                              for layer, s in attach_stats(model).items()})
+        self._watch.add(stats)
         if self.world.is_zero:
             n_attention = sum(len(attention_modules(m)) for m in models.values())
             found = ", ".join(type(m).__name__ for m in models.values())
@@ -343,8 +340,7 @@ class MonitorEngine:
             except RuntimeError as exc:  # another patch_sdpa was installed on top of ours during the run
                 log.warning("%s: torch.nn.functional.scaled_dot_product_attention not restored %s: %s",
                             self.name, when, exc)
-        if self.layers is not None:
-            self.layers.enable(False)
+        self._watch.enable(False)
 
     def log_summary(self) -> None:
         """The :meth:`summary` line at WARNING, on rank zero."""
@@ -380,8 +376,7 @@ class MonitorEngine:
         self._acted = False
         self._alerts_at_start = self.alert_count
         self._monitor_now = monitor if monitor is not None else self._every > 0 and (step + 1) % self._every == 0
-        if self.layers is not None:
-            self.layers.enable(self._monitor_now)
+        self._watch.enable(self._monitor_now)
         return self._monitor_now
 
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -496,33 +491,24 @@ class MonitorEngine:
             stop = self.stop_checkpoint = self._stop_path(step)
             if self.world.is_zero:
                 log.warning("%s: stopped training at step %d; checkpoint %s", self.name, step, stop)
-        if self.layers is not None:
-            self.layers.enable(False)
+        self._watch.enable(False)
         return StepEnd(step=step, metrics=metrics, stop_checkpoint=stop, rolled_back=rolled_back,
                        alert_count_changed=self.alert_count != self._alerts_at_start)
 
     def _monitor(self, step: int) -> dict[str, float]:
         metrics = {k: v for k, v in self.last.items() if not (k == names.GRAD_NORM and not self.monitor_grad_norm)}
-        if self.layers is not None and len(self.layers):
-            gather = self.world.all_gather if self.world.size > 1 else None
-            per_layer = self.layers.collect(step, gather, self.world.device)
-            for layer, values in per_layer.items():
-                for stat in STAT_NAMES:
-                    metrics[names.layer_metric(stat, layer)] = values[stat]
-                for stat in ("saturation", "max_logit"):
-                    detector = self.surge_detectors.get(names.layer_metric(stat, layer))
-                    loss = self.last.get(names.LOSS)  # a NaN loss is ignored by the detector
-                    event = detector.update(step, values[stat], loss=loss) if detector is not None else None
-                    if event is not None and event.is_new:
-                        self._alert(event, "warn", "")
+        gather = self.world.all_gather if self.world.size > 1 else None
+        layer_metrics, events = self._watch.observe(step, gather, self.world.device, self.last.get(names.LOSS))
+        metrics.update(layer_metrics)
+        for event in events:
+            self._alert(event, "warn", "")
         metrics[names.ALERT_COUNT] = float(self.alert_count)
         return metrics
 
     def _alert(self, event: SpikeEvent, action: str, message: str) -> None:
         """An alert from a detector's event, with the step's learning rate and the layers that moved."""
-        layers = self.layers.most_changed() if self.layers is not None else []
-        self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=layers, action=action,
-                                    message=message.lstrip("; ")))
+        self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=self._watch.most_changed(),
+                                    action=action, message=message.lstrip("; ")))
 
     def _emit(self, alert: Alert) -> None:
         """Count the alert on every rank (the count is shown and logged), deliver it on rank zero."""
@@ -535,7 +521,7 @@ class MonitorEngine:
     def state_dict(self) -> dict[str, Any]:
         """Plain Python (JSON-serialisable, NaN and inf aside) except the rollback snapshot's tensors,
         which are there only in a single-process run with ``on_spike="rollback"``."""
-        ranks = self._judge.ranks
+        ranks, watch = self._judge.ranks, self._watch.state_dict()
         return {
             "loss_detector": self.loss_detector.state_dict(),
             "other_rank_loss_detectors": ranks[names.LOSS].other_states(),
@@ -543,12 +529,12 @@ class MonitorEngine:
             "other_rank_grad_norm_detectors": ranks[names.GRAD_NORM].other_states(),
             "alert_kinds": dict(self.alert_kinds),
             "not_training_streak": self.not_training_streak,
-            "surge": {metric: det.state_dict() for metric, det in self.surge_detectors.items()},
+            "surge": watch["surge"],
             "alert_count": self.alert_count,
             "skipped_steps": list(self.skipped_steps),
             "rollbacks": [list(r) for r in self.rollbacks],
             "stop_checkpoint": self.stop_checkpoint,
-            "layers": self.layers.state_dict() if self.layers is not None else {},
+            "layers": watch["layers"],
             "alert_delivery": self._delivery(),
             **({"rollback_snapshot": snapshot_state(self._snapshot)} if self._snapshot is not None
                and self._snapshot_in_checkpoint and self.on_spike == "rollback" else {}),
@@ -575,13 +561,4 @@ class MonitorEngine:
         self.skipped_steps = list(state_dict.get("skipped_steps", []))
         self.rollbacks = [tuple(r) for r in state_dict.get("rollbacks", [])]
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
-        # Layer detectors are created when the model is found; keep their state until then.
-        self._pending_state = state_dict
-        if self.layers is not None:
-            self.layers.load_state_dict(state_dict.get("layers", {}))
-        self._load_surge(state_dict.get("surge", {}))
-
-    def _load_surge(self, states: dict[str, Any]) -> None:
-        for metric, state in states.items():
-            if metric in self.surge_detectors:
-                self.surge_detectors[metric].load_state_dict(state)
+        self._watch.load_state_dict(state_dict)  # applied to layers found later too
