@@ -50,6 +50,7 @@ FWD_COMPILE_OPTIONS = {"enable_fp_fusion": False}
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # One K tile plus one V tile must fit in shared memory with room for the query tile (A100: 163 KiB).
 _MAX_KV_TILE_BYTES = 128 * 1024
+_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,9 @@ def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: tor
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (got {cu_seqlens_q.numel()} and "
                          f"{cu_seqlens_k.numel()})")
+    if cu_seqlens_q.numel() - 1 > _MAX_GRID_Z:  # the sequences are the grid's third dimension
+        raise ValueError(f"at most {_MAX_GRID_Z} sequences per call on the Triton backend (got "
+                         f"{cu_seqlens_q.numel() - 1}); split the batch")
     # offsets inside one sequence are int32 (as inside one batch element of the dense path); the
     # sequences' first rows are int64
     for name, x, n in (("q", q, max_seqlen_q), ("k", k, max_seqlen_k), ("v", v, max_seqlen_k)):

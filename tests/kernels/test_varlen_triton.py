@@ -213,6 +213,10 @@ def test_launcher_errors():
         ta.forward_varlen(q, k, v, good, cu([2, 2]), 4, 4, opts_for(16), False)
     with pytest.raises(ValueError, match="int32 offsets"):
         ta.forward_varlen(q, k, v, good, good, 2**31 // 16, 4, opts_for(16), False)
+    many = torch.zeros(ta._MAX_GRID_Z + 2, dtype=torch.int32, device=DEVICE)
+    many[-1] = 4
+    with pytest.raises(ValueError, match="at most 65535 sequences"):
+        ta.forward_varlen(q, k, v, many, many, 4, 4, opts_for(16), False)
 
 
 @pytest.mark.slow
