@@ -178,6 +178,8 @@ class StableAttentionCallback(Callback):
             None never stops.
     """
 
+    # MonitorEngine's arguments, spelt out for IDEs and help(); the engine's signature is the source (names,
+    # order, defaults, annotations: tests/callbacks/test_callback_signatures.py fails on any difference).
     def __init__(
         self,
         *,
@@ -201,14 +203,8 @@ class StableAttentionCallback(Callback):
         not_training_after: int = 10,
         not_training_stop_after: int | None = 100,
     ) -> None:
-        self.engine = MonitorEngine(
-            name=type(self).__name__, on_spike=on_spike, log_every_n_steps=log_every_n_steps, swap=swap,
-            patch_sdpa=patch_sdpa, loss_detector=loss_detector, grad_norm_detector=grad_norm_detector,
-            monitor_grad_norm=monitor_grad_norm, attention_stats=attention_stats, early_warnings=early_warnings,
-            early_warning_warmup=early_warning_warmup, rollback_every=rollback_every, on_alert=on_alert,
-            webhook_url=webhook_url, webhook_timeout=webhook_timeout, webhook_headers=webhook_headers,
-            alerts_file=alerts_file, layer_window=layer_window, not_training_after=not_training_after,
-            not_training_stop_after=not_training_stop_after)
+        given = {k: v for k, v in locals().items() if k != "self"}  # the engine checks and keeps them
+        self.engine = MonitorEngine(name=type(self).__name__, **given)
 
     def __getattr__(self, name: str) -> Any:
         engine = self.__dict__.get("engine")  # absent while unpickling
