@@ -152,16 +152,17 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     log entry of that step (``loss``, ``grad_norm``, ``learning_rate``): ``trainer.state.log_history``,
     ``trainer_state.json`` and every ``report_to`` backend get them.
 
-    **Detect, alert, act.** Every optimizer step's loss (each rank's, summed over the accumulated
-    micro-batches) and gradient norm before clipping go to the spike detectors, on every rank, with the
-    same rules, alerts and actions as :class:`~stable_attn.callbacks.StableAttentionCallback`: alerts to
-    the ``stable_attn`` logger, ``<output_dir>/<alerts_file>`` (JSONL), ``on_alert`` callables and
-    ``webhook_url``; ``on_spike="skip"`` drops the step's update (weights and optimizer state unchanged,
-    the LR scheduler still advances); ``"rollback"`` drops it and restores the model, optimizer, LR
-    scheduler, grad scaler and RNG state kept in memory every ``rollback_every`` steps; ``"stop"`` drops
-    it, saves a checkpoint (``<output_dir>/checkpoint-<step>``, the Trainer's own format, whatever
-    ``save_strategy`` says) and stops training. A NaN or inf loss or gradient never reaches the weights.
-    Under DDP every rank shares its values each step, so all ranks take the same action.
+    **Detect, alert, act.** Every optimizer step's loss (each rank's, summed over the accumulated micro-batches)
+    and gradient norm before clipping go to the spike detectors, on every rank, with the same rules, alerts and
+    actions as :class:`~stable_attn.callbacks.StableAttentionCallback`: alerts to the ``stable_attn`` logger,
+    ``<output_dir>/<alerts_file>`` (JSONL), ``on_alert`` callables and ``webhook_url``; ``on_spike="skip"``
+    drops the step's update (weights and optimizer state unchanged; the gradients were already clipped, and are
+    dropped with the clipping; the LR scheduler still advances, so the step's learning rate is used up as if the
+    update had been applied); ``"rollback"`` drops it and restores the model, optimizer, LR scheduler, grad
+    scaler and RNG state kept in memory every ``rollback_every`` steps; ``"stop"`` drops it, saves a checkpoint
+    (``<output_dir>/checkpoint-<step>``, the Trainer's own format, whatever ``save_strategy`` says) and stops
+    training. A NaN or inf loss or gradient never reaches the weights. Under DDP every rank shares its values
+    each step, so all ranks take the same action.
 
     **Steps.** Steps are counted as the Trainer counts them: step ``N`` is the ``N``-th optimizer
     update, logged at ``"step": N`` and checkpointed as ``checkpoint-N``; alerts, ``skipped_steps`` and
@@ -180,7 +181,9 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     **End of run.** ``on_train_end`` logs the summary line, closes the alert channels (within one
     ``webhook_timeout``), puts back ``F.scaled_dot_product_attention`` if ``patch_sdpa`` replaced it and
     unwraps the Trainer. The Trainer has no hook for a ``train()`` that raises: such a run is ended (the
-    same way) at the start of the callback's next ``train()``, or at the interpreter's exit.
+    same way) at the start of the callback's next ``train()``, or at the interpreter's exit (until then
+    the Trainer's three methods stay wrapped); a failure inside the callback's own ``on_train_begin``
+    ends it at once.
 
     Args:
         on_spike, swap, patch_sdpa, loss_detector, grad_norm_detector, monitor_grad_norm, attention_stats,
@@ -192,6 +195,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             ``logging_steps`` (no monitored steps when ``logging_strategy`` is not ``"steps"``).
     """
 
+    # MonitorEngine's arguments, spelt out for IDEs and help(); the engine's signature is the source (names,
+    # order, defaults, annotations: tests/callbacks/test_callback_signatures.py fails on any difference).
     def __init__(
         self,
         *,
@@ -314,15 +319,20 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             raise RuntimeError(f"{_NAME} found no transformers.Trainer running it; it works inside Trainer.train()")
         self._restore(args, state, checkpoint)
         self._taps = _Taps(trainer, self.engine.add_loss)
-        size = args.world_size
-        world = World(rank=args.process_index, size=size, device=args.device,
-                      all_gather=_all_gather if size > 1 else None, grad_norm=self._taps.grad_norm)
-        self.engine.setup(model, world, stage="train")
-        steps = args.logging_strategy == "steps"
-        self._every = self.engine.log_every_n_steps or (state.logging_steps if steps else 0)
-        output_dir = args.output_dir or "."
-        self.engine.start(output_dir, self._every, lambda step: os.path.join(output_dir, f"checkpoint-{step}"))
-        self.engine.train_start(self._trainables(state, model, optimizer, lr_scheduler))
+        try:
+            size = args.world_size
+            world = World(rank=args.process_index, size=size, device=args.device,
+                          all_gather=_all_gather if size > 1 else None, grad_norm=self._taps.grad_norm)
+            self.engine.setup(model, world, stage="train")
+            steps = args.logging_strategy == "steps"
+            self._every = self.engine.log_every_n_steps or (state.logging_steps if steps else 0)
+            output_dir = args.output_dir or "."
+            self.engine.start(output_dir, self._every, lambda step: os.path.join(output_dir, f"checkpoint-{step}"))
+            self.engine.train_start(self._trainables(state, model, optimizer, lr_scheduler))
+        except BaseException:
+            # Unwrap the Trainer and put back what setup patched: a later train() must not wrap the wrappers.
+            self._end("after the start of train() failed")
+            raise
         self._running = True
         # The Trainer has no event for a train() that raises: then the next train() or the interpreter's
         # exit ends the run (closes the channels within one webhook timeout, says what was not delivered).

@@ -231,3 +231,23 @@ def test_a_train_that_raises_is_ended_by_the_next_train(tmp_path, pretrained):
     healthy.train()  # ends the failed run first (its channels closed, its Trainer unwrapped), then runs
     assert "training_step" not in vars(failing) and "training_step" not in vars(healthy)
     assert cb.engine.dispatcher is None and healthy.state.global_step == 4
+
+
+def test_a_failure_while_starting_leaves_the_trainer_unwrapped(tmp_path, pretrained, monkeypatch):
+    import torch.nn.functional as F
+
+    original_sdpa = F.scaled_dot_product_attention
+    cb = StableAttentionTrainerCallback(patch_sdpa=True)
+    trainer = make_trainer(str(tmp_path), [cb], steps=2, weights=pretrained)
+    with monkeypatch.context() as patch:
+        patch.setattr(cb.engine, "train_start", lambda state: (_ for _ in ()).throw(MemoryError("no snapshot")))
+        with pytest.raises(MemoryError):
+            trainer.train()
+    assert "training_step" not in vars(trainer) and "log" not in vars(trainer)
+    assert "clip_grad_norm_" not in vars(trainer.accelerator)
+    assert F.scaled_dot_product_attention is original_sdpa and cb.engine.dispatcher is None
+
+    losses = []
+    monkeypatch.setattr(cb.engine, "add_loss", losses.append)  # the taps call it once per micro-batch
+    trainer.train()  # the same callback starts cleanly: its taps wrap the Trainer's own methods, once
+    assert len(losses) == 2 and trainer.state.global_step == 2
