@@ -9,7 +9,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("callback_overhead",
@@ -22,15 +21,11 @@ TINY = argparse.Namespace(steps=3, warmup=1, layers=1, width=16, heads=2, seq=16
                           precision="32-true")
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("loop", ["lightning", "trainer"])
 def test_both_loops_time_steps_and_hooks(loop):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        fit = co.trainer_run if loop == "trainer" else co.run
-        cls = co.StableAttentionTrainerCallback if loop == "trainer" else co.StableAttentionCallback
-        wall, cpu, hooks = fit(TINY, lambda: cls(log_every_n_steps=1))
-        assert wall > 0 and cpu > 0 and hooks > 0
-        assert fit(TINY, None)[2] == 0.0  # no callback: nothing timed inside hooks
-    finally:
-        torch.set_num_threads(threads)
+    fit = co.trainer_run if loop == "trainer" else co.run
+    cls = co.StableAttentionTrainerCallback if loop == "trainer" else co.StableAttentionCallback
+    wall, cpu, hooks = fit(TINY, lambda: cls(log_every_n_steps=1))
+    assert wall > 0 and cpu > 0 and hooks > 0
+    assert fit(TINY, None)[2] == 0.0  # no callback: nothing timed inside hooks

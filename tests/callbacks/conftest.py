@@ -1,33 +1,13 @@
-"""Fixtures for the Lightning callback tests: one thread per process, pre-trained tiny GPT-2 weights."""
+"""The Lightning callback tests run on one torch thread (``one_thread`` and ``pretrained``: tests/conftest.py)."""
 
 import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # so the tests and the DDP script share callback_lm
 
-from callback_lm import pretrain  # noqa: E402
-
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model runs ~50x slower with 2 intra-op threads on a loaded 2-core box than with one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def pretrained(tmp_path_factory) -> str:
-    """Path of tiny GPT-2 weights trained past the steep first descent (see callback_lm.pretrain)."""
-    path = tmp_path_factory.mktemp("weights") / "tiny_gpt2.pt"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        pretrain(path)
-    finally:
-        torch.set_num_threads(threads)
-    return str(path)
+def _one_thread(one_thread):
+    """Every test here on one torch thread."""

@@ -12,18 +12,10 @@ import os
 import sys
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """As the benchmarks run: one torch thread (faster than two on a shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# As the benchmarks run: one torch thread (faster than two on a shared 2-core machine).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _load(name: str):

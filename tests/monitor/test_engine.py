@@ -30,14 +30,7 @@ CHECKPOINT_KEYS = {
     "alert_kinds", "not_training_streak", "surge", "alert_count", "skipped_steps", "rollbacks", "stop_checkpoint",
     "layers", "alert_delivery",
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
