@@ -25,6 +25,7 @@ two functions above.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -65,6 +66,17 @@ def _refuse(alibi_slopes: Any, return_attn_probs: Any, fn: str) -> None:
     if return_attn_probs:
         raise ValueError(f"{fn}: return_attn_probs=True is not supported (the fused kernel never materializes "
                          "the probabilities); pass return_attn_probs=False")
+
+
+def _softcap(softcap: Any, fn: str) -> float | None:
+    """FlashAttention's ``softcap`` (0.0 = off) as stable_attn's (None = off)."""
+    number = isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+    if softcap is None or (number and softcap == 0):
+        return None
+    if not (number and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"{fn}: softcap={softcap!r} is not supported; use a finite number > 0 (scores capped "
+                         "as c * tanh(s / c)) or 0.0 (off)")
+    return float(softcap)
 
 
 def _check_layout(q: Any, k: Any, v: Any, rank: int, layout: str, fn: str) -> None:
@@ -108,10 +120,11 @@ def flash_attn_func(
         raise ValueError(f"{fn}: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch B and head dim D "
                          "in the layout [B, N, H, D]")
     causal, window = window_arguments(window_size, causal)
+    softcap = _softcap(softcap, fn)
     try:
         out = attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale,
-            window=window, softcap=softcap or None, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
+            window=window, softcap=softcap, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
             stats=stats, backend=backend,
         )
     except (ValueError, TypeError) as err:  # its shapes are the [B, H, N, D] transposes of the caller's
@@ -154,10 +167,11 @@ def flash_attn_varlen_func(
     if block_table is not None:
         raise ValueError(f"{fn}: a paged KV cache (block_table) is not supported; pass block_table=None")
     causal, window = window_arguments(window_size, causal)
+    softcap = _softcap(softcap, fn)
     try:
         return attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,
-            window=window, softcap=softcap or None, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
+            window=window, softcap=softcap, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
             stats=stats, backend=backend,
         )
     except (ValueError, TypeError) as err:

@@ -89,6 +89,23 @@ def test_refusals_name_the_argument():
         flash_attn_func(q, torch.randn(1, 6, 3, 8), torch.randn(1, 6, 3, 8))  # 2 query heads on 3 kv heads
 
 
+@pytest.mark.parametrize("softcap", [-1.0, float("inf"), float("nan"), True])
+def test_softcap_refused_in_flash_attention_terms(softcap):
+    """FlashAttention's softcap: > 0 caps, 0.0 is off; anything else names both."""
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"^flash_attn_func: softcap=.* use a finite number > 0 .* or 0.0 \(off\)"):
+        flash_attn_func(q, q, q, softcap=softcap)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: softcap="):
+        flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, softcap=softcap)
+
+
+def test_softcap_zero_is_off():
+    q, k, v = (torch.randn(1, 5, 2, 8) for _ in range(3))
+    assert torch.equal(flash_attn_func(q, k, v, softcap=0.0), flash_attn_func(q, k, v))
+    assert torch.equal(flash_attn_func(q, k, v, softcap=0), flash_attn_func(q, k, v))
+
+
 # (Nq, Nk, causal, window_size, softcap, Hq, Hkv, D): FlashAttention-style length pairs, GQA, windows, softcap
 TORCH_CASES = [
     (113, 203, False, (-1, -1), 0.0, 4, 2, 16),
