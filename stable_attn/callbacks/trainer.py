@@ -86,6 +86,9 @@ def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
+_ABSENT = object()
+
+
 class _Taps:
     """The three wrapped methods of one Trainer instance, and what they saw."""
 
@@ -94,6 +97,9 @@ class _Taps:
         self.norm: torch.Tensor | None = None  # the Trainer's pre-clip gradient norm of the current step
         self.pending: tuple[int, dict[str, float]] | None = None  # metrics waiting for the Trainer's log
         step_fn, clip_fn, log_fn = trainer.training_step, trainer.accelerator.clip_grad_norm_, trainer.log
+        # What each wrapped name was on the instance itself (someone else's wrapper), to put back as it was.
+        self._own = [(owner, name, owner.__dict__.get(name, _ABSENT)) for owner, name in
+                     ((trainer, "training_step"), (trainer.accelerator, "clip_grad_norm_"), (trainer, "log"))]
 
         def training_step(*args: Any, **kwargs: Any) -> torch.Tensor:
             loss = step_fn(*args, **kwargs)
@@ -131,9 +137,11 @@ class _Taps:
             self.trainer.log(dict(pending[1]))
 
     def remove(self) -> None:
-        for owner, name in ((self.trainer, "training_step"), (self.trainer.accelerator, "clip_grad_norm_"),
-                            (self.trainer, "log")):
-            owner.__dict__.pop(name, None)
+        for owner, name, before in self._own:
+            if before is _ABSENT:
+                owner.__dict__.pop(name, None)  # the class's method again
+            else:
+                setattr(owner, name, before)
 
 
 class StableAttentionTrainerCallback(TrainerCallback, ExportableState):

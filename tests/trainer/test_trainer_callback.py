@@ -251,3 +251,20 @@ def test_a_failure_while_starting_leaves_the_trainer_unwrapped(tmp_path, pretrai
     monkeypatch.setattr(cb.engine, "add_loss", losses.append)  # the taps call it once per micro-batch
     trainer.train()  # the same callback starts cleanly: its taps wrap the Trainer's own methods, once
     assert len(losses) == 2 and trainer.state.global_step == 2
+
+
+def test_methods_wrapped_by_someone_else_are_put_back_as_they_were(tmp_path, pretrained):
+    cb = StableAttentionTrainerCallback()
+    trainer = make_trainer(str(tmp_path), [cb], steps=2, weights=pretrained)
+    theirs_step, theirs_log = trainer.training_step, trainer.log  # bound methods, set on the instance
+
+    def training_step(*args, **kwargs):
+        return theirs_step(*args, **kwargs)
+
+    def log(*args, **kwargs):
+        return theirs_log(*args, **kwargs)
+
+    trainer.training_step, trainer.log = training_step, log
+    trainer.train()
+    assert trainer.training_step is training_step and trainer.log is log
+    assert "clip_grad_norm_" not in vars(trainer.accelerator)
