@@ -108,7 +108,7 @@ class _Taps:
 
         def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
             norm = clip_fn(*args, **kwargs)
-            if isinstance(norm, (int, float)):  # DeepSpeed's engine reports a float
+            if isinstance(norm, (int, float)):  # an accelerator that reports a float
                 self.norm = torch.tensor(float(norm))
             else:
                 self.norm = norm if isinstance(norm, torch.Tensor) else None
@@ -170,7 +170,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     scaler and RNG state kept in memory every ``rollback_every`` steps; ``"stop"`` drops it, saves a checkpoint
     (``<output_dir>/checkpoint-<step>``, the Trainer's own format, whatever ``save_strategy`` says) and stops
     training. A NaN or inf loss or gradient never reaches the weights. Under DDP every rank shares its values
-    each step, so all ranks take the same action.
+    each step, so all ranks take the same action. DeepSpeed is refused (ValueError at ``train()``): it applies
+    each update inside ``backward()``, before any callback runs, so no update could be dropped.
 
     **Steps.** Steps are counted as the Trainer counts them: step ``N`` is the ``N``-th optimizer
     update, logged at ``"step": N`` and checkpointed as ``checkpoint-N``; alerts, ``skipped_steps`` and
@@ -325,6 +326,13 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         trainer, checkpoint = _calling_trainer()
         if trainer is None:
             raise RuntimeError(f"{_NAME} found no transformers.Trainer running it; it works inside Trainer.train()")
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            # accelerate runs DeepSpeed's engine.step() inside accelerator.backward(), before the Trainer's
+            # on_pre_optimizer_step: no update (a NaN one included) could be dropped, whatever on_spike says.
+            raise ValueError(
+                f"{_NAME} does not support DeepSpeed (TrainingArguments.deepspeed={args.deepspeed!r}): DeepSpeed "
+                "applies each update inside backward(), before the callback can drop it; train without a DeepSpeed "
+                "config (single process or DDP)")
         self._restore(args, state, checkpoint)
         self._taps = _Taps(trainer, self.engine.add_loss)
         try:

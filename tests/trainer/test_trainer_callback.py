@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from trainer_lm import digest, make_trainer, optimizer_digest
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl
 
 from stable_attn.callbacks import StableAttentionTrainerCallback
 from stable_attn.monitor import names
@@ -268,3 +268,17 @@ def test_methods_wrapped_by_someone_else_are_put_back_as_they_were(tmp_path, pre
     trainer.train()
     assert trainer.training_step is training_step and trainer.log is log
     assert "clip_grad_norm_" not in vars(trainer.accelerator)
+
+
+def test_deepspeed_is_refused_before_anything_is_wrapped(tmp_path, pretrained):
+    """Under DeepSpeed the update happens inside backward(): the callback could drop none, so it refuses."""
+    cb = StableAttentionTrainerCallback(on_spike="skip")
+    trainer = make_trainer(str(tmp_path), [cb], steps=2, weights=pretrained)
+    trainer.is_deepspeed_enabled = True  # what a DeepSpeed config sets (DeepSpeed is not installed here)
+
+    def train_loop(self):  # the Trainer's loop calls on_train_begin with the Trainer as its ``self``
+        cb.on_train_begin(self.args, self.state, TrainerControl(), model=self.model)
+
+    with pytest.raises(ValueError, match=r"does not support DeepSpeed \(TrainingArguments.deepspeed=None\)"):
+        train_loop(trainer)
+    assert "training_step" not in vars(trainer) and cb.engine.dispatcher is None
