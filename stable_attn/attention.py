@@ -300,8 +300,9 @@ def attention(
         stats: an :class:`AttentionStats` to accumulate per-head row statistics into (skipped
             while its ``enabled`` is False).
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"torch"`` or ``"triton"``.
-        block_n: key-block size (the partition the per-block rule sees); default (None) lets the
-            backend choose (the PyTorch path uses 64).
+        block_n: key-block size (the partition the per-block rule sees); default (None) is
+            ``options.BLOCK_N`` (64) on both backends (where no rule sees the partition, stabilize off
+            without statistics, the Triton forward may tile the keys otherwise).
     """
     q, k, v = autocast_inputs(q, k, v)
     check_tensors(q, k, v, key_padding_mask, attn_mask)
