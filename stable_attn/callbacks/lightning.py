@@ -21,6 +21,7 @@ module maps Lightning's hooks onto it (automatic optimization):
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -36,11 +37,8 @@ __all__ = ["StableAttentionCallback"]
 # What the callback shows of its engine, read-only: the run's outcome and state, and the arguments.
 _ENGINE_ATTRIBUTES = frozenset({
     "alert_count", "alert_kinds", "skipped_steps", "rollbacks", "stop_checkpoint", "alert_delivery", "layers",
-    "dispatcher", "surge_detectors", "loss_detector", "grad_norm_detector", "log_dir", "not_training_streak",
-    "on_spike", "log_every_n_steps", "swap", "patch_sdpa", "monitor_grad_norm", "attention_stats",
-    "early_warnings", "early_warning_warmup", "rollback_every", "on_alert", "webhook_url", "webhook_timeout",
-    "webhook_headers", "alerts_file", "layer_window", "not_training_after", "not_training_stop_after",
-})
+    "dispatcher", "surge_detectors", "log_dir", "not_training_streak",
+}) | (frozenset(inspect.signature(MonitorEngine).parameters) - {"name"})
 _WRONG_TRAINER = ("StableAttentionCallback is a Lightning callback (lightning.Trainer); for transformers.Trainer use "
                   "stable_attn.callbacks.StableAttentionTrainerCallback")
 
