@@ -68,15 +68,22 @@ def _refuse(alibi_slopes: Any, return_attn_probs: Any, fn: str) -> None:
                          "the probabilities); pass return_attn_probs=False")
 
 
-def _softcap(softcap: Any, fn: str) -> float | None:
-    """FlashAttention's ``softcap`` (0.0 = off) as stable_attn's (None = off)."""
-    number = isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-    if softcap is None or (number and softcap == 0):
-        return None
-    if not (number and math.isfinite(softcap) and softcap > 0):
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _scalars(softmax_scale: Any, softcap: Any, fn: str) -> tuple[float | None, float | None]:
+    """FlashAttention's ``softmax_scale`` (None = 1/sqrt(D)) and ``softcap`` (0.0 = off) checked in its own
+    terms, as stable_attn's ``scale`` and ``softcap`` (None = off)."""
+    if softmax_scale is not None and not _positive(softmax_scale):
+        raise ValueError(f"{fn}: softmax_scale={softmax_scale!r} is not supported; use a finite number > 0 or None "
+                         "(1/sqrt(D))")
+    if softcap is None or (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap == 0):
+        return softmax_scale, None
+    if not _positive(softcap):
         raise ValueError(f"{fn}: softcap={softcap!r} is not supported; use a finite number > 0 (scores capped "
                          "as c * tanh(s / c)) or 0.0 (off)")
-    return float(softcap)
+    return softmax_scale, float(softcap)
 
 
 def _check_layout(q: Any, k: Any, v: Any, rank: int, layout: str, fn: str) -> None:
@@ -120,7 +127,7 @@ def flash_attn_func(
         raise ValueError(f"{fn}: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch B and head dim D "
                          "in the layout [B, N, H, D]")
     causal, window = window_arguments(window_size, causal)
-    softcap = _softcap(softcap, fn)
+    softmax_scale, softcap = _scalars(softmax_scale, softcap, fn)
     try:
         out = attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale,
@@ -167,7 +174,7 @@ def flash_attn_varlen_func(
     if block_table is not None:
         raise ValueError(f"{fn}: a paged KV cache (block_table) is not supported; pass block_table=None")
     causal, window = window_arguments(window_size, causal)
-    softcap = _softcap(softcap, fn)
+    softmax_scale, softcap = _scalars(softmax_scale, softcap, fn)
     try:
         return attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=softmax_scale,

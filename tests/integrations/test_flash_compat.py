@@ -100,6 +100,13 @@ def test_softcap_refused_in_flash_attention_terms(softcap):
         flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, softcap=softcap)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), "0.1"])
+def test_softmax_scale_refused_by_its_own_name(scale):
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"^flash_attn_func: softmax_scale=.* use a finite number > 0 or None"):
+        flash_attn_func(q, q, q, softmax_scale=scale)
+
+
 def test_softcap_zero_is_off():
     q, k, v = (torch.randn(1, 5, 2, 8) for _ in range(3))
     assert torch.equal(flash_attn_func(q, k, v, softcap=0.0), flash_attn_func(q, k, v))
