@@ -125,7 +125,7 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
     descriptors = {}
     if consts.get("TMA"):  # the launcher's descriptors: a row block of one (batch, head) of [B, H, N, D]
         rows = consts["BLOCK_M"] if v.kind == "bwd_dkdv" else consts["BLOCK_N"]  # or of one head of [total, H, D]
-        names = ("Q", "DO") if v.kind == "bwd_dkdv" else ("K", "V")
+        names = ("Q", "DO") if v.kind == "bwd_dkdv" else ("K", "V")  # fwd and bwd_dq stream K and V
         block = (rows, 1, consts["BLOCK_D"]) if v.varlen else (1, 1, rows, consts["BLOCK_D"])
         descriptors = {n: block for n in names}
     sig, attrs = _signature(fn, v.dtype, consts, descriptors)
@@ -141,8 +141,10 @@ def _constants(v: Variant) -> tuple[dict, dict]:
     if not v.varlen:  # the varlen kernels take no padding mask
         common["HAS_KPM"] = f
     if v.kind == "fwd":
-        cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc)
-        consts = dict(common, MODE=v.mode, STATS=v.stats, BLOCK_M=cfg.block_m, BLOCK_N=v.block_n)
+        free_keys = v.mode == rules.MODE_OFF and not v.stats and not f  # as the launcher decides
+        cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc, free_keys=free_keys)
+        consts = dict(common, MODE=v.mode, STATS=v.stats, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n or v.block_n,
+                      TMA=cfg.tma)
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
     elif v.kind == "bwd_pre":
         consts = dict(HEAD_D=v.head_dim, BLOCK_D=block_d, BLOCK_M=64)

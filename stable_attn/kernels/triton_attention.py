@@ -7,7 +7,8 @@ take ``options.Options`` and return exactly what ``reference.attention_forward``
 ``triton_backward.py`` (no autograd anywhere on this path).
 
 Block sizes. The forward's key block ``BLOCK_N`` *is* the partition the stabilization rule sees, so
-it is never tuned: ``opts.block_n`` or ``options.BLOCK_N`` (64). Everything else (query block,
+it is never tuned: ``opts.block_n`` or ``options.BLOCK_N`` (64), except where no rule sees it
+(stabilize off without statistics, :func:`fwd_config`'s ``free_keys``). Everything else (query block,
 warps, pipeline stages, and all backward tiles, which make no per-block decision) comes from the
 small table in :func:`fwd_config` / :func:`bwd_config`, chosen by head dim and GPU generation so the
 kernels fit in shared memory and do not spill (see benchmarks/kernel_resources.py).
@@ -55,11 +56,15 @@ _MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Forward tiling: ``block_m`` query rows per program (``block_n`` comes from the partition)."""
+    """Forward tiling: ``block_m`` query rows per program. ``block_n``: the key tile where no rule sees
+    the partition (stabilize off, no statistics); ``None`` means the partition's (``opts.block_n``).
+    ``tma``: K and V come through tensor descriptors (sm_90, strides TMA accepts)."""
 
     block_m: int
     num_warps: int
     num_stages: int
+    block_n: int | None = None
+    tma: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,14 +90,26 @@ def head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int) -> FwdConfig:
+def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, free_keys: bool = False,
+               tma: bool = True) -> FwdConfig:
     """Forward tiling by padded head dim and compute capability (major*10+minor).
 
     The query tile and the fp32 accumulator live in registers; K and V tiles are pipelined through
     shared memory (``num_stages`` copies). Chosen so that no D <= 128 variant spills registers on
     sm_80 or sm_90 (benchmarks/kernel_resources.py; D=256 on sm_80 spills 8 bytes). fp32 inputs and
     forced key blocks wider than 64 halve the query tile and the pipeline depth.
+
+    ``free_keys``: no rule sees the key partition (stabilize off, no statistics, no forced
+    ``block_n``) and the variant is plain (no window, softcap, padding mask or dropout). Then on sm_90,
+    16-bit, D <= 128 the key tile is 128 wide, FlashAttention's tile: half the per-row bookkeeping
+    per key (R 0.76 -> 0.58 at D = 128, 1.30 -> 1.03 at D = 64). At D = 128 it needs K and V through
+    tensor descriptors (``tma``: the launcher found the strides TMA-compatible): with pointers the
+    non-causal kernel spills. The 64-key variants keep pointer loads: descriptors cost them 14 to 20
+    SASS instructions per iteration (docs/BENCHMARKS.md).
     """
+    if free_keys and cc >= 90 and dtype != torch.float32 and block_n == BLOCK_N and (block_d <= 64 or
+                                                                                      block_d <= 128 and tma):
+        return FwdConfig(128, 8, 2, block_n=128, tma=block_d > 64)
     if block_d <= 64:
         cfg = FwdConfig(128, 8, 3)
     elif block_d <= 128:
@@ -299,7 +316,11 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
         raise ValueError(f"block_n={block_n} with head dim {D} ({dtype}) needs K and V tiles of "
                          f"{2 * block_n * block_d * q.element_size()} bytes, more than the {_MAX_KV_TILE_BYTES} "
                          f"bytes of shared memory the kernel may use; use a smaller block_n (64 is the default)")
-    cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device))
+    plain = (opts.window is None and opts.softcap is None and opts.dropout_p == 0 and key_padding_mask is None)
+    free_keys = opts.mode == rules.MODE_OFF and not with_stats and not opts.block_n and plain
+    cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device), free_keys=free_keys,
+                               tma=tma_compatible(k, v))
+    block_n = cfg.block_n or block_n
 
     out = _empty_like(q)
     lse2 = _empty(rows, torch.float32, q.device)
@@ -318,21 +339,24 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
         CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None, MODE=opts.mode,
         STATS=with_stats, DROPOUT=opts.dropout_p > 0, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS,
+        TMA=cfg.tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS,
     )
     grid = (triton.cdiv(Nq, cfg.block_m), Hq, B)
+    # with cfg.tma K and V go in as descriptors (the kernels read the pointers otherwise)
+    describe = _descriptor if packed is None else _packed_descriptor
+    k_in, v_in = (describe(k, block_n, block_d), describe(v, block_n, block_d)) if cfg.tma else (k, v)
     if packed is None:
         kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
         kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
         attn_fwd_kernel[grid](
-            q, k, v, kpm, out, lse2, sat, fixed, max_logit, p0,
+            q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, p0,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
             Hq, Hq // Hkv, Nq, Nk, sc["window"], *scalars, HAS_KPM=key_padding_mask is not None, **consts,
         )
     elif min(grid) > 0:
         attn_fwd_varlen_kernel[grid](
-            q, k, v, out, lse2, sat, fixed, max_logit, p0, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
+            q, k_in, v_in, out, lse2, sat, fixed, max_logit, p0, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
             Hq, Hq // Hkv, sc["window"], q.shape[0], *scalars, **consts,
         )
         rows = (1, *rows)  # the statistics as one batch element: what AttentionStats.update reads

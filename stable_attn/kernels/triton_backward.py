@@ -32,11 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import key_range, round_to, scores_tile, tanh_f32, varlen_bounds
-
-# ``TMA`` of the varlen kernels' programs: 3D descriptors over packed ``[total, H, D]`` (the dense
-# kernels pass True for 4D descriptors over ``[B, H, N, D]``, False for pointers)
-TMA_PACKED = tl.constexpr(2)
+from .triton_forward import TMA_PACKED, key_range, load_tile, round_to, scores_tile, tanh_f32, varlen_bounds
 
 
 @triton.jit
@@ -76,28 +72,6 @@ def attn_bwd_preprocess_varlen(Out, DO, Delta, CuQ, stride_oh, stride_on, stride
         return
     delta_program(Out, DO, Delta, 0, stride_oh, stride_on, 0, stride_doh, stride_don, Hq, Nq, q_start.to(tl.int64),
                   total_q, True, HEAD_D, BLOCK_D, BLOCK_M)
-
-
-@triton.jit
-def load_tile(desc, ptrs, b, h, start, stride, offs_r0, offs_d, n_rows, ROWS: tl.constexpr, HEAD_D: tl.constexpr,
-              BLOCK_D: tl.constexpr, TMA: tl.constexpr):
-    """Rows ``[start, start + ROWS)`` of one (batch, head) of a ``[B, H, N, D]`` tensor, zero past ``N``
-    and past ``HEAD_D``: through the tensor descriptor ``desc`` (``TMA``) or the pointers ``ptrs``.
-
-    ``TMA == TMA_PACKED``: rows ``b + start ...`` of a packed ``[total, H, D]`` tensor (``b`` is the
-    sequence's first row); rows past the sequence are the next sequence's, zero only past ``total``.
-    """
-    if TMA:
-        if TMA == TMA_PACKED:
-            x = desc.load([b + start, h, 0]).reshape(ROWS, BLOCK_D)
-        else:
-            x = desc.load([b, h, start, 0]).reshape(ROWS, BLOCK_D)
-    else:
-        mask = (start + offs_r0)[:, None] < n_rows
-        if HEAD_D != BLOCK_D:
-            mask = mask & (offs_d[None, :] < HEAD_D)
-        x = tl.load(ptrs + start * stride, mask=mask, other=0.0)
-    return x
 
 
 @triton.jit

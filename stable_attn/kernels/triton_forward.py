@@ -9,10 +9,13 @@ stretches: blocks cut by the sliding window's left edge (masked), blocks every r
 visited in increasing key order, so the running state sees the same sequence as the reference.
 
 Compile-time flags select every variant (mode, causal, window, softcap, dropout, padding mask,
-statistics), so a variant pays only for what it uses. ``UPCAST`` is set only under
-``TRITON_INTERPRET=1``: the interpreter cannot do bf16 arithmetic or bf16 ``tl.dot``, so operands
-are widened to fp32 right after loading, and every rounding point stays an explicit cast to
-``DTYPE`` (bf16 x bf16 products are exact in fp32, so CPU and GPU round ``P-bar`` at the same place).
+statistics), so a variant pays only for what it uses. ``TMA``: K and V arrive through tensor
+descriptors (``load_tile``, shared with the backward); the launcher takes them for the 128-key tile
+of stabilize off on sm_90, where no rule sees the partition (``triton_attention.fwd_config``).
+``UPCAST`` is set only under ``TRITON_INTERPRET=1``: the interpreter cannot do bf16 arithmetic or
+bf16 ``tl.dot``, so operands are widened to fp32 right after loading, and every rounding point stays
+an explicit cast to ``DTYPE`` (bf16 x bf16 products are exact in fp32, so CPU and GPU round ``P-bar``
+at the same place).
 
 Packed sequences (``attn_fwd_varlen_kernel``, FlashAttention's varlen layout: q ``[total_q, Hq, D]``,
 k/v ``[total_k, Hkv, D]``, ``cu_seqlens``): one launch over (query block of the longest sequence,
@@ -79,6 +82,33 @@ def round_to(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     else:
         y = x.to(DTYPE)
     return y
+
+
+# ``TMA`` of the varlen programs: 3D descriptors over packed ``[total, H, D]`` (the dense kernels pass
+# True for 4D descriptors over ``[B, H, N, D]``, False for pointers)
+TMA_PACKED = tl.constexpr(2)
+
+
+@triton.jit
+def load_tile(desc, ptrs, b, h, start, stride, offs_r0, offs_d, n_rows, ROWS: tl.constexpr, HEAD_D: tl.constexpr,
+              BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``[start, start + ROWS)`` of one (batch, head) of a ``[B, H, N, D]`` tensor, zero past ``N``
+    and past ``HEAD_D``: through the tensor descriptor ``desc`` (``TMA``) or the pointers ``ptrs``.
+
+    ``TMA == TMA_PACKED``: rows ``b + start ...`` of a packed ``[total, H, D]`` tensor (``b`` is the
+    sequence's first row); rows past the sequence are the next sequence's, zero only past ``total``.
+    """
+    if TMA:
+        if TMA == TMA_PACKED:
+            x = desc.load([b + start, h, 0]).reshape(ROWS, BLOCK_D)
+        else:
+            x = desc.load([b, h, start, 0]).reshape(ROWS, BLOCK_D)
+    else:
+        mask = (start + offs_r0)[:, None] < n_rows
+        if HEAD_D != BLOCK_D:
+            mask = mask & (offs_d[None, :] < HEAD_D)
+        x = tl.load(ptrs + start * stride, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
@@ -202,16 +232,22 @@ def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MO
 
 
 @triton.jit
-def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
-              offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+              offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
               tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
               HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
-              PREC: tl.constexpr):
-    """One key block of the online softmax for ``BLOCK_M`` rows; returns the updated row state."""
+              PREC: tl.constexpr, TMA: tl.constexpr):
+    """One key block of the online softmax for ``BLOCK_M`` rows; returns the updated row state.
+
+    With ``TMA``, ``k_ptrs`` and ``v_ptrs`` are the K and V descriptors, indexed by ``tile_b`` and ``hkv``.
+    """
     offs_n = start_n + offs_n0
-    if MASK:
+    if TMA:
+        k = load_tile(k_ptrs, k_ptrs, tile_b, hkv, start_n, stride_kn, offs_n0, offs_d, Nk, offs_n0.shape[0],
+                      HEAD_D, BLOCK_D, TMA)
+    elif MASK:
         kv_mask = offs_n[:, None] < Nk
         if HEAD_D != BLOCK_D:
             kv_mask = kv_mask & (offs_d[None, :] < HEAD_D)
@@ -271,7 +307,10 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, star
     if DROPOUT:  # a 0/1 mask keeps P-bar exact; 1/(1-p) is applied once, at the end
         keep = tl.rand(seed, drop_row[:, None] + offs_n[None, :].to(tl.int64)) >= drop_p
         p_cast = tl.where(keep, p_cast, tl.zeros_like(p_cast))
-    if MASK:
+    if TMA:
+        v = load_tile(v_ptrs, v_ptrs, tile_b, hkv, start_n, stride_vn, offs_n0, offs_d, Nk, offs_n0.shape[0],
+                      HEAD_D, BLOCK_D, TMA)
+    elif MASK:
         v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
     elif HEAD_D != BLOCK_D:
         v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_d[None, :] < HEAD_D, other=0.0)
@@ -294,7 +333,7 @@ def fwd_program(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """The program of both forward kernels: ``BLOCK_M`` query rows of one (batch or sequence, head).
 
@@ -324,10 +363,15 @@ def fwd_program(
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    k_ptrs = (K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh
-              + offs_n0[:, None] * stride_kn + offs_d[None, :])
-    v_ptrs = (V + (k_start * stride_vn if VARLEN else b64 * stride_vb) + hkv * stride_vh
-              + offs_n0[:, None] * stride_vn + offs_d[None, :])
+    tile_b = k_start.to(tl.int32) if VARLEN else b  # what the descriptor loads index by
+    if TMA:
+        k_ptrs = K
+        v_ptrs = V
+    else:
+        k_ptrs = (K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh
+                  + offs_n0[:, None] * stride_kn + offs_d[None, :])
+        v_ptrs = (V + (k_start * stride_vn if VARLEN else b64 * stride_vb) + hkv * stride_vh
+                  + offs_n0[:, None] * stride_vn + offs_d[None, :])
     kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
     # dropout counter of (b, h, i, 0), as reference.dropout_keep (varlen: of the sequence alone, b = 0)
     drop_row = ((h.to(tl.int64) * Nq + offs_m) * Nk if VARLEN else ((b64 * Hq + h) * Nq + offs_m) * Nk)
@@ -346,25 +390,25 @@ def fwd_program(
     if WINDOW:
         for start_n in range(lo, mid_lo, BLOCK_N):
             acc, l_i, m_i, r_i, near, fixed = fwd_block(
-                acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+                acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
                 window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-                UPCAST, PREC)
+                UPCAST, PREC, TMA)
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, l_i, m_i, r_i, near, fixed = fwd_block(
-            acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-            UPCAST, PREC)
+            UPCAST, PREC, TMA)
     for start_n in range(mid_hi, hi_al, BLOCK_N):
         acc, l_i, m_i, r_i, near, fixed = fwd_block(
-            acc, l_i, m_i, r_i, near, fixed, q, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-            UPCAST, PREC)
+            UPCAST, PREC, TMA)
 
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         l_i = tl.max(l_i, 1)
@@ -388,8 +432,14 @@ def fwd_program(
         # the sink's score, recomputed from key 0 alone: the loops then carry no test for block 0
         # (fp32 sum in another order than the tile's dot: within summation-order differences)
         # (varlen: a sequence without keys has no key 0; the next sequence's must not be read)
-        k0 = tl.load(K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh + offs_d,
-                     mask=offs_d < (tl.minimum(Nk, 1) * HEAD_D if VARLEN else HEAD_D), other=0.0)
+        if TMA:  # key 0 picked out of the first key tile (an exact sum of one value and zeros)
+            k_first = load_tile(K, K, tile_b, hkv, 0, stride_kn, offs_n0, offs_d, Nk, BLOCK_N, HEAD_D, BLOCK_D, TMA)
+            k0 = tl.sum(tl.where(offs_n0[:, None] == 0, k_first.to(tl.float32), 0.0), 0)
+            if VARLEN:
+                k0 = tl.where(Nk > 0, k0, 0.0)
+        else:
+            k0 = tl.load(K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh + offs_d,
+                         mask=offs_d < (tl.minimum(Nk, 1) * HEAD_D if VARLEN else HEAD_D), other=0.0)
         q_again = tl.load(q_ptrs, mask=q_mask, other=0.0)  # reloaded: q itself need not stay in registers
         x0 = tl.sum(q_again.to(tl.float32) * k0.to(tl.float32)[None, :], 1)
         key0 = tl.zeros([1], tl.int32)
@@ -412,15 +462,16 @@ def attn_fwd_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Program ``(query block, head, batch)`` of ``[B, H, N, D]`` tensors."""
+    """Program ``(query block, head, batch)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V`` are
+    descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``)."""
     fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
                 CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
-                DTYPE, UPCAST, PREC)
+                DTYPE, UPCAST, PREC, TMA)
 
 
 @triton.jit
@@ -441,10 +492,13 @@ def attn_fwd_varlen_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """Program ``(query block, head, sequence)`` of packed ``[total, H, D]`` tensors (FlashAttention's
     varlen layout); the grid covers the longest sequence and the other programs end here at once.
+    With ``TMA``, ``K`` and ``V`` are descriptors over ``[total_k, Hkv, D]`` (block ``[BLOCK_N, 1, BLOCK_D]``):
+    key rows they read past the sequence's end (the next sequence's) lie in the masked stretch, where
+    ``P-bar = 0`` (exact zeros for finite inputs, as in the dense case).
     Dropout of sequence ``b``: the mask attention() draws on the sequence alone with ``seed + b``."""
     b = tl.program_id(2)
     q_start, k_start, Nq, Nk = varlen_bounds(CuQ, CuK, b)
@@ -455,4 +509,4 @@ def attn_fwd_varlen_kernel(
                 0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,
                 keep_frac, CAUSAL, WINDOW, SOFTCAP, False, MODE, STATS, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M,
-                BLOCK_N, DTYPE, UPCAST, PREC)
+                BLOCK_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False)

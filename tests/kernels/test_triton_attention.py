@@ -186,3 +186,37 @@ def test_forced_block_n_too_wide_is_refused():
     q, k, v, _ = make(1, 1, 1, 8, 8, 256, torch.bfloat16, 0)
     with pytest.raises(ValueError, match="block_n=1024"):
         ta.forward(q, k, v, None, opts_for(256, block_n=1024), False)
+
+
+@pytest.mark.parametrize("D, causal, Nk", [(128, True, 150), (64, False, 200)])
+def test_off_without_statistics_takes_wide_key_tiles(D, causal, Nk, monkeypatch):
+    """Stabilize off without statistics: no rule sees the partition, so the sm_90 tiling takes 128-key
+    tiles (at D = 128 with K/V through descriptors). Only the summation order changes: the output is
+    the reference's (64-key blocks) within 2 ulps and no worse than it against fp64."""
+    dtype = torch.bfloat16
+    chosen = []
+    pick = ta.fwd_config
+    monkeypatch.setattr(ta, "fwd_config", lambda *a, **kw: chosen.append(pick(*a, **kw)) or chosen[-1])
+    opts = opts_for(D, causal, rules.MODE_OFF)
+    q, k, v, _ = make(1, 2, 1, 150, Nk, D, dtype, seed=D + Nk)
+    out, lse, st = ta.forward(q, k, v, None, opts, False)
+    assert st is None and chosen == [ta.FwdConfig(128, 8, 2, block_n=128, tma=D > 64)]
+    r_out, r_lse, _ = reference.attention_forward(q, k, v, None, None, opts, False)
+    close(out, r_out, 2, dtype, "out")
+    torch.testing.assert_close(lse.cpu(), r_lse.cpu(), rtol=1e-5, atol=1e-5)
+    qd, kd, vd = (t.double().cpu() for t in (q, k, v))
+    o64 = naive.attention(qd, kd, vd, causal=causal, scale=opts.scale)
+    no_worse_than_reference(out, r_out, o64, dtype, "out")
+    # a rule, statistics or a forced partition keep the 64-key blocks
+    for kw in (dict(mode=rules.MODE_EXACT), dict(block_n=64)):
+        ta.forward(q, k, v, None, opts_for(D, causal, **{"mode": rules.MODE_OFF, **kw}), False)
+    ta.forward(q, k, v, None, opts, True)
+    assert all(c.block_n is None and not c.tma for c in chosen[1:])
+
+
+def test_descriptor_loads_with_rule_and_statistics():
+    """K/V through descriptors with the rule, the statistics (the sink's key picked out of the first
+    tile), a padding mask and a padded head dim (40 -> 64): decisions bit for bit the reference's."""
+    opts = opts_for(40, True, block_n=16)
+    run_case(1, 2, 1, 50, 70, 40, torch.bfloat16, opts, kpm_drop=0.1, seed=5, qk_std=2.0,
+             config=ta.FwdConfig(32, 4, 1, tma=True), bwd_config=SMALL_BWD)

@@ -195,6 +195,26 @@ def test_default_tiles():
     run_varlen(lens, lens, 2, 1, 64, torch.bfloat16, opts_for(64, True), seed=11, config=None, bwd_config=None)
 
 
+def test_off_without_statistics_wide_key_tiles():
+    """Stabilize off without statistics: 128-key tiles through descriptors over the packed K/V (D = 128),
+    most of them overhanging into the next sequence; each sequence equal to its dense launch and no
+    worse than the reference against fp64."""
+    lens = random_lengths(3, 150, 14)
+    assert ta.fwd_config(128, 64, torch.bfloat16, 90, free_keys=True) == ta.FwdConfig(128, 8, 2, 128, True)
+    opts = opts_for(128, True, rules.MODE_OFF)
+    q, k, v, do = packed_inputs(lens, lens, 2, 1, 128, torch.bfloat16, 14)
+    cu_q = cu(lens)
+    out, lse, st = ta.forward_varlen(q, k, v, cu_q, cu_q, max(lens), max(lens), opts, False)
+    assert st is None
+    for b, sq, sk in sequences(cu_q, cu_q):
+        qb, kb, vb = dense(q[sq]), dense(k[sk]), dense(v[sk])
+        o1, l1, _ = ta.forward(qb, kb, vb, None, opts, False)
+        assert torch.equal(out[sq], o1[0].transpose(0, 1)) and torch.equal(lse[:, sq], l1[0]), f"sequence {b}"
+        r_out, _, _ = reference.attention_forward(qb, kb, vb, None, None, opts, False)
+        o64 = naive.attention(*(t.double().cpu() for t in (qb, kb, vb)), causal=True, scale=opts.scale)
+        no_worse_than_reference(dense(out[sq]), r_out, o64, torch.bfloat16, "out")
+
+
 def test_descriptor_tiles_read_past_the_sequence():
     """Small descriptor tiles: most tiles overhang their sequence into the next one (the dense descriptor
     zero-fills there); the overhang must add exact zeros, with GQA and every feature but dropout."""
