@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import http.server
 import json
 import logging
@@ -25,6 +26,7 @@ from stable_attn.monitor import (
     SpikeEvent,
     WebhookChannel,
 )
+from stable_attn.monitor import alerts as alerts_module
 from stable_attn.monitor.webhook import MAX_TIMEOUT_S
 
 
@@ -187,19 +189,32 @@ def _read_only_path(tmp_path):
     return None
 
 
+def _refuse_opening(monkeypatch, path, error: OSError) -> None:
+    """Where the OS offers no such fault, the alerts module's ``open`` raises it for ``path`` only."""
+    real_open = open
+
+    def fake_open(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise error
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(alerts_module, "open", fake_open, raising=False)
+
+
 @pytest.mark.parametrize("fault", ["folder", "full", "read_only"])
-def test_jsonl_write_faults_are_counted_and_name_the_file(fault, tmp_path, caplog) -> None:
+def test_jsonl_write_faults_are_counted_and_name_the_file(fault, tmp_path, caplog, monkeypatch) -> None:
     if fault == "folder":
         path = tmp_path / "a_folder.jsonl"
         path.mkdir()
     elif fault == "full":
-        if not os.path.exists("/dev/full"):
-            pytest.skip("this OS has no /dev/full")
         path = "/dev/full"
+        if not os.path.exists(path):
+            _refuse_opening(monkeypatch, path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path))
     else:
         path = _read_only_path(tmp_path)
         if path is None:
-            pytest.skip("no folder on this machine refuses writes to the current user")
+            path = tmp_path / "alerts.jsonl"
+            _refuse_opening(monkeypatch, path, PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path)))
     received: list[Alert] = []
     channel = JsonlChannel(path)
     dispatcher = AlertDispatcher([channel, received.append])
