@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from closeness import rel_max
+from packing import cu, packed_inputs
 
 import stable_attn
 from stable_attn.kernels import naive, reference, reference_varlen
@@ -35,35 +36,6 @@ def random_lengths(n: int, hi: int, seed: int) -> list[int]:
     lens = torch.randint(2, hi + 1, (n,), generator=g).tolist()
     lens[int(torch.randint(0, n, (1,), generator=g))] = 1
     return lens
-
-
-def cu(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, tied=False, qk_std=1.0):
-    """q ``[total_q, Hq, D]``, k, v ``[total_k, Hkv, D]``, do. ``tied``: in every sequence, copies of one key
-    at local positions 1, 3, 17, 20 (two key blocks of 16) tie exactly at every row's max. ``qk_std``
-    scales q and k (8: scaled scores of std 64 at D=16, softmax rows close to one-hot)."""
-    g = torch.Generator().manual_seed(seed)
-    tq, tk = sum(lens_q), sum(lens_k)
-    q = torch.randn(tq, Hq, D, generator=g) * qk_std
-    k = torch.randn(tk, Hkv, D, generator=g) * qk_std
-    v = torch.randn(tk, Hkv, D, generator=g)
-    do = torch.randn(tq, Hq, D, generator=g)
-    if tied:
-        u = torch.randn(D, generator=g)
-        u = u / u.norm()
-        q = 4 * u + 0.1 * torch.randn(tq, Hq, D, generator=g)
-        k = 0.3 * torch.randn(tk, Hkv, D, generator=g)
-        start = 0
-        for n in lens_k:
-            for j in (1, 3, 17, 20):
-                if j < n:
-                    k[start + j] = 2 * u
-            start += n
-        v = -(torch.rand(tk, Hkv, D, generator=g) + 2.0)
-    return [t.to(dtype) for t in (q, k, v, do)]
 
 
 class RowCapture(stable_attn.AttentionStats):

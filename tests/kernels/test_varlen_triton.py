@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 
+import packing
 import pytest
 import torch
 from closeness import FLOOR, no_worse_than_reference
@@ -38,30 +39,11 @@ def random_lengths(n: int, hi: int, seed: int) -> list[int]:
 
 
 def cu(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return packing.cu(lens, DEVICE)
 
 
-def packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, qk_std=1.0, tied=False):
-    """q ``[total_q, Hq, D]``, k, v ``[total_k, Hkv, D]``, do; ``tied``: in every sequence, copies of one
-    key at local positions 1, 3, 17, 20 (two key blocks of 16) tie exactly at the max of every row."""
-    g = torch.Generator().manual_seed(seed)
-    tq, tk = sum(lens_q), sum(lens_k)
-    q = torch.randn(tq, Hq, D, generator=g) * qk_std
-    k = torch.randn(tk, Hkv, D, generator=g) * qk_std
-    v = torch.randn(tk, Hkv, D, generator=g)
-    do = torch.randn(tq, Hq, D, generator=g)
-    if tied:
-        u = torch.randn(D, generator=g)
-        u = u / u.norm()
-        q = 4 * u + 0.1 * torch.randn(tq, Hq, D, generator=g)
-        k = 0.3 * torch.randn(tk, Hkv, D, generator=g)
-        start = 0
-        for n in lens_k:
-            for j in (1, 3, 17, 20):
-                if j < n:
-                    k[start + j] = 2 * u
-            start += n
-    return [t.to(dtype).to(DEVICE) for t in (q, k, v, do)]
+def packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, **kwargs):
+    return packing.packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, device=DEVICE, **kwargs)
 
 
 def sequences(cu_q, cu_k):
@@ -77,7 +59,7 @@ def dense(x: torch.Tensor) -> torch.Tensor:
 def run_varlen(lens_q, lens_k, Hq, Hkv, D, dtype, opts, *, seed=0, qk_std=1.0, tied=False, config=SMALL,
                bwd_config=SMALL_BWD, oracle=True):
     """Varlen forward + backward, checked against the dense launcher and the oracle, sequence by sequence."""
-    q, k, v, do = packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, qk_std, tied)
+    q, k, v, do = packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, qk_std=qk_std, tied=tied)
     cu_q, cu_k = cu(lens_q), cu(lens_k)
     mq, mk = max(lens_q), max(lens_k)
     out, lse, st = ta.forward_varlen(q, k, v, cu_q, cu_k, mq, mk, opts, True, config=config)
