@@ -43,10 +43,11 @@ from .triton_backward import (
 )
 from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 
-# No implicit multiply-add contraction in the forward: with it (Triton 3.9's default, not 3.10's) the
-# compiler fuses ``exp2(s2 - r)`` with the score scaling into one FFMA in unmasked blocks only, so
-# P-bar would round once there and twice in masked blocks and in reference.py. Pinned, every block
-# and both backends round ``s2`` and ``s2 - r`` at the same points (tests/kernels/test_rule_functions.py).
+# No implicit multiply-add contraction in the forward: P-bar's single rounding is the kernel's explicit
+# ``tl.fma(x, qk_scale2, -r)`` (reference.fma_f32 on the PyTorch path), and nothing else may be fused
+# behind the reference's back, whatever the compiler's default (Triton 3.9 contracts, 3.10 does not):
+# with it, e.g. stabilize off's row-sum update ``l * alpha + sum(P-bar)`` would round once on the GPU
+# and twice in reference.py (tests/kernels/test_rule_functions.py counts the loop's FFMAs).
 FWD_COMPILE_OPTIONS = {"enable_fp_fusion": False}
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # One K tile plus one V tile must fit in shared memory with room for the query tile (A100: 163 KiB).

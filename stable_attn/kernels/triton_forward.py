@@ -117,7 +117,9 @@ def scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, p
                 HAS_KPM: tl.constexpr, PREC: tl.constexpr):
     """Base-2 scores ``[BLOCK_M, BLOCK_N]`` of a tile (fp32, invisible entries ``-inf``) and tanh or None.
 
-    ``kp`` is the key padding mask of the block (bool ``[BLOCK_N]``) when ``HAS_KPM``.
+    ``kp`` is the key padding mask of the block (bool ``[BLOCK_N]``) when ``HAS_KPM``. ``qk_scale2=None``
+    (without softcap): the unscaled products ``x = q.k``, masked alike (the forward scales them inside
+    its ``exp2(fma(x, qk_scale2, -r))``, see ``fwd_block``).
     """
     if k is None:  # q already holds the products (the sink's score in the epilogue)
         x = q
@@ -126,6 +128,9 @@ def scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, p
     if SOFTCAP:
         t = tanh_f32(x * cap_scale)
         s2 = t * cap_log2e
+    elif qk_scale2 is None:
+        t = x
+        s2 = x
     else:
         t = x
         s2 = x * qk_scale2
@@ -264,16 +269,22 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, k
             kp = tl.load(kpm_ptrs + start_n, mask=offs_n < Nk, other=0) != 0
         else:
             kp = tl.load(kpm_ptrs + start_n) != 0
-    s2, _ = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-                        MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
+    # without softcap s holds x = q.k: the maxima are taken on x and scaled after, the bits of the
+    # maxima of fl(x * qk_scale2) (rounding is monotone and qk_scale2 > 0), and P-bar below rounds
+    # once (docs/ALGORITHM.md, "Rounding points"); with softcap s holds the base-2 scores
+    s, _ = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2 if SOFTCAP else None, cap_scale, cap_log2e, Nk,
+                       pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
 
     if MODE == MODE_OFF and not STATS:
-        m_blk = tl.max(s2, 1)
+        m_blk = tl.max(s, 1)
         m2_blk = m_blk  # unused: plain FA2 makes no tie test
     elif UPCAST:  # the interpreter (see row_top2_by_count); the GPU reduces pairwise
-        m_blk, m2_blk = row_top2_by_count(s2)
+        m_blk, m2_blk = row_top2_by_count(s)
     else:
-        m_blk, m2_blk = row_top2(s2)
+        m_blk, m2_blk = row_top2(s)
+    if not SOFTCAP:
+        m_blk = m_blk * qk_scale2
+        m2_blk = m2_blk * qk_scale2
     m_new = tl.maximum(m_i, m_blk)
     r_new, fire = block_offset(r_i, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MODE)
 
@@ -288,7 +299,10 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, k
 
     r_safe = tl.where(r_new == float("-inf"), 0.0, r_new)
     alpha = tl.exp2(r_i - r_safe)  # 0 while the row has seen no key (r = -inf)
-    p = tl.exp2(s2 - r_safe[:, None])
+    if SOFTCAP:
+        p = tl.exp2(s - r_safe[:, None])
+    else:  # P-bar = exp2(x * qk_scale2 - r), rounded once (reference.fma_f32 on the PyTorch path)
+        p = tl.exp2(tl.fma(s, qk_scale2, -r_safe[:, None]))
     # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
     p_cast = round_to(p, DTYPE, UPCAST)
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
