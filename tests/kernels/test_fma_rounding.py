@@ -3,7 +3,9 @@
 ``reference.fma_f32`` is checked against exact rational arithmetic (``fractions.Fraction``; this Python has
 no ``math.fma``) on random fp32 triples and on constructed double-rounding cases, where rounding the fp64
 sum to fp32 gives another answer (asserted, so the check can fail); the interpreter's ``tl.fma`` (what the
-kernel uses) against it.
+kernel uses) against it. Then the forward: its decisions are bit-identical to those of the two-rounding
+formula it replaced (the same reference with ``fused_scale`` off, the path softcap keeps), and the kernel's
+``P-bar`` has the reference's bits where both take the same ``exp2``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from test_forward_decisions import CASES, tie_heavy
+from triton.runtime import interpreter
 
-from stable_attn.kernels import reference
+from stable_attn.kernels import reference, rules
+from stable_attn.kernels import triton_attention as ta
 from stable_attn.options import Options
 
 INF = math.inf
@@ -140,3 +145,77 @@ def test_scale_outside_fp32_normal_range_is_refused():
         assert f"scale={bad!r} must be a finite positive number or None" in str(info.value)
         assert "scale * log2(e) in fp32's normal range" in str(info.value)
     assert Options.create(head_dim=16, scale=1e-30).qk_scale2 > 0
+
+
+def _recorded_forward(q, k, v, kpm, opts, fused: bool, monkeypatch):
+    """The PyTorch forward with its per-block ``(r_new, fire)``; ``fused=False`` walks the two-rounding scores
+    (``s2 = fl(x * qk_scale2)``, ``P-bar = exp2(fl(s2 - r))``) the forward used before, as softcap still does."""
+    calls = []
+    rule = reference.block_offset
+
+    def recording(*args):
+        calls.append(rule(*args))
+        return calls[-1]
+
+    with monkeypatch.context() as mp:
+        mp.setattr(reference, "block_offset", recording)
+        if not fused:
+            mp.setattr(reference._Problem, "fused_scale", property(lambda self: False))
+        out, lse, rs = reference.attention_forward(q, k, v, kpm, None, opts, True)
+    return out, lse, rs, calls
+
+
+DECISION_STATS = ("saturated", "fixed_blocks", "max_logit")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_decisions_are_those_of_the_two_rounding_formula(case, monkeypatch):
+    """Maxima of the unscaled scores, scaled after: every offset, fire and statistic keeps its bits."""
+    dtype, mode, level, step, scale, block_n, causal, with_kpm = case
+    q, k, v = tie_heavy(1, 2, 130, 16, dtype, seed=7 + block_n, level=level, step=step)
+    kpm = (torch.rand(1, 130, generator=torch.Generator().manual_seed(5)) > 0.2) if with_kpm else None
+    opts = Options(causal=causal, scale=scale, mode=mode, block_n=block_n)
+    out, lse, rs, calls = _recorded_forward(q, k, v, kpm, opts, True, monkeypatch)
+    old_out, old_lse, old_rs, old_calls = _recorded_forward(q, k, v, kpm, opts, False, monkeypatch)
+    assert len(calls) == len(old_calls)
+    for (r_new, fire), (old_r, old_fire) in zip(calls, old_calls, strict=True):
+        assert torch.equal(fire, old_fire) and same_bits(r_new, old_r)
+    for name in DECISION_STATS:
+        a, b = getattr(rs, name), getattr(old_rs, name)
+        assert torch.equal(a, b) if a.dtype != torch.float32 else same_bits(a, b), name
+    if mode != rules.MODE_OFF:
+        assert rs.fixed_blocks.any() and rs.saturated.any()  # the inputs do tie
+    # P-bar moved by at most half an ulp of s2 in its exponent; lse and the sink's share follow
+    torch.testing.assert_close(lse, old_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rs.first_key_prob, old_rs.first_key_prob, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(out.float(), old_out.float(), rtol=0, atol=2 * torch.finfo(dtype).eps)
+
+    _, k_lse, st = ta.forward(q, k, v, kpm, opts, True, config=ta.FwdConfig(block_m=32, num_warps=4, num_stages=1))
+    for name in DECISION_STATS:
+        a, b = getattr(st, name), getattr(old_rs, name)
+        assert torch.equal(a, b) if a.dtype != torch.float32 else same_bits(a, b), name
+    torch.testing.assert_close(k_lse, lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", [rules.MODE_EXACT, rules.MODE_OFF])
+def test_kernel_p_bar_has_the_reference_bits(mode, monkeypatch):
+    """Two visible keys per row, fp32, ``v`` one-hot and ``q.k`` exact: ``out[:, j] = P-bar_j / (P-bar_a + P-bar_b)``
+    in any summation order, so with the interpreter's ``exp2`` replaced by ``torch.exp2`` (NumPy's differs in the
+    last bit) the kernel's outputs carry the reference's ``P-bar`` bits; the two-rounding formula's differ."""
+    g = torch.Generator().manual_seed(11)
+    N, D = 64, 64
+    q = torch.randint(-8, 9, (1, 1, N, D), generator=g).float() * 0.25  # q.k exact in fp32, any order
+    k = torch.randint(-8, 9, (1, 1, N, D), generator=g).float() * 0.25
+    v = torch.eye(N, D)[None, None]
+    kpm = torch.zeros(1, N, dtype=torch.bool)
+    kpm[0, [5, 40]] = True
+    opts = Options(scale=0.3, mode=mode, block_n=32)  # qk_scale2 with a full significand: x * c rounds
+    out, lse, _, _ = _recorded_forward(q, k, v, kpm, opts, True, monkeypatch)
+    old_out, _, _, _ = _recorded_forward(q, k, v, kpm, opts, False, monkeypatch)
+    assert not torch.equal(out, old_out)  # the single rounding shows in these bits
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_exp2",
+                        lambda self, arg: self.unary_op(arg, lambda a: torch.exp2(torch.from_numpy(a)).numpy()))
+    k_out, k_lse, _ = ta.forward(q, k, v, kpm, opts, False,
+                                 config=ta.FwdConfig(block_m=32, num_warps=4, num_stages=1))
+    assert same_bits(k_out, out)
+    torch.testing.assert_close(k_lse, lse, rtol=1e-6, atol=1e-6)
