@@ -341,7 +341,7 @@ def fwd_program(
     Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
-    Hq, G, Nq, Nk, window, q_start, k_start, total_q,
+    Hq, G, Nq, Nk, window, q_start, k_start, total_q, b_first,
     qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
     seed, drop_p, keep_frac,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -359,7 +359,7 @@ def fwd_program(
     """
     start_m = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2) + b_first  # dense: launches in chunks of the batch start at b_first (grid limit)
     hkv = h // G
     pos_offset = Nk - Nq  # causal and window are aligned bottom-right
 
@@ -465,12 +465,12 @@ def fwd_program(
         tl.store(StP0 + row_ptr, tl.exp2(tl.max(s_first, 1) - lse), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "b_first", "seed"])
 def attn_fwd_kernel(
     Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
-    Hq, G, Nq, Nk, window,
+    Hq, G, Nq, Nk, window, b_first,
     qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
     seed, drop_p, keep_frac,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -478,11 +478,11 @@ def attn_fwd_kernel(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Program ``(query block, head, batch)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V`` are
-    descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``)."""
+    """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V``
+    are descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``)."""
     fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None,
+                stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
                 CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
                 DTYPE, UPCAST, PREC, TMA)
