@@ -520,7 +520,7 @@ def attn_fwd_varlen_kernel(
         return
     fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StP0,
                 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh, stride_vn,
-                0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q,
+                0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q, 0,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,
                 keep_frac, CAUSAL, WINDOW, SOFTCAP, False, MODE, STATS, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M,
                 BLOCK_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False)
