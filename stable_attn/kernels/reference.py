@@ -9,7 +9,9 @@ accumulators (backward).
 
 Layouts: q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nk, D]``. Internally q is viewed as
 ``[B, Hkv, G, Nq, D]`` (``G = Hq // Hkv``) so grouped-query attention never repeats k or v.
-Scores live in base-2 units (``s2 = s * log2(e)``, see rules.py); ``lse`` is saved in base 2.
+Scores live in base-2 units (``s2 = s * log2(e)``, see rules.py); ``lse`` is saved in base 2. The forward
+rounds ``P-bar = exp2(x * qk_scale2 - r)`` once, as the kernel's ``tl.fma`` does: :func:`fma_f32`
+(docs/ALGORITHM.md, "Rounding points").
 """
 
 from __future__ import annotations
