@@ -95,8 +95,12 @@ def _check_causal(x: object) -> None:
 
 
 def _check_scale(x: object) -> None:
-    if x is not None and not (_number(x) and math.isfinite(x) and x > 0):
-        raise ValueError(f"scale={x!r} must be a finite positive number or None (1/sqrt(D))")
+    # the forward takes block maxima on the unscaled q.k and scales them after, which gives the maxima
+    # of the scaled scores only for a positive finite fp32 score scale (kernels/triton_forward.fwd_block)
+    if x is not None and not (_number(x) and math.isfinite(x) and x > 0
+                              and rules.FP32_MIN_NORMAL <= x * rules.LOG2E <= rules.FP32_MAX):
+        raise ValueError(f"scale={x!r} must be a finite positive number or None (1/sqrt(D)), with scale * log2(e) "
+                         f"in fp32's normal range [{rules.FP32_MIN_NORMAL:.3g}, {rules.FP32_MAX:.3g}]")
 
 
 def _check_window(x: object) -> None:

@@ -9,10 +9,14 @@ sequence alone, with the same options and statistics.
 
 The checks that read ``cu_seqlens``' values (starts at 0, non-decreasing, ends at the token count, no
 sequence longer than ``max_seqlen``) run inside the op, on the host, so that tracing never depends on
-tensor data: one small device-to-host copy per call.
+tensor data: one small device-to-host copy (a sync on the GPU) per distinct ``cu_seqlens`` tensor, not
+per call: a model's layers share one tensor per forward, so an L-layer forward and backward pay one
+copy (:func:`check_cu_seqlens_values`).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -93,12 +97,67 @@ def check_varlen_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
             raise ValueError(f"{name}={m!r} must be a positive int (the longest sequence's length)")
 
 
+# id(cu_seqlens) -> (weak reference, _version, data_ptr, the (total, max_seqlen) pairs its values passed)
+_CHECKED: dict[int, tuple[weakref.ref, int, int, set[tuple[int, int]]]] = {}
+_MAX_CHECKED = 64  # tensors remembered at once (dead ones leave by themselves; beyond this the oldest goes)
+
+
+def _host_values(cu: torch.Tensor) -> list[int]:
+    """The one device-to-host read of a ``cu_seqlens`` tensor (the tests count these calls)."""
+    return cu.tolist()
+
+
+def _state(cu: torch.Tensor) -> tuple[int, int] | None:
+    """What an in-place change or a new storage changes; None for inference tensors (no version counter)."""
+    return None if cu.is_inference() else (cu._version, cu.data_ptr())
+
+
+def _passed(cu: torch.Tensor, state: tuple[int, int] | None, against: tuple[int, int]) -> bool:
+    entry = _CHECKED.get(id(cu))
+    return state is not None and entry is not None and entry[0]() is cu and entry[1:3] == state and against in entry[3]
+
+
+def _remember(cu: torch.Tensor, state: tuple[int, int] | None, against: tuple[int, int]) -> None:
+    if state is None:  # an in-place change could not be seen: read again at every call
+        return
+    key = id(cu)
+    entry = _CHECKED.get(key)
+    if entry is not None and entry[0]() is cu and entry[1:3] == state:
+        entry[3].add(against)
+        return
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if key in _CHECKED and _CHECKED[key][0] is ref:  # not a newer tensor that got the same id
+            del _CHECKED[key]
+
+    _CHECKED.pop(key, None)
+    while len(_CHECKED) >= _MAX_CHECKED:
+        del _CHECKED[next(iter(_CHECKED))]
+    _CHECKED[key] = (weakref.ref(cu, forget), *state, {against})
+
+
 def check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
                             max_seqlen_q: int, max_seqlen_k: int) -> None:
-    """The value checks of ``cu_seqlens`` (reads them on the host); errors name the argument and the values."""
+    """The value checks of ``cu_seqlens``; errors name the argument and the values.
+
+    Each tensor's values are read on the host (on the GPU, a device-to-host copy and a sync) the first
+    time it is checked against a token count and ``max_seqlen``; the tensor is then remembered (a weak
+    reference, its ``_version`` and ``data_ptr``), so calls with the same tensor, unchanged, against the
+    same numbers read nothing. An in-place change bumps ``_version`` and is read again; writes that
+    bypass the version counter (through ``.data``, DLPack, another library, a replayed CUDA graph) are
+    not seen, and inference-mode tensors (no version counter) are read at every call. Under
+    ``torch.compile`` the fake implementation reads nothing; the check runs when the compiled graph
+    calls the op. Under CUDA graphs it runs during warm-up and capture (a tensor read in warm-up is
+    remembered, so capture does not sync), never at replay: values copied into a captured graph's
+    ``cu_seqlens`` are not checked, as FlashAttention checks none.
+    """
     for name, cu, total, max_name, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
                                                ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)):
-        c = cu.tolist()
+        state, against = _state(cu), (int(total), int(max_len))
+        if _passed(cu, state, against) or (cu is cu_seqlens_q and name == "cu_seqlens_k" and
+                                           against == (int(total_q), int(max_seqlen_q))):
+            continue  # remembered, or k's offsets are q's, just checked against the same numbers
+        c = _host_values(cu)
         shown = c if len(c) <= 12 else f"{c[:6]} ... {c[-6:]}"
         if c[0] != 0:
             raise ValueError(f"{name} must start at 0, got {shown}")
@@ -110,6 +169,7 @@ def check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tens
         if max(lengths) > max_len:
             raise ValueError(f"{max_name}={max_len} is smaller than the longest sequence ({max(lengths)} tokens) of "
                              f"{name}")
+        _remember(cu, state, against)
 
 
 def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, with_stats, *options):

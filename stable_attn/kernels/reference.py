@@ -65,10 +65,20 @@ class _Problem:
         for j0 in range((lo // bn) * bn, hi, bn):
             yield j0, min(j0 + bn, self.Nk)
 
-    def scores(self, q_c, k_b, q0, q1, j0, j1):
+    @property
+    def fused_scale(self) -> bool:
+        """Whether the forward keeps the products ``x = q.k`` unscaled and forms ``P-bar`` as
+        ``exp2(fma_f32(x, qk_scale2, -r))``, rounded once, as the kernel does (docs/ALGORITHM.md,
+        "Rounding points"): everywhere but softcap and an additive ``attn_mask`` (which the kernel
+        never sees), whose scores are not ``x * qk_scale2``."""
+        am = self.attn_mask
+        return self.opts.softcap is None and (am is None or am.dtype == torch.bool)
+
+    def scores(self, q_c, k_b, q0, q1, j0, j1, scaled: bool = True):
         """Base-2 scores of a tile, ``[B, Hkv, G, cq, bn]``, fp32, masked entries ``-inf``.
 
-        Also returns ``tanh`` of the capped scores (for the softcap backward) or None.
+        Also returns ``tanh`` of the capped scores (for the softcap backward) or None. ``scaled=False``
+        (only where :attr:`fused_scale`): the unscaled products ``x``, masked alike.
         """
         B, Hkv, G = self.B, self.Hkv, self.G
         x = torch.matmul(q_c, k_b.transpose(-1, -2)).view(B, Hkv, G, q1 - q0, j1 - j0)
@@ -76,8 +86,10 @@ class _Problem:
         if self.opts.softcap is not None:
             t = torch.tanh(x * self.opts.cap_scale)
             s2 = t * self.opts.cap_log2e
-        else:
+        elif scaled:
             s2 = x * self.opts.qk_scale2
+        else:
+            s2 = x
         if self.attn_mask is not None:
             am = self.attn_mask[..., q0:q1, j0:j1]
             if am.dtype == torch.bool:
@@ -131,6 +143,28 @@ def row_top2(s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top[..., 0], top[..., 1]
 
 
+def fma_f32(a: torch.Tensor, b: float | torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` rounded once to fp32 (nearest-even) for fp32 ``a``, ``c`` and ``b`` (a float is
+    rounded to fp32 first, as a kernel argument is): the twin of ``tl.fma`` in ``triton_forward.fwd_block``.
+
+    In fp64 the product is exact (24 + 24 significand bits fit in 53). The fp64 sum is then rounded
+    *to odd*: the TwoSum error term says whether it was exact, and if not and the sum's last bit is
+    even, the sum steps one ulp toward the error. A value rounded to odd with 53 >= 24 + 2 bits rounds
+    to fp32 exactly as the true sum would (Boldo and Melquiond, 2008), which plain fp64-then-fp32
+    rounding does not where the fp64 sum lands on an fp32 midpoint. Infinities and NaN come out as
+    fp32 arithmetic gives them: ``fma_f32(-inf, b, c) = -inf`` for finite ``b > 0`` and ``c``.
+    """
+    b64 = torch.as_tensor(b, dtype=torch.float32).double()
+    p = a.double() * b64
+    c64 = c.double()
+    s = p + c64
+    bp = s - p
+    err = (p - (s - bp)) + (c64 - bp)  # TwoSum: s + err == p + c exactly (s finite)
+    inexact_even = (err != 0) & ((s.view(torch.int64) & 1) == 0) & torch.isfinite(s)
+    s = torch.where(inexact_even, torch.nextafter(s, err * math.inf), s)  # toward the error's sign
+    return s.float()
+
+
 def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, mode):
     """The stabilization rule for one key block: ``(r_new, fire)`` per row (docs/ALGORITHM.md, forward 2-4).
 
@@ -170,6 +204,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
     sat_tol2 = rules.sat_tolerance2(dtype)
     neg_inf = -math.inf
+    fused, c = p.fused_scale, opts.qk_scale2
 
     qg = _grouped(q, p)
     out = torch.empty_like(q)
@@ -197,10 +232,14 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         for j0, j1 in p.key_blocks(q0, q1):
             # upcast per block: full fp32 copies of k and v would double the path's memory
             k_b, v_b = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
-            s2, _ = p.scores(q_c, k_b, q0, q1, j0, j1)
+            # fused: s holds x = q.k, its maxima are scaled after (monotone rounding, qk_scale2 > 0:
+            # the bits of the maxima of the scaled scores); else s holds the base-2 scores s2
+            s, _ = p.scores(q_c, k_b, q0, q1, j0, j1, scaled=not fused)
             if j0 == 0:
-                s_first = s2[..., 0]
-            m_blk, m2_blk = row_top2(s2)
+                s_first = s[..., 0] * c if fused else s[..., 0]
+            m_blk, m2_blk = row_top2(s)
+            if fused:
+                m_blk, m2_blk = m_blk * c, m2_blk * c
             m_new = torch.maximum(m, m_blk)
             r_new, fire = block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, opts.beta,
                                        opts.mode)
@@ -217,7 +256,8 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
 
             r_safe = torch.where(r_new == neg_inf, torch.zeros_like(r_new), r_new)
             alpha = torch.exp2(r - r_safe)  # 0 while no key was seen (r = -inf)
-            p_bar = torch.exp2(s2 - r_safe[..., None])
+            # P-bar = exp2(x * c - r) rounded once where fused (the kernel's tl.fma), else exp2(fl(s2 - r))
+            p_bar = torch.exp2(fma_f32(s, c, -r_safe[..., None]) if fused else s - r_safe[..., None])
             # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
             p_cast = p_bar.to(dtype).float()
             # our rule: the row sum adds exactly the weights that multiply V (consistent

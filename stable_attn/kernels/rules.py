@@ -14,6 +14,11 @@ import torch
 
 LOG2E = 1.4426950408889634
 
+# fp32's normal range: the score scale ``scale * LOG2E`` lies in it (options._check_scale), so the forward
+# may take block maxima on the unscaled scores (docs/ALGORITHM.md, "Rounding points")
+FP32_MIN_NORMAL = 2.0**-126
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
 # Stabilization modes, as integers so they can be compile-time constants of a kernel.
 MODE_OFF = 0  # plain FlashAttention-2: subtract the running max
 MODE_EXACT = 1  # our rule: exact trigger, minimum shift, capped shift

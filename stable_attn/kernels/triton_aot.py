@@ -51,7 +51,7 @@ SHARED_LIMIT = {80: 166912, 90: 232448}
 
 _PTR = {"KPM": "*u8", "Lse": "*fp32", "Delta": "*fp32", "StSat": "*i8", "StFixed": "*i32", "StMax": "*fp32",
         "StP0": "*fp32", "CuQ": "*i32", "CuK": "*i32"}
-_INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q"}
+_INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q", "b_first"}
 KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
 _KERNELS = {"fwd": attn_fwd_kernel, "bwd_pre": attn_bwd_preprocess, "bwd_dkdv": attn_bwd_dkdv_kernel,
             "bwd_dq": attn_bwd_dq_kernel}
@@ -144,7 +144,7 @@ def _constants(v: Variant) -> tuple[dict, dict]:
     if v.kind == "fwd":
         free_keys = v.mode == rules.MODE_OFF and not v.stats and not f  # as the launcher decides
         cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc, free_keys=free_keys,
-                         pair_blocks=v.mode == rules.MODE_EXACT and not f)
+                         pair_blocks=v.mode != rules.MODE_OFF and not f, stats=v.stats)
         consts = dict(common, MODE=v.mode, STATS=v.stats, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n or v.block_n,
                       TILE_N=cfg.tile_n or cfg.block_n or v.block_n, TMA=cfg.tma)
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)

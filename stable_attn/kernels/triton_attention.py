@@ -13,6 +13,11 @@ warps, pipeline stages, and all backward tiles, which make no per-block decision
 small table in :func:`fwd_config` / :func:`bwd_config`, chosen by head dim and GPU generation so the
 kernels fit in shared memory and do not spill (see benchmarks/kernel_resources.py).
 
+Grid limits. CUDA allows at most 65535 programs in a grid's second and third dimensions (the heads
+and the batch or the sequences). A dense batch beyond that runs in several launches whose programs
+compute batch ``b_first + program_id(2)`` (:func:`_batches`): same addresses, same dropout counters,
+the same bits as one launch. More heads, or more packed sequences than that, raise a ValueError.
+
 fp32 inputs run the same kernels with IEEE-exact fp32 dots (``input_precision="ieee"``, no TF32):
 correct and memory-efficient, but without tensor cores, so slower than the 16-bit paths.
 
@@ -43,15 +48,17 @@ from .triton_backward import (
 )
 from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 
-# No implicit multiply-add contraction in the forward: with it (Triton 3.9's default, not 3.10's) the
-# compiler fuses ``exp2(s2 - r)`` with the score scaling into one FFMA in unmasked blocks only, so
-# P-bar would round once there and twice in masked blocks and in reference.py. Pinned, every block
-# and both backends round ``s2`` and ``s2 - r`` at the same points (tests/kernels/test_rule_functions.py).
+# No implicit multiply-add contraction in the forward: P-bar's single rounding is the kernel's explicit
+# ``tl.fma(x, qk_scale2, -r)`` (reference.fma_f32 on the PyTorch path), and nothing else may be fused
+# behind the reference's back, whatever the compiler's default (Triton 3.9 contracts, 3.10 does not):
+# with it, e.g. stabilize off's row-sum update ``l * alpha + sum(P-bar)`` would round once on the GPU
+# and twice in reference.py (tests/kernels/test_rule_functions.py counts the loop's FFMAs).
 FWD_COMPILE_OPTIONS = {"enable_fp_fusion": False}
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # One K tile plus one V tile must fit in shared memory with room for the query tile (A100: 163 KiB).
 _MAX_KV_TILE_BYTES = 128 * 1024
-_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
+_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the batch or the sequences)
+_MAX_GRID_Y = 65535  # and on its second (the heads)
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ def head_block(d: int) -> int:
 
 
 def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, free_keys: bool = False,
-               pair_blocks: bool = False, tma: bool = True) -> FwdConfig:
+               pair_blocks: bool = False, stats: bool = False, tma: bool = True) -> FwdConfig:
     """Forward tiling by padded head dim and compute capability (major*10+minor).
 
     The query tile and the fp32 accumulator live in registers; K and V tiles are pipelined through
@@ -103,23 +110,22 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, free_
     forced key blocks wider than 64 halve the query tile and the pipeline depth.
 
     On sm_90, 16-bit, D <= 128, 64-key partition, the key loop takes FlashAttention's 128-key tile
-    where it can: half the per-tile bookkeeping per key (one score product, one K load and pipeline
-    step per 128 keys). At D = 128 it needs K and V through tensor descriptors (``tma``: the launcher
-    found the strides TMA-compatible): with pointers the kernels spill. The 64-key variants keep
-    pointer loads: descriptors cost them 14 to 20 SASS instructions per iteration (docs/BENCHMARKS.md).
+    where it can: one score product, K load and pipeline step per 128 keys. At D = 128 it needs K and
+    V through tensor descriptors (``tma``: the launcher found the strides TMA-compatible): with
+    pointers the kernels spill. The 64-key tiles keep pointer loads: descriptors cost them 14 to 20
+    SASS instructions per iteration (docs/BENCHMARKS.md).
 
     ``free_keys``: no rule sees the key partition (stabilize off, no statistics, no forced
     ``block_n``) and the variant is plain (no window, softcap, padding mask or dropout): the partition
-    itself is 128 keys (R 0.76 -> 0.58 at D = 128, 1.30 -> 1.03 at D = 64).
-    ``pair_blocks``: exact mode, plain: two 64-key blocks per tile, the rule still per block (exact
-    R 0.89 -> 0.83 at D = 128, 1.55 -> 1.45 at D = 64). Paper mode and stabilize off with statistics
-    keep one block per tile: with the fp32 row sum their loops grew (D = 64: 427 -> 475 and 426 -> 480
-    SASS per 64 keys, the latter spilling).
+    itself is 128 keys. ``pair_blocks``: a rule decides (exact or paper mode) and the variant is plain:
+    two 64-key blocks per tile, the rule still per block (``tile_n``), except with ``stats`` at
+    D = 128, where that tile spills (as it does for stabilize off with statistics, which keeps one
+    block per tile).
     """
     wide = cc >= 90 and dtype != torch.float32 and block_n == BLOCK_N and (block_d <= 64 or block_d <= 128 and tma)
     if wide and free_keys:
         return FwdConfig(128, 8, 2, block_n=128, tma=block_d > 64)
-    if wide and pair_blocks:
+    if wide and pair_blocks and not (stats and block_d > 64):
         return FwdConfig(128, 8, 2, tma=block_d > 64, tile_n=2 * block_n)
     if block_d <= 64:
         cfg = FwdConfig(128, 8, 3)
@@ -273,6 +279,22 @@ def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: tor
     return _Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q), int(max_seqlen_k))
 
 
+def _check_heads(Hq: int) -> None:
+    """The heads are the grid's second dimension; no launch splits them (the batch is split, see _batches)."""
+    if Hq > _MAX_GRID_Y:
+        raise ValueError(f"Hq={Hq} query heads: the Triton kernels launch one grid row per head and CUDA allows at "
+                         f"most {_MAX_GRID_Y}; split the heads over several calls")
+
+
+def _batches(B: int) -> list[tuple[int, int]]:
+    """``(b_first, count)`` of each dense launch: the batch is the grid's third dimension, at most ``_MAX_GRID_Z``.
+
+    A launch's programs compute batch ``b_first + program_id(2)`` over the whole tensors (no views, no
+    copies), so every address and every dropout counter is the one a single launch would use.
+    """
+    return [(b0, min(_MAX_GRID_Z, B - b0)) for b0 in range(0, B, _MAX_GRID_Z)]
+
+
 def _hn_strides(*xs: torch.Tensor) -> tuple[int, ...]:
     """(head, row) strides of packed ``[total, H, D]`` tensors, in the varlen kernels' argument order."""
     return tuple(st for x in xs for st in (x.stride(1), x.stride(0)))
@@ -319,6 +341,7 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
         Hkv = k.shape[1]
         B, Nq = packed.batch, packed.max_q
         rows = (Hq, q.shape[0])
+    _check_heads(Hq)
     dtype = q.dtype
     upcast = interpreting()
     block_n = opts.block_n or BLOCK_N
@@ -330,7 +353,8 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
     plain = (opts.window is None and opts.softcap is None and opts.dropout_p == 0 and key_padding_mask is None)
     free_keys = opts.mode == rules.MODE_OFF and not with_stats and not opts.block_n and plain
     cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device), free_keys=free_keys,
-                               pair_blocks=opts.mode == rules.MODE_EXACT and plain, tma=tma_compatible(k, v))
+                               pair_blocks=opts.mode != rules.MODE_OFF and plain, stats=with_stats,
+                               tma=tma_compatible(k, v))
     block_n = cfg.block_n or block_n
     tile_n = cfg.tile_n or block_n
     if tile_n not in (block_n, 2 * block_n):
@@ -356,21 +380,23 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
         BLOCK_N=block_n, TILE_N=tile_n, DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
         TMA=cfg.tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS,
     )
-    grid = (triton.cdiv(Nq, cfg.block_m), Hq, B)
+    n_m = triton.cdiv(Nq, cfg.block_m)
     # with cfg.tma K and V go in as descriptors (the kernels read the pointers otherwise)
     describe = _descriptor if packed is None else _packed_descriptor
     k_in, v_in = (describe(k, tile_n, block_d), describe(v, block_n, block_d)) if cfg.tma else (k, v)
     if packed is None:
         kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
         kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
-        attn_fwd_kernel[grid](
-            q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, p0,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
-            Hq, Hq // Hkv, Nq, Nk, sc["window"], *scalars, HAS_KPM=key_padding_mask is not None, **consts,
-        )
-    elif min(grid) > 0:
-        attn_fwd_varlen_kernel[grid](
+        for b_first, nb in _batches(B):
+            attn_fwd_kernel[(n_m, Hq, nb)](
+                q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, p0,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
+                Hq, Hq // Hkv, Nq, Nk, sc["window"], b_first, *scalars, HAS_KPM=key_padding_mask is not None,
+                **consts,
+            )
+    elif min(n_m, Hq, B) > 0:
+        attn_fwd_varlen_kernel[(n_m, Hq, B)](
             q, k_in, v_in, out, lse2, sat, fixed, max_logit, p0, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
             Hq, Hq // Hkv, sc["window"], q.shape[0], *scalars, **consts,
         )
@@ -415,6 +441,7 @@ def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: _P
         _, Hq, D = q.shape
         Hkv = k.shape[1]
         B, Nq, Nk = packed.batch, packed.max_q, packed.max_k
+    _check_heads(Hq)
     G = Hq // Hkv
     dtype = q.dtype
     upcast = interpreting()
@@ -438,28 +465,30 @@ def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: _P
         return _backward_varlen(do, q, k, v, out, lse2, delta, dq, dk, dv, packed, Hq, G, sc["window"], scalars,
                                 common, dkdv_tiles, dq_tiles, cfg)
 
-    attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, B)](
-        out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        Hq, Nq, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=64,
-    )
+    for b_first, nb in _batches(B):
+        attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, nb)](
+            out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            Hq, Nq, b_first, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=64,
+        )
     kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
     kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
     common["HAS_KPM"] = key_padding_mask is not None
-    lengths = (kpm_stride, Hq, G, Nq, Nk, sc["window"])
+    lengths = (kpm_stride, Hq, G, Nq, Nk, sc["window"])  # then b_first
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     # with cfg.tma the streamed operands go in as descriptors (the kernels read the pointers otherwise)
     q_in, do_in = (_descriptor(q, cfg.m1, block_d), _descriptor(do, cfg.m1, block_d)) if cfg.tma else (q, do)
     k_in, v_in = (_descriptor(k, cfg.n2, block_d), _descriptor(v, cfg.n2, block_d)) if cfg.tma else (k, v)
-    attn_bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.n1), Hkv, B)](
-        q_in, k, v, kpm, do_in, lse2, delta, dk, dv, *qkv_strides,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *lengths, *scalars,
-        TMA=cfg.tma, **dkdv_tiles, **common,
-    )
-    attn_bwd_dq_kernel[(triton.cdiv(Nq, cfg.m2), Hq, B)](
-        q, k_in, v_in, kpm, do, lse2, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2), *lengths,
-        *scalars, TMA=cfg.tma, **dq_tiles, **common,
-    )
+    for b_first, nb in _batches(B):
+        attn_bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.n1), Hkv, nb)](
+            q_in, k, v, kpm, do_in, lse2, delta, dk, dv, *qkv_strides,
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *lengths, b_first,
+            *scalars, TMA=cfg.tma, **dkdv_tiles, **common,
+        )
+        attn_bwd_dq_kernel[(triton.cdiv(Nq, cfg.m2), Hq, nb)](
+            q, k_in, v_in, kpm, do, lse2, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2),
+            *lengths, b_first, *scalars, TMA=cfg.tma, **dq_tiles, **common,
+        )
     return dq, dk, dv
 
 

@@ -37,13 +37,13 @@ from .triton_forward import TMA_PACKED, key_range, load_tile, round_to, scores_t
 
 @triton.jit
 def delta_program(Out, DO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, Hq, Nq,
-                  q_start, total_q, VARLEN: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  q_start, total_q, b_first, VARLEN: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr):
     """``delta`` of ``BLOCK_M`` rows of one (batch, head) into ``[B, Hq, Nq]``, or with ``VARLEN`` of one
     (sequence from row ``q_start``, head) of packed ``[total_q, Hq, D]`` tensors into ``[Hq, total_q]``."""
     start_m = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    b = (tl.program_id(2) + b_first).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_D)
@@ -55,11 +55,11 @@ def delta_program(Out, DO, Delta, stride_ob, stride_oh, stride_on, stride_dob, s
     tl.store(Delta + row0 + offs_m, tl.sum(o * do, 1), mask=offs_m < Nq)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["b_first"])
 def attn_bwd_preprocess(Out, DO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-                        Hq, Nq, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                        Hq, Nq, b_first, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     delta_program(Out, DO, Delta, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, Hq, Nq,
-                  None, None, False, HEAD_D, BLOCK_D, BLOCK_M)
+                  None, None, b_first, False, HEAD_D, BLOCK_D, BLOCK_M)
 
 
 @triton.jit(do_not_specialize=["Hq", "total_q"])
@@ -71,7 +71,7 @@ def attn_bwd_preprocess_varlen(Out, DO, Delta, CuQ, stride_oh, stride_on, stride
     if tl.program_id(0) * BLOCK_M >= Nq:
         return
     delta_program(Out, DO, Delta, 0, stride_oh, stride_on, 0, stride_doh, stride_don, Hq, Nq, q_start.to(tl.int64),
-                  total_q, True, HEAD_D, BLOCK_D, BLOCK_M)
+                  total_q, 0, True, HEAD_D, BLOCK_D, BLOCK_M)
 
 
 @triton.jit
@@ -135,8 +135,8 @@ def dkdv_program(
     Q, K, V, KPM, DO, Lse, Delta, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    stride_kpmb, Hq, G, Nq, Nk, window, q_start, k_start, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed,
-    drop_p, keep_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
+    stride_kpmb, Hq, G, Nq, Nk, window, q_start, k_start, total_q, b_first, qk_scale2, cap_scale, cap_log2e, scale,
+    seed, drop_p, keep_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -149,7 +149,7 @@ def dkdv_program(
     """
     start_n = tl.program_id(0) * BLOCK_N
     hkv = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2) + b_first  # dense: launches in chunks of the batch start at b_first (grid limit)
     b64 = b.to(tl.int64)
     tile_b = q_start.to(tl.int32) if VARLEN else b  # what the descriptor loads index by
     pos_offset = Nk - Nq
@@ -233,22 +233,22 @@ def dkdv_program(
              + offs_n[:, None] * stride_dvn + offs_d[None, :], round_to(dv, DTYPE, UPCAST).to(DTYPE), mask=kv_mask)
 
 
-@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "b_first", "seed"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, KPM, DO, Lse, Delta, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    stride_kpmb, Hq, G, Nq, Nk, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
+    stride_kpmb, Hq, G, Nq, Nk, window, b_first, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Program ``(key block, kv head, batch)`` of ``[B, H, N, D]`` tensors."""
+    """Program ``(key block, kv head, batch - b_first)`` of ``[B, H, N, D]`` tensors."""
     dkdv_program(Q, K, V, KPM, DO, Lse, Delta, DK, DV, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                  stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh,
                  stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None,
-                 qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, CAUSAL, WINDOW, SOFTCAP, HAS_KPM,
-                 DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
+                 b_first, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, CAUSAL, WINDOW, SOFTCAP,
+                 HAS_KPM, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
@@ -269,9 +269,9 @@ def attn_bwd_dkdv_varlen_kernel(
         return
     dkdv_program(Q, K, V, Q, DO, Lse, Delta, DK, DV, 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh,
                  stride_vn, 0, stride_doh, stride_don, 0, stride_dkh, stride_dkn, 0, stride_dvh, stride_dvn, 0, Hq, G,
-                 Nq, Nk, window, q_start, k_start, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed + b, drop_p,
-                 keep_scale, CAUSAL, WINDOW, SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE,
-                 UPCAST, PREC, TMA_PACKED if TMA else False)
+                 Nq, Nk, window, q_start, k_start, total_q, 0, qk_scale2, cap_scale, cap_log2e, scale, seed + b,
+                 drop_p, keep_scale, CAUSAL, WINDOW, SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
+                 DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False)
 
 
 @triton.jit
@@ -320,8 +320,8 @@ def dq_program(
     Q, K, V, KPM, DO, Lse, Delta, DQ,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-    stride_kpmb, Hq, G, Nq, Nk, window, q_start, k_start, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed,
-    drop_p, keep_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
+    stride_kpmb, Hq, G, Nq, Nk, window, q_start, k_start, total_q, b_first, qk_scale2, cap_scale, cap_log2e, scale,
+    seed, drop_p, keep_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -333,7 +333,7 @@ def dq_program(
     """
     start_m = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2) + b_first  # dense: launches in chunks of the batch start at b_first (grid limit)
     b64 = b.to(tl.int64)
     tile_b = k_start.to(tl.int32) if VARLEN else b  # what the descriptor loads index by
     hkv = h // G
@@ -390,22 +390,22 @@ def dq_program(
              + offs_m[:, None] * stride_dqn + offs_d[None, :], round_to(dq, DTYPE, UPCAST).to(DTYPE), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "b_first", "seed"])
 def attn_bwd_dq_kernel(
     Q, K, V, KPM, DO, Lse, Delta, DQ,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-    stride_kpmb, Hq, G, Nq, Nk, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
+    stride_kpmb, Hq, G, Nq, Nk, window, b_first, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Program ``(query block, head, batch)`` of ``[B, H, N, D]`` tensors."""
+    """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors."""
     dq_program(Q, K, V, KPM, DO, Lse, Delta, DQ, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-               stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, qk_scale2, cap_scale, cap_log2e, scale, seed,
-               drop_p, keep_scale, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
-               DTYPE, UPCAST, PREC, TMA)
+               stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first, qk_scale2, cap_scale, cap_log2e, scale,
+               seed, drop_p, keep_scale, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M,
+               BLOCK_N, DTYPE, UPCAST, PREC, TMA)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
@@ -425,6 +425,6 @@ def attn_bwd_dq_varlen_kernel(
         return
     dq_program(Q, K, V, Q, DO, Lse, Delta, DQ, 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh,
                stride_vn, 0, stride_doh, stride_don, 0, stride_dqh, stride_dqn, 0, Hq, G, Nq, Nk, window, q_start,
-               k_start, total_q, qk_scale2, cap_scale, cap_log2e, scale, seed + b, drop_p, keep_scale, CAUSAL, WINDOW,
-               SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC,
+               k_start, total_q, 0, qk_scale2, cap_scale, cap_log2e, scale, seed + b, drop_p, keep_scale, CAUSAL,
+               WINDOW, SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC,
                TMA_PACKED if TMA else False)

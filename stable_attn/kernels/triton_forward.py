@@ -117,7 +117,9 @@ def scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, p
                 HAS_KPM: tl.constexpr, PREC: tl.constexpr):
     """Base-2 scores ``[BLOCK_M, BLOCK_N]`` of a tile (fp32, invisible entries ``-inf``) and tanh or None.
 
-    ``kp`` is the key padding mask of the block (bool ``[BLOCK_N]``) when ``HAS_KPM``.
+    ``kp`` is the key padding mask of the block (bool ``[BLOCK_N]``) when ``HAS_KPM``. ``qk_scale2=None``
+    (without softcap): the unscaled products ``x = q.k``, masked alike (the forward scales them inside
+    its ``exp2(fma(x, qk_scale2, -r))``, see ``fwd_block``).
     """
     if k is None:  # q already holds the products (the sink's score in the epilogue)
         x = q
@@ -126,6 +128,9 @@ def scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, p
     if SOFTCAP:
         t = tanh_f32(x * cap_scale)
         s2 = t * cap_log2e
+    elif qk_scale2 is None:
+        t = x
+        s2 = x
     else:
         t = x
         s2 = x * qk_scale2
@@ -182,6 +187,22 @@ def row_top2(s2):
     """
     a, b = tl.split(tl.reshape(s2, [s2.shape[0], s2.shape[1] // 2, 2]))
     return tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, _top2_combine)
+
+
+@triton.jit
+def halves_top2(s, BLOCK_N: tl.constexpr):
+    """``row_top2`` of each ``BLOCK_N``-key half of a ``[BLOCK_M, 2 * BLOCK_N]`` tile, both reduced at once
+    from the tile as the score product leaves it: ``(top_a, second_a, top_b, second_b)``.
+
+    The same values as ``row_top2`` of each half (max and min are exact, in any order); reducing the
+    halves after splitting them made Triton move one of them through warp shuffles (sm_90, D = 64:
+    829 instead of 685 SASS per 128-key iteration).
+    """
+    a, b = tl.split(tl.reshape(s, [s.shape[0], 2, BLOCK_N // 2, 2]))
+    top, second = tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 2, _top2_combine)
+    top_a, top_b = tl.split(top)
+    second_a, second_b = tl.split(second)
+    return top_a, second_a, top_b, second_b
 
 
 @triton.jit
@@ -245,7 +266,7 @@ def fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_
                cap_log2e, Nk, pos_offset, window, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
-    """Base-2 scores of the keys ``start_n + offs_n0`` against ``q`` (K loaded here), as ``scores_tile``."""
+    """Scores of the keys ``start_n + offs_n0`` against ``q`` (K loaded here) and the K/V row mask."""
     offs_n = start_n + offs_n0
     kv_mask = kv_tile_mask(offs_n, offs_d, Nk, HEAD_D, BLOCK_D)
     if TMA:
@@ -265,27 +286,38 @@ def fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_
             kp = tl.load(kpm_ptrs + start_n, mask=offs_n < Nk, other=0) != 0
         else:
             kp = tl.load(kpm_ptrs + start_n) != 0
-    s2, _ = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-                        MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
-    return s2, kv_mask
+    # without softcap s holds x = q.k: the maxima are taken on x and scaled after, the bits of the
+    # maxima of fl(x * qk_scale2) (rounding is monotone and qk_scale2 > 0), and P-bar below rounds
+    # once (docs/ALGORITHM.md, "Rounding points"); with softcap s holds the base-2 scores
+    s, _ = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2 if SOFTCAP else None, cap_scale, cap_log2e, Nk,
+                       pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
+    return s, kv_mask
 
 
 @triton.jit
-def fwd_update(acc, l_i, m_i, r_i, near, fixed, s2, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d,
-               stride_vn, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-               MASK: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
-               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
-               PREC: tl.constexpr, TMA: tl.constexpr):
-    """The online-softmax step of one rule block (scores ``s2`` of keys ``start_n + offs_n0``): the
-    block's decision, P-bar, the row sum and ``acc += P-bar V`` (V loaded here); the updated row state."""
+def fwd_update(acc, l_i, m_i, r_i, near, fixed, s, top1, top2, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d,
+               stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+               MASK: tl.constexpr, SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
+               DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
+               UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+    """The online-softmax step of one block of the partition (``s``: ``fwd_scores`` of keys
+    ``start_n + offs_n0``): the block's decision, P-bar, the row sum and ``acc += P-bar V`` (V loaded
+    here); the updated row state. ``top1``/``top2``: the block's ``row_top2`` of ``s`` if already known,
+    else None."""
     offs_n = start_n + offs_n0
     if MODE == MODE_OFF and not STATS:
-        m_blk = tl.max(s2, 1)
+        m_blk = tl.max(s, 1)
         m2_blk = m_blk  # unused: plain FA2 makes no tie test
+    elif top1 is not None:
+        m_blk = top1
+        m2_blk = top2
     elif UPCAST:  # the interpreter (see row_top2_by_count); the GPU reduces pairwise
-        m_blk, m2_blk = row_top2_by_count(s2)
+        m_blk, m2_blk = row_top2_by_count(s)
     else:
-        m_blk, m2_blk = row_top2(s2)
+        m_blk, m2_blk = row_top2(s)
+    if not SOFTCAP:
+        m_blk = m_blk * qk_scale2
+        m2_blk = m2_blk * qk_scale2
     m_new = tl.maximum(m_i, m_blk)
     r_new, fire = block_offset(r_i, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MODE)
 
@@ -300,7 +332,10 @@ def fwd_update(acc, l_i, m_i, r_i, near, fixed, s2, kv_mask, tile_b, hkv, v_ptrs
 
     r_safe = tl.where(r_new == float("-inf"), 0.0, r_new)
     alpha = tl.exp2(r_i - r_safe)  # 0 while the row has seen no key (r = -inf)
-    p = tl.exp2(s2 - r_safe[:, None])
+    if SOFTCAP:
+        p = tl.exp2(s - r_safe[:, None])
+    else:  # P-bar = exp2(x * qk_scale2 - r), rounded once (reference.fma_f32 on the PyTorch path)
+        p = tl.exp2(tl.fma(s, qk_scale2, -r_safe[:, None]))
     # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
     p_cast = round_to(p, DTYPE, UPCAST)
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
@@ -346,12 +381,13 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, k
 
     With ``TMA``, ``k_ptrs`` and ``v_ptrs`` are the K and V descriptors, indexed by ``tile_b`` and ``hkv``.
     """
-    s2, kv_mask = fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
-                             qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP,
-                             HAS_KPM, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
-    return fwd_update(acc, l_i, m_i, r_i, near, fixed, s2, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d,
-                      stride_vn, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-                      MASK, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+    s, kv_mask = fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
+                            qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP,
+                            HAS_KPM, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
+    return fwd_update(acc, l_i, m_i, r_i, near, fixed, s, None, None, kv_mask, tile_b, hkv, v_ptrs, start_n,
+                      offs_n0, offs_d, stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed,
+                      drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC,
+                      TMA)
 
 
 @triton.jit
@@ -369,22 +405,30 @@ def fwd_tile(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kp
 
     ``k_ptrs`` and ``kpm_ptrs`` span the tile (``offs_t0``), ``v_ptrs`` one block (``offs_n0``).
     """
-    s2, _ = fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_t0, offs_d, stride_kn, qk_scale2,
-                       cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, HEAD_D,
-                       BLOCK_D, UPCAST, PREC, TMA)
+    s, _ = fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_t0, offs_d, stride_kn, qk_scale2,
+                      cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, HEAD_D,
+                      BLOCK_D, UPCAST, PREC, TMA)
     # the two halves of the key axis (column bit log2(BLOCK_N) is a register index of the dot's layout)
-    s_a, s_b = tl.split(tl.permute(tl.reshape(s2, [s2.shape[0], 2, offs_n0.shape[0]]), [0, 2, 1]))
+    s_a, s_b = tl.split(tl.permute(tl.reshape(s, [s.shape[0], 2, offs_n0.shape[0]]), [0, 2, 1]))
+    if UPCAST or (MODE == MODE_OFF and not STATS):  # fwd_update reduces (the interpreter: by counts)
+        t1a = None
+        t2a = None
+        t1b = None
+        t2b = None
+    else:
+        t1a, t2a, t1b, t2b = halves_top2(s, offs_n0.shape[0])
     acc, l_i, m_i, r_i, near, fixed = fwd_update(
-        acc, l_i, m_i, r_i, near, fixed, s_a, kv_tile_mask(start_n + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D), tile_b,
-        hkv, v_ptrs, start_n, offs_n0, offs_d, stride_vn, Nk,
-        tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, MODE, STATS, DROPOUT, HEAD_D,
-        BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+        acc, l_i, m_i, r_i, near, fixed, s_a, t1a, t2a, kv_tile_mask(start_n + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D),
+        tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d, stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2,
+        max_shift2, beta, seed, drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+        UPCAST, PREC, TMA)
     if BOTH:
         start_b = start_n + offs_n0.shape[0]
         acc, l_i, m_i, r_i, near, fixed = fwd_update(
-            acc, l_i, m_i, r_i, near, fixed, s_b, kv_tile_mask(start_b + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D),
-            tile_b, hkv, v_ptrs, start_b, offs_n0, offs_d, stride_vn, Nk, tie2, sat2, min_shift2, max_shift2, beta,
-            seed, drop_p, drop_row, MASK, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+            acc, l_i, m_i, r_i, near, fixed, s_b, t1b, t2b,
+            kv_tile_mask(start_b + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D), tile_b, hkv, v_ptrs, start_b, offs_n0,
+            offs_d, stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+            MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
     return acc, l_i, m_i, r_i, near, fixed
 
 
@@ -421,7 +465,7 @@ def fwd_program(
     Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
-    Hq, G, Nq, Nk, window, q_start, k_start, total_q,
+    Hq, G, Nq, Nk, window, q_start, k_start, total_q, b_first,
     qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
     seed, drop_p, keep_frac,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -439,7 +483,7 @@ def fwd_program(
     """
     start_m = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2) + b_first  # dense: launches in chunks of the batch start at b_first (grid limit)
     hkv = h // G
     pos_offset = Nk - Nq  # causal and window are aligned bottom-right
 
@@ -577,12 +621,12 @@ def fwd_program(
         tl.store(StP0 + row_ptr, tl.exp2(tl.max(s_first, 1) - lse), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "seed"])
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "b_first", "seed"])
 def attn_fwd_kernel(
     Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
-    Hq, G, Nq, Nk, window,
+    Hq, G, Nq, Nk, window, b_first,
     qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
     seed, drop_p, keep_frac,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -590,11 +634,11 @@ def attn_fwd_kernel(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Program ``(query block, head, batch)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V`` are
-    descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``)."""
+    """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V``
+    are descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``)."""
     fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None,
+                stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
                 CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
                 TILE_N, DTYPE, UPCAST, PREC, TMA)
@@ -632,7 +676,7 @@ def attn_fwd_varlen_kernel(
         return
     fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StP0,
                 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh, stride_vn,
-                0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q,
+                0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q, 0,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,
                 keep_frac, CAUSAL, WINDOW, SOFTCAP, False, MODE, STATS, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M,
                 BLOCK_N, TILE_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False)

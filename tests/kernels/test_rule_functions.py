@@ -174,15 +174,15 @@ def test_top2_twins_and_the_per_element_count(bn, by_count):
         assert torch.equal(second >= t, (s >= t).sum(-1) >= 2)
 
 
-def _fused_ops_in_forward_loop(fusion: bool | None) -> int:
-    """FFMAs in the steady-state loop of the exact bf16 D=128 forward for sm_90 (compiled in a child process:
+def _fused_ops_in_forward_loop(fusion: bool | None, mode: int = rules.MODE_EXACT) -> int:
+    """FFMAs in the steady-state loop of the bf16 D=128 forward for sm_90 (compiled in a child process:
     this one runs the interpreter). ``fusion=None``: the launcher's options."""
     code = f"""
 import json, torch
 from stable_attn.kernels import rules, triton_aot as aot, triton_attention as ta
 import triton
 from triton.backends.compiler import GPUTarget
-v = aot.Variant("fwd", torch.bfloat16, 128, True, rules.MODE_EXACT, False, 90)
+v = aot.Variant("fwd", torch.bfloat16, 128, True, {mode!r}, False, 90)
 src, opts = aot.source(v)
 opts.update(ta.FWD_COMPILE_OPTIONS if {fusion!r} is None else dict(enable_fp_fusion={fusion!r}))
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -199,10 +199,13 @@ print(sum(1 for a, i in instrs if loop.start <= a <= loop.end and i.split()[0].s
 
 
 def test_forward_rounds_like_the_reference_on_the_gpu(monkeypatch):
-    """With contraction, ``exp2(x * scale - r)`` becomes one FFMA in unmasked blocks (one rounding) while
-    masked blocks and reference.py round the product first; the launch options pin it off."""
-    assert _fused_ops_in_forward_loop(None) == 0
-    assert _fused_ops_in_forward_loop(True) > 0  # the check sees contraction where it happens
+    """``P-bar = exp2(fma(x, scale, -r))`` is the loop's only FFMA, one per score element of a thread
+    (128 x 128 tiles, 8 warps: 64, for exact mode's two 64-key blocks per tile as for stabilize off's
+    128-key blocks), in every block and as reference.fma_f32 rounds; contraction would fuse more
+    (stabilize off's row-sum update), so the launch options pin it off."""
+    assert _fused_ops_in_forward_loop(None) == 64
+    assert _fused_ops_in_forward_loop(None, rules.MODE_OFF) == 64
+    assert _fused_ops_in_forward_loop(True, rules.MODE_OFF) > 64  # the check sees contraction where it happens
     launched = {}
 
     class Kernel:  # the launcher's call, recorded instead of run

@@ -11,7 +11,9 @@ length 1 and lengths that are no multiple of the key block (16 here).
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from closeness import rel_max
 from packing import cu, packed_inputs
 
 import stable_attn
+from stable_attn import varlen
 from stable_attn.kernels import naive, reference, reference_varlen
 from stable_attn.options import Options
 from stable_attn.stats import RowStats
@@ -303,3 +306,115 @@ def test_strided_views_give_the_same_bits():
     assert torch.equal(got[0], want[0])
     for a, b in zip(got[1], want[1], strict=True):
         assert torch.equal(a, b)
+
+
+class HostReads:
+    """Counts the op's device-to-host reads of cu_seqlens (varlen._host_values)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        real = varlen._host_values
+
+        def counted(t):
+            self.count += 1
+            return real(t)
+
+        monkeypatch.setattr(varlen, "_host_values", counted)
+
+
+def _layers(n, cu_q, cu_k, lens, dtype=torch.float32):
+    """``n`` attention layers on one packing, forward and backward, like a model's layers in one step."""
+    q, k, v, do = packed_inputs(lens, lens, 2, 1, 16, dtype, seed=16)
+    x = q.clone().requires_grad_()
+    h = x
+    for _ in range(n):
+        h = stable_attn.attention_varlen(h, k, v, cu_q, cu_k, max(lens), max(lens), causal=True, block_n=16)
+    h.backward(do)
+    return h.detach(), x.grad
+
+
+def test_one_host_read_per_cu_seqlens_tensor_not_per_call(monkeypatch):
+    lens = [3, 1, 6]
+    reads = HostReads(monkeypatch)
+    shared = cu(lens)
+    out, grad = _layers(4, shared, shared, lens)
+    assert reads.count == 1  # q's and k's offsets are one tensor: one read for 4 layers, forward and backward
+    _layers(4, shared, shared, lens)
+    assert reads.count == 1  # the next step with the same, unchanged tensor reads nothing
+    _layers(3, cu(lens), cu(lens), lens)
+    assert reads.count == 3  # two new tensors: one read each
+    reads.count = 0
+    out1, grad1 = _layers(4, cu(lens), cu(lens), lens)
+    assert torch.equal(out, out1) and torch.equal(grad, grad1)  # remembering changes no result
+
+
+def test_in_place_change_or_other_lengths_are_checked_again(monkeypatch):
+    lens = [3, 1, 6]
+    reads = HostReads(monkeypatch)
+    c = cu(lens)
+    _layers(2, c, c, lens)
+    c.add_(0)  # same values, but written: read again
+    _layers(2, c, c, lens)
+    assert reads.count == 2
+    c[1] = 5  # [0, 5, 4, 10]
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing \(sequence lengths >= 0\), got "
+                                         r"\[0, 5, 4, 10\]"):
+        _layers(1, c, c, lens)
+    c[1] = 3
+    _layers(1, c, c, lens)
+    assert reads.count == 4
+    q, k, v, _ = packed_inputs(lens, lens, 2, 1, 16, torch.float32, seed=16)
+    with pytest.raises(ValueError, match=r"max_seqlen_k=5 is smaller than the longest sequence \(6 tokens\)"):
+        stable_attn.attention_varlen(q, k, v, c, c, 6, 5)  # checked before, against another max_seqlen
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at the number of packed tokens 9"):
+        stable_attn.attention_varlen(q[:9], k, v, c, c, 6, 6)  # and another token count
+
+
+def test_a_new_tensor_with_bad_values_still_raises(monkeypatch):
+    """A checked tensor that died is forgotten (nothing kept alive); one born at its address is read."""
+    lens = [3, 1, 6]
+    reads = HostReads(monkeypatch)
+    for i in range(4):
+        good = cu(lens)
+        _layers(1, good, good, lens)
+        alive = weakref.ref(good)
+        del good
+        gc.collect()
+        assert alive() is None
+        bad = torch.tensor([0, 4, 3, 10], dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
+            _layers(1, bad, bad, lens)
+        assert reads.count == 2 * (i + 1)
+    assert len(varlen._CHECKED) <= varlen._MAX_CHECKED
+
+
+def test_inference_tensors_are_read_at_every_call(monkeypatch):
+    """Inference-mode tensors have no version counter: an in-place change could not be seen."""
+    lens = [3, 1, 6]
+    reads = HostReads(monkeypatch)
+    q, k, v, _ = packed_inputs(lens, lens, 2, 1, 16, torch.float32, seed=16)
+    with torch.inference_mode():
+        c = cu(lens)
+        for _ in range(3):
+            stable_attn.attention_varlen(q, k, v, c, c, 6, 6)
+    assert reads.count == 3
+
+
+def test_torch_compile_reads_once_at_run_time_not_while_tracing(monkeypatch):
+    torch._dynamo.reset()
+    lens = [3, 1, 6]
+    reads = HostReads(monkeypatch)
+    fn = torch.compile(_layers_forward, fullgraph=True, backend="aot_eager")
+    q, k, v, _ = packed_inputs(lens, lens, 2, 1, 16, torch.float32, seed=16)
+    c = cu(lens)
+    torch.testing.assert_close(fn(q, k, v, c), _layers_forward(q, k, v, c), rtol=0, atol=0)
+    assert reads.count == 1  # tracing (fake tensors) read nothing; 3 layers compiled and 3 eager read once
+    bad = torch.tensor([0, 4, 3, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        fn(q, k, v, bad)
+
+
+def _layers_forward(q, k, v, c):
+    for _ in range(3):
+        q = stable_attn.attention_varlen(q, k, v, c, c, 6, 6, causal=True, block_n=16)
+    return q
