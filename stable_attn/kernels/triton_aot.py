@@ -246,7 +246,7 @@ def steady_loop(instrs: list[tuple[int, str]]) -> Loop:
     inner = [lp for lp in mma if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in mma)]
     if not inner:
         raise ValueError("no loop with tensor-core instructions in the SASS")
-    return min(inner, key=lambda lp: (-lp.mma, lp.sass, lp.start))
+    return min(inner, key=lambda lp: (lp.sass, lp.start))
 
 
 def iteration_flops(kind: str, block_m: int, block_n: int, block_d: int) -> int:
@@ -260,7 +260,8 @@ def iteration_flops(kind: str, block_m: int, block_n: int, block_d: int) -> int:
 
 
 def tiling(v: Variant) -> tuple[int, int, int]:
-    """``(block_m, block_n, num_warps)`` the launchers use for a variant."""
+    """``(block_m, block_n, num_warps)`` the launchers use for a variant (``block_n``: keys per iteration,
+    the K tile; two blocks of the partition where ``FwdConfig.tile_n`` says so)."""
     consts, opts = _constants(v)
     return consts["BLOCK_M"], consts.get("TILE_N", consts.get("BLOCK_N", 0)), opts["num_warps"]
 

@@ -8,7 +8,8 @@ take ``options.Options`` and return exactly what ``reference.attention_forward``
 
 Block sizes. The forward's key block ``BLOCK_N`` *is* the partition the stabilization rule sees, so
 it is never tuned: ``opts.block_n`` or ``options.BLOCK_N`` (64), except where no rule sees it
-(stabilize off without statistics, :func:`fwd_config`'s ``free_keys``). Everything else (query block,
+(stabilize off without statistics, :func:`fwd_config`'s ``free_keys``); a K tile may hold two of its
+blocks (``FwdConfig.tile_n``), the rule still deciding per block. Everything else (query block,
 warps, pipeline stages, and all backward tiles, which make no per-block decision) comes from the
 small table in :func:`fwd_config` / :func:`bwd_config`, chosen by head dim and GPU generation so the
 kernels fit in shared memory and do not spill (see benchmarks/kernel_resources.py).

@@ -7,6 +7,9 @@ offset ``r`` subtracted before ``exp2``) is the reference's, line for line. The 
 stretches: blocks cut by the sliding window's left edge (masked), blocks every row sees in full
 (no structural mask), blocks cut by the causal diagonal or the end of the keys (masked). They are
 visited in increasing key order, so the running state sees the same sequence as the reference.
+With ``TILE_N = 2 * BLOCK_N`` (``triton_attention.fwd_config``: the rule's modes on sm_90) one K tile
+holds two blocks: one score product for both, then the rule, ``P-bar`` and ``P-bar V`` block by block
+(``fwd_tile``), the same operations on the same values as one block per tile.
 
 Compile-time flags select every variant (mode, causal, window, softcap, dropout, padding mask,
 statistics), so a variant pays only for what it uses. ``TMA``: K and V arrive through tensor
@@ -635,7 +638,7 @@ def attn_fwd_kernel(
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V``
-    are descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``)."""
+    are descriptors (blocks ``[1, 1, TILE_N, BLOCK_D]`` and ``[1, 1, BLOCK_N, BLOCK_D]``)."""
     fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first,
@@ -666,7 +669,8 @@ def attn_fwd_varlen_kernel(
 ):
     """Program ``(query block, head, sequence)`` of packed ``[total, H, D]`` tensors (FlashAttention's
     varlen layout); the grid covers the longest sequence and the other programs end here at once.
-    With ``TMA``, ``K`` and ``V`` are descriptors over ``[total_k, Hkv, D]`` (block ``[BLOCK_N, 1, BLOCK_D]``):
+    With ``TMA``, ``K`` and ``V`` are descriptors over ``[total_k, Hkv, D]`` (blocks ``[TILE_N, 1, BLOCK_D]``
+    and ``[BLOCK_N, 1, BLOCK_D]``):
     key rows they read past the sequence's end (the next sequence's) lie in the masked stretch, where
     ``P-bar = 0`` (exact zeros for finite inputs, as in the dense case).
     Dropout of sequence ``b``: the mask attention() draws on the sequence alone with ``seed + b``."""
