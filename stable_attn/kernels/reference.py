@@ -9,7 +9,9 @@ accumulators (backward).
 
 Layouts: q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nk, D]``. Internally q is viewed as
 ``[B, Hkv, G, Nq, D]`` (``G = Hq // Hkv``) so grouped-query attention never repeats k or v.
-Scores live in base-2 units (``s2 = s * log2(e)``, see rules.py); ``lse`` is saved in base 2.
+Scores live in base-2 units (``s2 = s * log2(e)``, see rules.py); ``lse`` is saved in base 2. The forward
+rounds ``P-bar = exp2(x * qk_scale2 - r)`` once, as the kernel's ``tl.fma`` does: :func:`fma_f32`
+(docs/ALGORITHM.md, "Rounding points").
 """
 
 from __future__ import annotations
@@ -143,18 +145,47 @@ def row_top2(s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top[..., 0], top[..., 1]
 
 
+# fp64 bits below an fp32 significand's last bit: 10...0 where the fp64 value is an fp32 rounding midpoint
+_BELOW_F32 = (1 << 29) - 1
+_F32_MIDPOINT = 1 << 28
+_F32_EXPONENT = 0x7F800000
+_INT32_MIN = -(1 << 31)
+
+
 def fma_f32(a: torch.Tensor, b: float | torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """``a * b + c`` rounded once to fp32 (nearest-even) for fp32 ``a``, ``c`` and ``b`` (a float is
     rounded to fp32 first, as a kernel argument is): the twin of ``tl.fma`` in ``triton_forward.fwd_block``.
 
-    In fp64 the product is exact (24 + 24 significand bits fit in 53). The fp64 sum is then rounded
-    *to odd*: the TwoSum error term says whether it was exact, and if not and the sum's last bit is
-    even, the sum steps one ulp toward the error. A value rounded to odd with 53 >= 24 + 2 bits rounds
-    to fp32 exactly as the true sum would (Boldo and Melquiond, 2008), which plain fp64-then-fp32
-    rounding does not where the fp64 sum lands on an fp32 midpoint. Infinities and NaN come out as
-    fp32 arithmetic gives them: ``fma_f32(-inf, b, c) = -inf`` for finite ``b > 0`` and ``c``.
+    In fp64 the product is exact (24 + 24 significand bits fit in 53), so the fp64 sum is the exact
+    value rounded once, and rounding it again to fp32 gives the exactly rounded result except where the
+    fp64 sum is an fp32 rounding midpoint (a tie the first rounding may have made) or the result is
+    zero or fp32-subnormal (where the midpoints lie elsewhere). Those entries, rare, are redone by
+    :func:`_fma_f32_round_to_odd`; the test costs integer passes over the tile instead of an fp64 TwoSum
+    over every entry. Infinities and NaN come out as fp32 arithmetic gives them:
+    ``fma_f32(-inf, b, c) = -inf`` for finite ``b > 0`` and ``c``.
     """
     b64 = torch.as_tensor(b, dtype=torch.float32).double()
+    s = a.to(torch.float64, copy=True)
+    s.mul_(b64).add_(c.double())  # in place: the tile-sized fp64 buffers are the cost of this function
+    y = s.float()
+    if y.numel() == 0:
+        return y
+    # a midpoint's low 32-bit word has 10...0 in its 29 low bits, i.e. is INT32_MIN once shifted left by
+    # 3; testing the high words too (int32 is cheaper than int64 here) can only send an entry to the
+    # exact path needlessly
+    if (s.view(torch.int32).bitwise_left_shift_(3).min() == _INT32_MIN
+            or y.view(torch.int32).bitwise_and(_F32_EXPONENT).min() == 0):
+        s = a.double() * b64 + c.double()
+        doubt = ((s.view(torch.int64) & _BELOW_F32) == _F32_MIDPOINT) | ((y.view(torch.int32) & _F32_EXPONENT) == 0)
+        a, b64, c = (torch.broadcast_to(t, s.shape)[doubt] for t in (a, b64, c))
+        y[doubt] = _fma_f32_round_to_odd(a, b64, c)
+    return y
+
+
+def _fma_f32_round_to_odd(a: torch.Tensor, b64: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """:func:`fma_f32` for every entry: the fp64 sum rounded *to odd* (the TwoSum error term says whether it
+    was exact; if not and its last bit is even, it steps one ulp toward the error), which rounds to fp32
+    as the exact value does, since 53 >= 24 + 2 (Boldo and Melquiond, 2008)."""
     p = a.double() * b64
     c64 = c.double()
     s = p + c64

@@ -3,7 +3,9 @@
 The PyTorch reference (``reference.py``) and the Triton kernels (``triton_forward.py``, ``triton_backward.py``) both
 implement docs/ALGORITHM.md with these numbers. Everything here is in *base-2 units*: the kernels
 work with ``s2 = s * log2(e)`` and ``exp2``, the instruction GPUs execute, so every threshold below
-is a natural-log quantity multiplied by ``LOG2E``.
+is a natural-log quantity multiplied by ``LOG2E``. The thresholds are compared with ``s2 = fl(q.k * qk_scale2)``
+while ``P-bar`` is ``exp2`` of ``q.k * qk_scale2 - r`` rounded once (``tl.fma`` in the kernel,
+``reference.fma_f32`` on the PyTorch path; docs/ALGORITHM.md, "Rounding points").
 """
 
 from __future__ import annotations

@@ -423,9 +423,9 @@ def backward_varlen(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     Three launches for all sequences, no atomics; each sequence's gradients are bit for bit those of
     :func:`backward` on that sequence alone with the same tiling (for finite inputs). With ``cfg.tma``
     (sm_90) the streamed tiles come through descriptors over the packed tensors: the rows they read
-    past a sequence's end are the next sequence's, which add exact zeros where the dense descriptor's
-    zero-filled rows do (an inf or NaN there would reach this sequence's gradients, as it reaches the
-    loss anyway).
+    past a sequence's end are the next sequence's. The dQ kernel zeroes the key rows it reads there; in
+    the dK/dV kernel the query rows add exact zeros for finite inputs (an inf or NaN in the next
+    sequence's q or dO would reach this sequence's dK/dV, as it reaches the loss anyway).
     """
     packed = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _backward(do, q, k, v, out, lse2, None, opts, config, packed)

@@ -145,7 +145,10 @@ def dkdv_program(
     ``VARLEN``: a key block of sequence ``b`` of packed tensors, offsets as in ``triton_forward.fwd_program``
     (``TMA`` is then ``TMA_PACKED``). The query rows a descriptor reads past the sequence's end belong to
     the next sequence: their ``lse`` is read as ``+inf``, so ``P = 0`` and ``dS = 0`` there and they add
-    exact zeros (finite inputs), as the zero-filled rows of the dense descriptor do.
+    exact zeros (finite inputs), as the zero-filled rows of the dense descriptor do. An inf or NaN there
+    reaches this sequence's dK/dV (``0 * NaN``). Zeroing those rows after the load is not done: it cost
+    the steady loop 487 -> 585 / 350 -> 468 SASS and spills 24 -> 88 / 32 -> 216 bytes at D = 64 / 128
+    (``benchmarks/kernel_resources.py --varlen true --kernels bwd_dkdv --cc 90 --d 64 128``, bf16, causal).
     """
     start_n = tl.program_id(0) * BLOCK_N
     hkv = tl.program_id(1)
@@ -286,6 +289,9 @@ def dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, star
     if TMA or MASK:
         k = load_tile(K, k_ptrs, b, hkv, start_n, stride_kn, offs_n0, offs_d, Nk, BLOCK_N, HEAD_D, BLOCK_D, TMA)
         v = load_tile(V, v_ptrs, b, hkv, start_n, stride_vn, offs_n0, offs_d, Nk, BLOCK_N, HEAD_D, BLOCK_D, TMA)
+        if TMA == TMA_PACKED and MASK:  # key rows past the sequence are the next one's: zeros, so that an
+            k = tl.where((offs_n < Nk)[:, None], k, 0.0)  # inf or NaN there cannot reach dQ (through 0 * NaN)
+            v = tl.where((offs_n < Nk)[:, None], v, 0.0)
     elif HEAD_D != BLOCK_D:
         k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_D, other=0.0)
         v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_d[None, :] < HEAD_D, other=0.0)
@@ -329,7 +335,8 @@ def dq_program(
 
     ``VARLEN``: a query block of sequence ``b`` of packed tensors, offsets as in ``triton_forward.fwd_program``
     (``TMA`` is then ``TMA_PACKED``). Key rows a descriptor reads past the sequence's end (the next
-    sequence's) lie in the masked stretch (``offs_n < Nk``): ``P = 0`` there, exact zeros as in the dense case.
+    sequence's) lie in the masked stretch (``offs_n < Nk``), where ``dq_block`` zeroes them after the load:
+    exact zeros as in the dense case, whatever they hold (the unmasked loop is untouched: same SASS).
     """
     start_m = tl.program_id(0)
     h = tl.program_id(1)

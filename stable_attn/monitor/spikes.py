@@ -22,7 +22,8 @@ measurements behind every number):
 - ``"gross"`` (:class:`SpikeDetector`, :attr:`SpikeDetector.phase` ``"gross"``): from the 4th finite
   update until the detector is calibrated: the value exceeds 1.25x (gradient norm: 5x) the median of
   the last 5 accepted values. From the 21st update the noise scale also counts: a rise of twice the
-  calibrated bar (12 robust sigmas) is a ``"jump"`` already.
+  calibrated bar (12 robust sigmas) is a ``"jump"`` already, and a rise of the calibrated bar itself
+  once the forecast has been unbiased for 20 updates in a row.
 - ``"jump"`` and ``"drift"`` (:class:`SpikeDetector`, phase ``"calibrated"``): after ``warmup=100``
   finite updates and once the forecast is unbiased (typically by update 100-130 on a real loss).
 - ``"surge"`` (:class:`SurgeDetector`, ``kind="early_warning"``): after 10 updates, and, when the
@@ -226,10 +227,11 @@ class SpikeDetector:
 
     - **jump**: the residual exceeds ``z_threshold`` sigmas and ``min_rel_change`` of the baseline
       (a corrupted batch, a loss spike, the first steps of a fast explosion);
-    - **drift**: a one-sided CUSUM of the standardized residuals (each capped at 1.5, less
-      ``drift_slack``) exceeds ``drift_threshold``: the value sits a sigma or so above the forecast
-      for many steps in a row, as in a slow divergence that no single step reveals. The sum restarts
-      after it fires, so a continuing rise alerts again every few steps, and it is held at zero
+    - **drift**: a one-sided CUSUM of the standardized rises over the level (the forecast, but a
+      falling trend is not extrapolated; each rise capped at 1.5, less ``drift_slack``) exceeds
+      ``drift_threshold``: the value sits a sigma or so above the forecast for many steps in a row,
+      as in a slow divergence that no single step reveals. The sum restarts after it fires, so a
+      continuing rise alerts again every few steps, and it is held at zero
       after a jump until the residuals are back near zero (a spike's decaying tail is not a drift).
 
     Before that, from the ``gross_warmup``-th finite update on (:attr:`phase` ``"gross"``), one rule
@@ -247,7 +249,8 @@ class SpikeDetector:
       while a garbled batch raised them 6.1x to 19.7x (but only 1.08x at step 20):
       :meth:`grad_norm` uses 5x. From the 21st update the noise scale has enough samples for a
       provisional jump rule: a rise of twice the calibrated bar (``2 * z_threshold`` sigmas) over
-      the forecast is a ``"jump"`` already.
+      the forecast is a ``"jump"`` already, and once the forecast has been unbiased for 20 updates
+      in a row (it no longer lags a steep descent) the calibrated bar itself is.
 
     Non-finite values are always flagged (``kind="nonfinite"``), from the first update on.
 
@@ -296,9 +299,10 @@ class SpikeDetector:
       and it keeps a very smooth curve (noise near zero) from flagging rounding-level wiggles.
 
     On synthetic LM loss traces (``benchmarks/spike_detection.py``, docs/BENCHMARKS.md) the defaults
-    flag 97% of spikes of 8 sigma and more within 2 steps of onset with 0.10-0.18 false alarms
-    per 10,000 clean steps on held-out traces of kinds they were not tuned on (autocorrelated noise,
-    clusters of hard batches, learning-rate drops, events in the first 300 steps). Defaults suit a
+    flag 97.2-97.7% of spikes of 8 sigma and more within 2 steps of onset with 0.08-0.16 false
+    alarms per 10,000 clean steps on held-out traces of kinds they were not tuned on
+    (autocorrelated noise, clusters of hard batches, learning-rate drops, events in the first 300
+    steps). Defaults suit a
     loss fed once per optimizer step; the time constants count updates, not steps, so feeding
     every N steps makes them N times longer. Steps are labels only (they need not be consecutive
     or increasing, e.g. after a rollback). For a metric that legitimately trends up for long
@@ -556,9 +560,14 @@ class SpikeDetector:
             if event is not None:
                 return event
             provisional = max(_PROVISIONAL_Z * self.z_threshold * sigma, margin)
+            if self._calm >= _CALM_UPDATES:
+                # The doubled bar allows for a forecast that still lags the steep descent; a forecast
+                # unbiased for _CALM_UPDATES updates in a row does not, so the calibrated bar applies
+                # (warm-up still keeps the drift rule off).
+                provisional = margin
             if self._residuals >= _PROVISIONAL_AFTER and excess > provisional:
-                # Not calibrated yet, but the noise scale has enough samples: a rise of twice the
-                # calibrated bar over the forecast (and over the lowest recent value) is a jump.
+                # Not calibrated yet, but the noise scale has enough samples: a rise of the provisional
+                # bar over the forecast (and over the lowest recent value) is a jump.
                 self._settling = _SETTLE_UPDATES
                 return self._spike(step, value, x, forecast, margin, residual / sigma, "jump")
         if self.ready:
@@ -578,7 +587,11 @@ class SpikeDetector:
                 # above the forecast for tens of steps (a slow divergence the level would otherwise
                 # follow) accumulates here although no single value is a jump. Jump-flagged values
                 # are left out, so a long spike does not leave a drift alarm behind it.
-                self._cusum = max(0.0, self._cusum + min(z, _DRIFT_CAP) / self._persistence() - self.drift_slack)
+                # A drift is a rise above where the metric is, not above where a falling trend would
+                # take it: at the end of a fast fall (a learning-rate drop, a plateau's sudden drop) the
+                # trend runs on below a curve that has flattened, and the gap filled this sum.
+                rise = (x - self._level - max(self._trend, 0.0)) / sigma
+                self._cusum = max(0.0, self._cusum + min(rise, _DRIFT_CAP) / self._persistence() - self.drift_slack)
                 if self._cusum > self.drift_threshold:
                     # Restart the sum (standard CUSUM practice): a rise that goes on alerts again
                     # every few steps, and a drift that stops leaves no trail of alarms.
@@ -683,8 +696,16 @@ class SpikeDetector:
     def _update_moments(self, residual: float, bound: float, trusted: bool) -> None:
         self._rcount += 1
         rate = max(self.scale_rate, 1.0 / self._rcount)
-        previous = None if self._last_residual is None else self._last_residual - self._rmean
         r = min(max(residual, -bound), bound) if trusted else residual
+        # Both factors of the lag-1 product are clipped alike, so each sample's influence is bounded
+        # as in the variance: with the previous residual raw, one accepted value far below the
+        # forecast (an easy batch) moved the covariance several times more than any clipped pair, and
+        # on white noise rho reached 0.8-0.9, which widens the jump bar by sqrt(1 + rho) and slows the
+        # drift sum by sqrt((1 + rho) / (1 - rho)).
+        previous = None
+        if self._last_residual is not None:
+            last = min(max(self._last_residual, -bound), bound) if trusted else self._last_residual
+            previous = last - self._rmean
         self._rmean += rate * (r - self._rmean)
         d = r - self._rmean
         sample = min(d * d, bound * bound) / self._kappa if trusted else d * d
@@ -830,7 +851,7 @@ class SurgeDetector:
     in every float format, and a BF16 score there is only resolved to steps of 4 or 8).
 
     Why these defaults (``benchmarks/instability.py`` and the runs in docs/DETECTORS.md, tiny GPTs on
-    CPU): in runs that trained well the max logit rose from ~2 to 23-78 while the loss fell; in runs
+    CPU): in runs that trained well the max logit rose from ~2 to 23-84 while the loss fell; in runs
     that diverged it passed 1000 by step ~30 and reached 10^8 while the loss stalled, and the loss
     exploded 100-200 steps later.
 

@@ -89,7 +89,10 @@ def double_rounding_triples(n: int, seed: int):
 
 def test_fma_f32_is_exactly_rounded_on_random_triples():
     a, b, c = random_triples(3000, seed=1)
-    assert same_bits(reference.fma_f32(a, b, c), exact_fma(a, b, c))
+    want = exact_fma(a, b, c)
+    assert same_bits(reference.fma_f32(a, b, c), want)
+    # the rounding-to-odd path, which fma_f32 takes only for midpoints and subnormal results, on every entry
+    assert same_bits(reference._fma_f32_round_to_odd(a, b.double(), c), want)
 
 
 def test_fma_f32_on_double_rounding_cases():

@@ -221,6 +221,32 @@ def test_descriptor_tiles_read_past_the_sequence():
                bwd_config=dataclasses.replace(SMALL_BWD, tma=True))
 
 
+def test_the_next_sequences_inf_and_nan_keys_stay_out_of_dq():
+    """Descriptor tiles of the dQ kernel overhang into the next sequence's keys: NaN keys and inf values
+    there must leave this sequence's dQ (and every gradient of the other sequences) finite and bit-equal
+    to the clean run's; the overhang is zeroed after the load, not merely multiplied by P = 0."""
+    lens = [23, 37, 9, 30]  # 23 and 37 keys: the last 16-key tile of sequences 0 and 1 overhangs
+    opts = opts_for(32, True, block_n=16)
+    bwd = dataclasses.replace(SMALL_BWD, tma=True)
+    q, k, v, do = packed_inputs(lens, lens, 4, 2, 32, torch.bfloat16, 21)
+    cu_q = cu(lens)
+
+    def grads(k, v):
+        out, lse, _ = ta.forward_varlen(q, k, v, cu_q, cu_q, 37, 37, opts, False, config=SMALL)
+        return ta.backward_varlen(do, q, k, v, out, lse, cu_q, cu_q, 37, 37, opts, config=bwd)
+
+    clean = grads(k, v)
+    bad_k, bad_v = k.clone(), v.clone()
+    bad_k[60:69] = float("nan")  # sequence 2's keys
+    bad_v[60:69] = float("inf")
+    poisoned = grads(bad_k, bad_v)
+    for b, sq, sk in sequences(cu_q, cu_q):
+        if b == 2:
+            continue
+        for name, got, want, rows in zip(("dq", "dk", "dv"), poisoned, clean, (sq, sk, sk), strict=True):
+            assert torch.isfinite(got[rows]).all() and torch.equal(got[rows], want[rows]), f"{name} of sequence {b}"
+
+
 def test_launcher_errors():
     q, k, v, do = packed_inputs([4], [4], 1, 1, 16, torch.bfloat16, 0)
     good = cu([4])

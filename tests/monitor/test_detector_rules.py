@@ -289,3 +289,64 @@ def test_surge_new_argument_validation() -> None:
         SurgeDetector("x", min_delta=1.0, min_level=5.0, alarm_level=5.0)
     with pytest.raises(ValueError, match="min_improvement"):
         SurgeDetector("x", min_delta=1.0, min_improvement=-0.1)
+
+
+# ------------------------------------------------- revision 3: drift floor, robust lag-1, early bar
+def plateau_drops(seed: int, steps: int = 4000, sigma: float = 0.004) -> np.ndarray:
+    """A loss stuck on three plateaus, each ended by a sudden drop of 25-35 sigma over 80-150 steps
+    (a capability learnt), white multiplicative noise: the kind of held-out trace whose flattening
+    after the drop filled the drift sum (the trend ran on below the curve)."""
+    rng = np.random.default_rng(500 + seed)
+    t = np.arange(steps, dtype=np.float64)
+    log_curve = np.log(2.5 + 3.0 * (1.0 + t / 100.0) ** -0.5)
+    for at in (1000, 2000, 3000):
+        width = rng.uniform(80.0, 150.0)
+        log_curve += rng.uniform(25.0, 35.0) * sigma * 0.5 * (1.0 - np.tanh((t - at) / (width / 3.0)))
+    return np.exp(log_curve + sigma * rng.standard_normal(steps))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_flattening_after_a_sudden_drop_is_not_a_drift(seed: int) -> None:
+    # Before the drift sum measured rises from the level (trend floored at zero), 16 of 30 such
+    # traces raised a drift alert 35-70 steps after a drop.
+    assert run(SpikeDetector(), plateau_drops(seed)) == []
+
+
+def test_slow_explosion_after_a_sudden_drop_is_still_a_drift() -> None:
+    values = plateau_drops(0)
+    dev = 0.5 * 1.03 ** np.arange(4000 - 3400)  # from half a sigma, +3% per step
+    values[3400:] *= np.exp(0.004 * np.minimum(dev, 1e3))
+    events = run(SpikeDetector(), values)
+    assert events and events[0].rule == "drift"
+    assert dev[events[0].step - 3400] < 12.0  # flagged before it is a 12-sigma rise
+
+
+def test_easy_batches_do_not_make_white_noise_look_autocorrelated() -> None:
+    # An accepted value far below the forecast (an easy batch) entered the lag-1 product unclipped;
+    # on white noise the autocorrelation then reached its cap (0.8-0.9 in these runs), widening the
+    # jump bar. Both factors are clipped now, as in the variance.
+    for seed in range(5):
+        rng = np.random.default_rng(700 + seed)
+        noise = rng.standard_normal(3000)
+        noise[rng.random(3000) < 0.02] = -20.0
+        det = SpikeDetector()
+        rhos = []
+        for i, x in enumerate(np.exp(math.log(2.5) + 0.004 * noise)):
+            assert det.update(i, float(x)) is None  # drops never alert with direction="up"
+            if i > 300:
+                rhos.append(det._rho())
+        assert max(rhos) < 0.5, seed
+
+
+@pytest.mark.parametrize("step", [50, 70, 90])
+def test_calibrated_bar_before_warmup_once_the_forecast_is_unbiased(step: int) -> None:
+    # A fine-tuning run: flat from the start, so the forecast is unbiased long before update 100.
+    # A 9-sigma batch (+4.6%: under the gross 1.25x and the doubled 12-sigma bar) is a jump on its
+    # step; the same run without it stays silent.
+    for seed in range(4):
+        rng = np.random.default_rng(300 + seed)
+        values = 2.5 * np.exp(0.005 * rng.standard_normal(300))
+        assert run(SpikeDetector(), values) == []
+        values[step] *= math.exp(0.005 * 9)
+        events = run(SpikeDetector(), values)
+        assert [(e.step, e.rule) for e in events] == [(step, "jump")], seed
