@@ -326,7 +326,10 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
 
 def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=None,
                        opts: Options = _DEFAULT_OPTIONS):
-    """FlashAttention-2 backward: recompute ``P = exp2(s2 - lse2)`` per tile; returns dq, dk, dv.
+    """FlashAttention-2 backward: recompute ``P`` per tile as the forward formed ``P-bar``, with ``lse2``
+    for the offset: ``exp2(fma_f32(x, qk_scale2, -lse2))``, rounded once, where :attr:`_Problem.fused_scale`,
+    else ``exp2(s2 - lse2)``; returns dq, dk, dv. (With ``fl(x * qk_scale2)`` each key's exponent would
+    move by up to half an ulp of a huge score against the forward's ``P-bar``.)
 
     ``delta = rowsum(dO * O)`` replaces the softmax Jacobian's row term. ``P`` (for dV) and ``dS``
     (for dQ and dK) are cast to the input dtype before their products, as FA2 does; accumulation is
@@ -336,6 +339,7 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     dtype = q.dtype
     keep_scale = opts.keep_scale
+    fused, c = p.fused_scale, opts.qk_scale2
 
     qg, dog, og = _grouped(q, p), _grouped(do, p), _grouped(out, p)
     lse2g = lse2.view(B, Hkv, G, Nq)
@@ -362,8 +366,9 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
             cq = q1 - q0
             q_c = qg[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
             do_c = dog[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
-            s2, t = p.scores(q_c, k_b, q0, q1, j0, j1)
-            prob = torch.exp2(s2 - lse2g[..., q0:q1, None])  # [B, Hkv, G, cq, bn]
+            s, t = p.scores(q_c, k_b, q0, q1, j0, j1, scaled=not fused)  # fused: s holds x = q.k
+            lse_c = lse2g[..., q0:q1, None]
+            prob = torch.exp2(fma_f32(s, c, -lse_c) if fused else s - lse_c)  # [B, Hkv, G, cq, bn]
             dp = torch.matmul(do_c, v_b.transpose(-1, -2)).view(B, Hkv, G, cq, bn)
             if opts.dropout_p > 0:
                 keep = p.dropout_keep(q0, q1, j0, j1, q.device)

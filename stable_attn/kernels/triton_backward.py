@@ -9,7 +9,10 @@ Three launches, no atomics, so the gradients are deterministic:
 3. ``attn_bwd_dq_kernel``: one program per (query block, batch, query head), looping over the key
    blocks like the forward and accumulating dQ in fp32.
 
-Both gradient kernels recompute ``P = exp2(s2 - lse2)`` from the saved base-2 log-sum-exp. With
+Both gradient kernels recompute ``P`` from the saved base-2 log-sum-exp as the forward formed ``P-bar``:
+``exp2(fma(x, qk_scale2, -lse2))`` on the products ``x = q.k``, rounded once (with softcap
+``exp2(s2 - lse2)``): ``fl(x * qk_scale2)`` would move each key's exponent by up to half an ulp of a
+huge ``s2`` against the forward's (docs/ALGORITHM.md, "Rounding points"). With
 ``TMA`` (sm_90, strides the Tensor Memory Accelerator accepts; the launcher decides) the tiles that
 stream through the inner loop (Q and dO for dK/dV, K and V for dQ) arrive through 4D tensor
 descriptors over ``[B, H, N, D]``: no per-element addresses in registers, which is what lets a
@@ -97,11 +100,11 @@ def dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_pt
     x = tl.dot(k, tl.trans(q), input_precision=PREC)
     if SOFTCAP:
         t = tanh_f32(x * cap_scale)
-        s2 = t * cap_log2e
-    else:
-        s2 = x * qk_scale2
+        s = t * cap_log2e
+    else:  # the unscaled products, scaled inside the fma below, as the forward does
+        s = x
     if HAS_KPM:
-        s2 = tl.where(kp[:, None], s2, float("-inf"))
+        s = tl.where(kp[:, None], s, float("-inf"))
     if MASK:
         vis = offs_n[:, None] < Nk
         pos = offs_m[None, :] + pos_offset
@@ -109,8 +112,11 @@ def dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_pt
             vis = vis & (offs_n[:, None] <= pos)
         if WINDOW:
             vis = vis & (offs_n[:, None] > pos - window)
-        s2 = tl.where(vis, s2, float("-inf"))
-    p = tl.exp2(s2 - lse[None, :])
+        s = tl.where(vis, s, float("-inf"))
+    if SOFTCAP:
+        p = tl.exp2(s - lse[None, :])
+    else:  # P = exp2(x * qk_scale2 - lse2) rounded once: the P-bar of the forward's fwd_block, lse2 for r
+        p = tl.exp2(tl.fma(s, qk_scale2, -lse[None, :]))
     if DROPOUT:
         dp = tl.dot(v, tl.trans(do), input_precision=PREC)
         keep = tl.rand(seed, drop_head + offs_m[None, :].to(tl.int64) * Nk + offs_n[:, None]) >= drop_p
@@ -118,7 +124,7 @@ def dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_pt
         dp = tl.where(keep, dp * keep_scale, 0.0) - delta[None, :]
     else:
         # dP - delta with the product accumulated onto -delta: no separate delta tile in registers
-        dp = tl.dot(v, tl.trans(do), tl.zeros_like(s2) - delta[None, :], input_precision=PREC)
+        dp = tl.dot(v, tl.trans(do), tl.zeros_like(s) - delta[None, :], input_precision=PREC)
         p_drop = p
     p_cast = round_to(p_drop, DTYPE, UPCAST)
     dv = tl.dot(p_cast, do, dv, input_precision=PREC)
@@ -307,9 +313,13 @@ def dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, star
             kp = tl.load(kpm_ptrs + start_n, mask=offs_n < Nk, other=0) != 0
         else:
             kp = tl.load(kpm_ptrs + start_n) != 0
-    s2, t = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-                        MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
-    p = tl.exp2(s2 - lse[:, None])
+    # without softcap s holds x = q.k and P rounds once, as the forward's P-bar (see dkdv_block)
+    s, t = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2 if SOFTCAP else None, cap_scale, cap_log2e, Nk,
+                       pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
+    if SOFTCAP:
+        p = tl.exp2(s - lse[:, None])
+    else:
+        p = tl.exp2(tl.fma(s, qk_scale2, -lse[:, None]))
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     if DROPOUT:
         keep = tl.rand(seed, drop_row[:, None] + offs_n[None, :].to(tl.int64)) >= drop_p
