@@ -124,10 +124,11 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
     fn = (_VARLEN_KERNELS if v.varlen else _KERNELS)[v.kind]
     descriptors = {}
     if consts.get("TMA"):  # the launcher's descriptors: a row block of one (batch, head) of [B, H, N, D]
-        rows = consts["BLOCK_M"] if v.kind == "bwd_dkdv" else consts["BLOCK_N"]  # or of one head of [total, H, D]
         names = ("Q", "DO") if v.kind == "bwd_dkdv" else ("K", "V")  # fwd and bwd_dq stream K and V
-        block = (rows, 1, consts["BLOCK_D"]) if v.varlen else (1, 1, rows, consts["BLOCK_D"])
-        descriptors = {n: block for n in names}
+        rows = ((consts["BLOCK_M"],) * 2 if v.kind == "bwd_dkdv" else  # or of one head of [total, H, D]
+                (consts.get("TILE_N", consts["BLOCK_N"]), consts["BLOCK_N"]))  # the forward's K: a whole key tile
+        descriptors = {n: (r, 1, consts["BLOCK_D"]) if v.varlen else (1, 1, r, consts["BLOCK_D"])
+                       for n, r in zip(names, rows)}
     sig, attrs = _signature(fn, v.dtype, consts, descriptors)
     return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), opts
 
@@ -142,9 +143,10 @@ def _constants(v: Variant) -> tuple[dict, dict]:
         common["HAS_KPM"] = f
     if v.kind == "fwd":
         free_keys = v.mode == rules.MODE_OFF and not v.stats and not f  # as the launcher decides
-        cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc, free_keys=free_keys)
+        cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc, free_keys=free_keys,
+                         pair_blocks=v.mode != rules.MODE_OFF and not f, stats=v.stats)
         consts = dict(common, MODE=v.mode, STATS=v.stats, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n or v.block_n,
-                      TMA=cfg.tma)
+                      TILE_N=cfg.tile_n or cfg.block_n or v.block_n, TMA=cfg.tma)
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
     elif v.kind == "bwd_pre":
         consts = dict(HEAD_D=v.head_dim, BLOCK_D=block_d, BLOCK_M=64)
@@ -258,9 +260,10 @@ def iteration_flops(kind: str, block_m: int, block_n: int, block_d: int) -> int:
 
 
 def tiling(v: Variant) -> tuple[int, int, int]:
-    """``(block_m, block_n, num_warps)`` the launchers use for a variant."""
+    """``(block_m, block_n, num_warps)`` the launchers use for a variant (``block_n``: keys per iteration,
+    the K tile; two blocks of the partition where ``FwdConfig.tile_n`` says so)."""
     consts, opts = _constants(v)
-    return consts["BLOCK_M"], consts.get("BLOCK_N", 0), opts["num_warps"]
+    return consts["BLOCK_M"], consts.get("TILE_N", consts.get("BLOCK_N", 0)), opts["num_warps"]
 
 
 def describe(v: Variant, cubin_dir: str | None = None) -> dict:

@@ -8,7 +8,8 @@ take ``options.Options`` and return exactly what ``reference.attention_forward``
 
 Block sizes. The forward's key block ``BLOCK_N`` *is* the partition the stabilization rule sees, so
 it is never tuned: ``opts.block_n`` or ``options.BLOCK_N`` (64), except where no rule sees it
-(stabilize off without statistics, :func:`fwd_config`'s ``free_keys``). Everything else (query block,
+(stabilize off without statistics, :func:`fwd_config`'s ``free_keys``); a K tile may hold two of its
+blocks (``FwdConfig.tile_n``), the rule still deciding per block. Everything else (query block,
 warps, pipeline stages, and all backward tiles, which make no per-block decision) comes from the
 small table in :func:`fwd_config` / :func:`bwd_config`, chosen by head dim and GPU generation so the
 kernels fit in shared memory and do not spill (see benchmarks/kernel_resources.py).
@@ -65,6 +66,8 @@ _MAX_GRID_Y = 65535  # and on its second (the heads)
 class FwdConfig:
     """Forward tiling: ``block_m`` query rows per program. ``block_n``: the key tile where no rule sees
     the partition (stabilize off, no statistics); ``None`` means the partition's (``opts.block_n``).
+    ``tile_n``: two blocks of the partition per key tile (``2 * opts.block_n``; K comes as one tile,
+    the rule still decides block by block: ``triton_forward.fwd_tile``); ``None``: one block.
     ``tma``: K and V come through tensor descriptors (sm_90, strides TMA accepts)."""
 
     block_m: int
@@ -72,6 +75,7 @@ class FwdConfig:
     num_stages: int
     block_n: int | None = None
     tma: bool = False
+    tile_n: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def head_block(d: int) -> int:
 
 
 def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, free_keys: bool = False,
-               tma: bool = True) -> FwdConfig:
+               pair_blocks: bool = False, stats: bool = False, tma: bool = True) -> FwdConfig:
     """Forward tiling by padded head dim and compute capability (major*10+minor).
 
     The query tile and the fp32 accumulator live in registers; K and V tiles are pipelined through
@@ -106,17 +110,24 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, free_
     sm_80 or sm_90 (benchmarks/kernel_resources.py; D=256 on sm_80 spills 8 bytes). fp32 inputs and
     forced key blocks wider than 64 halve the query tile and the pipeline depth.
 
-    ``free_keys``: no rule sees the key partition (stabilize off, no statistics, no forced
-    ``block_n``) and the variant is plain (no window, softcap, padding mask or dropout). Then on sm_90,
-    16-bit, D <= 128 the key tile is 128 wide, FlashAttention's tile: half the per-row bookkeeping
-    per key (R 0.76 -> 0.58 at D = 128, 1.30 -> 1.03 at D = 64). At D = 128 it needs K and V through
-    tensor descriptors (``tma``: the launcher found the strides TMA-compatible): with pointers the
-    non-causal kernel spills. The 64-key variants keep pointer loads: descriptors cost them 14 to 20
+    On sm_90, 16-bit, D <= 128, 64-key partition, the key loop takes FlashAttention's 128-key tile
+    where it can: one score product, K load and pipeline step per 128 keys. At D = 128 it needs K and
+    V through tensor descriptors (``tma``: the launcher found the strides TMA-compatible): with
+    pointers the kernels spill. The 64-key tiles keep pointer loads: descriptors cost them 14 to 20
     SASS instructions per iteration (docs/BENCHMARKS.md).
+
+    ``free_keys``: no rule sees the key partition (stabilize off, no statistics, no forced
+    ``block_n``) and the variant is plain (no window, softcap, padding mask or dropout): the partition
+    itself is 128 keys. ``pair_blocks``: a rule decides (exact or paper mode) and the variant is plain:
+    two 64-key blocks per tile, the rule still per block (``tile_n``), except with ``stats`` at
+    D = 128, where that tile spills (as it does for stabilize off with statistics, which keeps one
+    block per tile).
     """
-    if free_keys and cc >= 90 and dtype != torch.float32 and block_n == BLOCK_N and (block_d <= 64 or
-                                                                                      block_d <= 128 and tma):
+    wide = cc >= 90 and dtype != torch.float32 and block_n == BLOCK_N and (block_d <= 64 or block_d <= 128 and tma)
+    if wide and free_keys:
         return FwdConfig(128, 8, 2, block_n=128, tma=block_d > 64)
+    if wide and pair_blocks and not (stats and block_d > 64):
+        return FwdConfig(128, 8, 2, tma=block_d > 64, tile_n=2 * block_n)
     if block_d <= 64:
         cfg = FwdConfig(128, 8, 3)
     elif block_d <= 128:
@@ -343,8 +354,13 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
     plain = (opts.window is None and opts.softcap is None and opts.dropout_p == 0 and key_padding_mask is None)
     free_keys = opts.mode == rules.MODE_OFF and not with_stats and not opts.block_n and plain
     cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device), free_keys=free_keys,
+                               pair_blocks=opts.mode != rules.MODE_OFF and plain, stats=with_stats,
                                tma=tma_compatible(k, v))
     block_n = cfg.block_n or block_n
+    tile_n = cfg.tile_n or block_n
+    if tile_n not in (block_n, 2 * block_n):
+        raise ValueError(f"config.tile_n={cfg.tile_n} with key blocks of {block_n}: accepted are None, {block_n} "
+                         f"and {2 * block_n} (one or two blocks of the partition per key tile)")
 
     out = _empty_like(q)
     lse2 = _empty(rows, torch.float32, q.device)
@@ -362,13 +378,13 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
     consts = dict(
         CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None, MODE=opts.mode,
         STATS=with_stats, DROPOUT=opts.dropout_p > 0, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
-        BLOCK_N=block_n, DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
+        BLOCK_N=block_n, TILE_N=tile_n, DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
         TMA=cfg.tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS,
     )
     n_m = triton.cdiv(Nq, cfg.block_m)
     # with cfg.tma K and V go in as descriptors (the kernels read the pointers otherwise)
     describe = _descriptor if packed is None else _packed_descriptor
-    k_in, v_in = (describe(k, block_n, block_d), describe(v, block_n, block_d)) if cfg.tma else (k, v)
+    k_in, v_in = (describe(k, tile_n, block_d), describe(v, block_n, block_d)) if cfg.tma else (k, v)
     if packed is None:
         kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
         kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0

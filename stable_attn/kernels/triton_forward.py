@@ -7,6 +7,9 @@ offset ``r`` subtracted before ``exp2``) is the reference's, line for line. The 
 stretches: blocks cut by the sliding window's left edge (masked), blocks every row sees in full
 (no structural mask), blocks cut by the causal diagonal or the end of the keys (masked). They are
 visited in increasing key order, so the running state sees the same sequence as the reference.
+With ``TILE_N = 2 * BLOCK_N`` (``triton_attention.fwd_config``: the rule's modes on sm_90) one K tile
+holds two blocks: one score product for both, then the rule, ``P-bar`` and ``P-bar V`` block by block
+(``fwd_tile``), the same operations on the same values as one block per tile.
 
 Compile-time flags select every variant (mode, causal, window, softcap, dropout, padding mask,
 statistics), so a variant pays only for what it uses. ``TMA``: K and V arrive through tensor
@@ -190,6 +193,22 @@ def row_top2(s2):
 
 
 @triton.jit
+def halves_top2(s, BLOCK_N: tl.constexpr):
+    """``row_top2`` of each ``BLOCK_N``-key half of a ``[BLOCK_M, 2 * BLOCK_N]`` tile, both reduced at once
+    from the tile as the score product leaves it: ``(top_a, second_a, top_b, second_b)``.
+
+    The same values as ``row_top2`` of each half (max and min are exact, in any order); reducing the
+    halves after splitting them made Triton move one of them through warp shuffles (sm_90, D = 64:
+    829 instead of 685 SASS per 128-key iteration).
+    """
+    a, b = tl.split(tl.reshape(s, [s.shape[0], 2, BLOCK_N // 2, 2]))
+    top, second = tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 2, _top2_combine)
+    top_a, top_b = tl.split(top)
+    second_a, second_b = tl.split(second)
+    return top_a, second_a, top_b, second_b
+
+
+@triton.jit
 def row_top2_by_count(s2):
     """``row_top2`` from built-in reductions only: the same two values (selected, never computed).
 
@@ -237,25 +256,26 @@ def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MO
 
 
 @triton.jit
-def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-              offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-              tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-              MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-              HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
-              HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
-              PREC: tl.constexpr, TMA: tl.constexpr):
-    """One key block of the online softmax for ``BLOCK_M`` rows; returns the updated row state.
+def kv_tile_mask(offs_n, offs_d, Nk, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The rows of a K or V tile that exist (keys ``offs_n < Nk``) and its real head-dim columns."""
+    mask = offs_n[:, None] < Nk
+    if HEAD_D != BLOCK_D:
+        mask = mask & (offs_d[None, :] < HEAD_D)
+    return mask
 
-    With ``TMA``, ``k_ptrs`` and ``v_ptrs`` are the K and V descriptors, indexed by ``tile_b`` and ``hkv``.
-    """
+
+@triton.jit
+def fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn, qk_scale2, cap_scale,
+               cap_log2e, Nk, pos_offset, window, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+               UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+    """Scores of the keys ``start_n + offs_n0`` against ``q`` (K loaded here) and the K/V row mask."""
     offs_n = start_n + offs_n0
+    kv_mask = kv_tile_mask(offs_n, offs_d, Nk, HEAD_D, BLOCK_D)
     if TMA:
         k = load_tile(k_ptrs, k_ptrs, tile_b, hkv, start_n, stride_kn, offs_n0, offs_d, Nk, offs_n0.shape[0],
                       HEAD_D, BLOCK_D, TMA)
     elif MASK:
-        kv_mask = offs_n[:, None] < Nk
-        if HEAD_D != BLOCK_D:
-            kv_mask = kv_mask & (offs_d[None, :] < HEAD_D)
         k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
     elif HEAD_D != BLOCK_D:
         k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_D, other=0.0)
@@ -274,10 +294,26 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, k
     # once (docs/ALGORITHM.md, "Rounding points"); with softcap s holds the base-2 scores
     s, _ = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2 if SOFTCAP else None, cap_scale, cap_log2e, Nk,
                        pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
+    return s, kv_mask
 
+
+@triton.jit
+def fwd_update(acc, l_i, m_i, r_i, near, fixed, s, top1, top2, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d,
+               stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+               MASK: tl.constexpr, SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
+               DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
+               UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+    """The online-softmax step of one block of the partition (``s``: ``fwd_scores`` of keys
+    ``start_n + offs_n0``): the block's decision, P-bar, the row sum and ``acc += P-bar V`` (V loaded
+    here); the updated row state. ``top1``/``top2``: the block's ``row_top2`` of ``s`` if already known,
+    else None."""
+    offs_n = start_n + offs_n0
     if MODE == MODE_OFF and not STATS:
         m_blk = tl.max(s, 1)
         m2_blk = m_blk  # unused: plain FA2 makes no tie test
+    elif top1 is not None:
+        m_blk = top1
+        m2_blk = top2
     elif UPCAST:  # the interpreter (see row_top2_by_count); the GPU reduces pairwise
         m_blk, m2_blk = row_top2_by_count(s)
     else:
@@ -337,6 +373,97 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, k
 
 
 @triton.jit
+def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+              offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+              tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+              HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
+              HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+              PREC: tl.constexpr, TMA: tl.constexpr):
+    """One key block of the online softmax for ``BLOCK_M`` rows; returns the updated row state.
+
+    With ``TMA``, ``k_ptrs`` and ``v_ptrs`` are the K and V descriptors, indexed by ``tile_b`` and ``hkv``.
+    """
+    s, kv_mask = fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
+                            qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP,
+                            HAS_KPM, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
+    return fwd_update(acc, l_i, m_i, r_i, near, fixed, s, None, None, kv_mask, tile_b, hkv, v_ptrs, start_n,
+                      offs_n0, offs_d, stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed,
+                      drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC,
+                      TMA)
+
+
+@triton.jit
+def fwd_tile(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
+             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+             tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+             MASK: tl.constexpr, BOTH: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+             SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
+             DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
+             UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+    """Two key blocks of the partition, ``start_n`` and ``start_n + BLOCK_N``, from one key tile of
+    ``TILE_N = 2 * BLOCK_N`` rows: one score product for both, then the rule and ``P-bar V`` block by
+    block, in key order (``fwd_update`` twice: the same operations on the same values as two
+    ``fwd_block`` calls). ``BOTH`` false: the first block only (the scores of the second are dropped).
+
+    ``k_ptrs`` and ``kpm_ptrs`` span the tile (``offs_t0``), ``v_ptrs`` one block (``offs_n0``).
+    """
+    s, _ = fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_t0, offs_d, stride_kn, qk_scale2,
+                      cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, HEAD_D,
+                      BLOCK_D, UPCAST, PREC, TMA)
+    # the two halves of the key axis (column bit log2(BLOCK_N) is a register index of the dot's layout)
+    s_a, s_b = tl.split(tl.permute(tl.reshape(s, [s.shape[0], 2, offs_n0.shape[0]]), [0, 2, 1]))
+    if UPCAST or (MODE == MODE_OFF and not STATS):  # fwd_update reduces (the interpreter: by counts)
+        t1a = None
+        t2a = None
+        t1b = None
+        t2b = None
+    else:
+        t1a, t2a, t1b, t2b = halves_top2(s, offs_n0.shape[0])
+    acc, l_i, m_i, r_i, near, fixed = fwd_update(
+        acc, l_i, m_i, r_i, near, fixed, s_a, t1a, t2a, kv_tile_mask(start_n + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D),
+        tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d, stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2,
+        max_shift2, beta, seed, drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+        UPCAST, PREC, TMA)
+    if BOTH:
+        start_b = start_n + offs_n0.shape[0]
+        acc, l_i, m_i, r_i, near, fixed = fwd_update(
+            acc, l_i, m_i, r_i, near, fixed, s_b, t1b, t2b,
+            kv_tile_mask(start_b + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D), tile_b, hkv, v_ptrs, start_b, offs_n0,
+            offs_d, stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+            MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+    return acc, l_i, m_i, r_i, near, fixed
+
+
+@triton.jit
+def fwd_stretch(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_t0,
+                offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+                tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
+                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+                PREC: tl.constexpr, TMA: tl.constexpr):
+    """The blocks ``[lo, hi)`` of the partition in key order, two per ``fwd_tile``; an odd last one alone
+    (``MASK`` stretches only: the unmasked stretch is cut to whole tiles)."""
+    TILE_N: tl.constexpr = offs_t0.shape[0]
+    tiles_hi = lo + (hi - lo) // TILE_N * TILE_N
+    for start_n in range(lo, tiles_hi, TILE_N):
+        acc, l_i, m_i, r_i, near, fixed = fwd_tile(
+            acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
+            offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+            tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, True, CAUSAL, WINDOW, SOFTCAP,
+            HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+    if MASK:
+        if tiles_hi < hi:
+            acc, l_i, m_i, r_i, near, fixed = fwd_tile(
+                acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi, offs_m,
+                offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+                window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, False, CAUSAL,
+                WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+    return acc, l_i, m_i, r_i, near, fixed
+
+
+@triton.jit
 def fwd_program(
     Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -347,7 +474,7 @@ def fwd_program(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """The program of both forward kernels: ``BLOCK_M`` query rows of one (batch or sequence, head).
 
@@ -401,28 +528,59 @@ def fwd_program(
     fixed = tl.zeros([BLOCK_M], tl.int32)
 
     lo, mid_lo, mid_hi, hi_al = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
-    if WINDOW:
-        for start_n in range(lo, mid_lo, BLOCK_N):
+    if TILE_N > BLOCK_N:  # two blocks of the partition per key tile: the same three stretches
+        offs_t0 = tl.arange(0, TILE_N)
+        if TMA:
+            kt_ptrs = K
+        else:
+            kt_ptrs = (K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh
+                       + offs_t0[:, None] * stride_kn + offs_d[None, :])
+        kpmt_ptrs = KPM + b64 * stride_kpmb + offs_t0
+        # an odd block left over from the unmasked stretch is walked with the masked ones (same bits:
+        # the mask hides no key of it)
+        pair_hi = mid_lo + (mid_hi - mid_lo) // TILE_N * TILE_N
+        if WINDOW:
+            acc, l_i, m_i, r_i, near, fixed = fwd_stretch(
+                acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo, offs_m,
+                offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+                window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+                True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+                UPCAST, PREC, TMA)
+        acc, l_i, m_i, r_i, near, fixed = fwd_stretch(
+            acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, pair_hi, offs_m,
+            offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+            window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+            False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+            UPCAST, PREC, TMA)
+        acc, l_i, m_i, r_i, near, fixed = fwd_stretch(
+            acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, pair_hi, hi_al, offs_m,
+            offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+            window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+            True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+            UPCAST, PREC, TMA)
+    else:
+        if WINDOW:
+            for start_n in range(lo, mid_lo, BLOCK_N):
+                acc, l_i, m_i, r_i, near, fixed = fwd_block(
+                    acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+                    offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+                    window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+                    True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+                    UPCAST, PREC, TMA)
+        for start_n in range(mid_lo, mid_hi, BLOCK_N):
+            acc, l_i, m_i, r_i, near, fixed = fwd_block(
+                acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+                offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+                window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+                False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+                UPCAST, PREC, TMA)
+        for start_n in range(mid_hi, hi_al, BLOCK_N):
             acc, l_i, m_i, r_i, near, fixed = fwd_block(
                 acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
                 window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                 UPCAST, PREC, TMA)
-    for start_n in range(mid_lo, mid_hi, BLOCK_N):
-        acc, l_i, m_i, r_i, near, fixed = fwd_block(
-            acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-            offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-            window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-            False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-            UPCAST, PREC, TMA)
-    for start_n in range(mid_hi, hi_al, BLOCK_N):
-        acc, l_i, m_i, r_i, near, fixed = fwd_block(
-            acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-            offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-            window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-            True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-            UPCAST, PREC, TMA)
 
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         l_i = tl.max(l_i, 1)
@@ -447,8 +605,9 @@ def fwd_program(
         # (fp32 sum in another order than the tile's dot: within summation-order differences)
         # (varlen: a sequence without keys has no key 0; the next sequence's must not be read)
         if TMA:  # key 0 picked out of the first key tile (an exact sum of one value and zeros)
-            k_first = load_tile(K, K, tile_b, hkv, 0, stride_kn, offs_n0, offs_d, Nk, BLOCK_N, HEAD_D, BLOCK_D, TMA)
-            k0 = tl.sum(tl.where(offs_n0[:, None] == 0, k_first.to(tl.float32), 0.0), 0)
+            offs_k0 = tl.arange(0, TILE_N)  # the K descriptor's rows
+            k_first = load_tile(K, K, tile_b, hkv, 0, stride_kn, offs_k0, offs_d, Nk, TILE_N, HEAD_D, BLOCK_D, TMA)
+            k0 = tl.sum(tl.where(offs_k0[:, None] == 0, k_first.to(tl.float32), 0.0), 0)
             if VARLEN:
                 k0 = tl.where(Nk > 0, k0, 0.0)
         else:
@@ -476,16 +635,16 @@ def attn_fwd_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V``
-    are descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``)."""
+    are descriptors (blocks ``[1, 1, TILE_N, BLOCK_D]`` and ``[1, 1, BLOCK_N, BLOCK_D]``)."""
     fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
                 CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
-                DTYPE, UPCAST, PREC, TMA)
+                TILE_N, DTYPE, UPCAST, PREC, TMA)
 
 
 @triton.jit
@@ -506,11 +665,12 @@ def attn_fwd_varlen_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """Program ``(query block, head, sequence)`` of packed ``[total, H, D]`` tensors (FlashAttention's
     varlen layout); the grid covers the longest sequence and the other programs end here at once.
-    With ``TMA``, ``K`` and ``V`` are descriptors over ``[total_k, Hkv, D]`` (block ``[BLOCK_N, 1, BLOCK_D]``):
+    With ``TMA``, ``K`` and ``V`` are descriptors over ``[total_k, Hkv, D]`` (blocks ``[TILE_N, 1, BLOCK_D]``
+    and ``[BLOCK_N, 1, BLOCK_D]``):
     key rows they read past the sequence's end (the next sequence's) lie in the masked stretch, where
     ``P-bar = 0`` (exact zeros for finite inputs, as in the dense case).
     Dropout of sequence ``b``: the mask attention() draws on the sequence alone with ``seed + b``."""
@@ -523,4 +683,4 @@ def attn_fwd_varlen_kernel(
                 0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q, 0,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,
                 keep_frac, CAUSAL, WINDOW, SOFTCAP, False, MODE, STATS, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M,
-                BLOCK_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False)
+                BLOCK_N, TILE_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False)

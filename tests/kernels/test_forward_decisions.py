@@ -131,3 +131,42 @@ def test_decisions_match_the_per_element_count(case, monkeypatch):
     assert torch.equal(st.saturated.cpu(), sat)
     assert torch.equal(st.fixed_blocks.cpu(), fixed)
     torch.testing.assert_close(lse.cpu(), r_lse.cpu(), rtol=1e-6, atol=1e-6)
+
+
+PAIRED = [
+    # dtype, level, step, scale, block_n, causal, window, kpm, Nq, Nk, tma
+    (torch.bfloat16, 3.0, 2.0**-7, 0.125, 16, True, None, False, 150, 137, False),
+    (torch.bfloat16, -3.0, 2.0**-7, 0.5, 16, False, None, True, 77, 201, True),
+    (torch.float16, 0.0, 2.0**-10, 0.125, 16, True, 70, False, 150, 150, False),
+    (torch.bfloat16, 1.0, 2.0**-7, 0.125, 64, True, None, False, 331, 331, True),
+]
+
+
+@pytest.mark.parametrize("case", PAIRED, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_two_blocks_per_key_tile_decide_block_by_block(case):
+    """The exact mode's 128-key tile (``FwdConfig.tile_n``: two blocks of the partition per K tile, the
+    rule per block): on tie-heavy inputs with odd lengths (unmasked stretches of odd and even block
+    counts, a partial last block, the window's masked left edge) every decision is the per-element
+    count's, and out, lse and all four statistics are bit for bit those of one block per tile."""
+    dtype, level, step, scale, block_n, causal, window, with_kpm, Nq, Nk, tma = case
+    q, k, v = tie_heavy(1, 2, max(Nq, Nk), 16, dtype, seed=Nq + Nk, level=level, step=step)
+    q, k, v = q[:, :, :Nq], k[:, :, :Nk].contiguous(), v[:, :, :Nk].contiguous()
+    kpm = None
+    if with_kpm:
+        kpm = (torch.rand(1, Nk, generator=torch.Generator().manual_seed(5)) > 0.2).to(DEVICE)
+    opts = Options(causal=causal, scale=scale, mode=rules.MODE_EXACT, block_n=block_n, window=window)
+    one = ta.forward(q, k, v, kpm, opts, True, config=ta.FwdConfig(32, 4, 1, tma=tma))
+    two = ta.forward(q, k, v, kpm, opts, True, config=ta.FwdConfig(32, 4, 1, tma=tma, tile_n=2 * block_n))
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    for name in ("saturated", "fixed_blocks", "max_logit", "first_key_prob"):
+        assert torch.equal(getattr(one[2], name), getattr(two[2], name)), name
+    _, _, sat, fixed = per_element_decisions(q, k, opts, kpm)
+    assert torch.equal(two[2].saturated.cpu(), sat) and torch.equal(two[2].fixed_blocks.cpu(), fixed)
+    assert fixed.any() and sat.any()  # the inputs do tie
+
+
+def test_key_tile_of_other_widths_is_refused():
+    q, k, v = tie_heavy(1, 1, 40, 16, torch.bfloat16, seed=0, level=1.0, step=0.0)
+    opts = Options(mode=rules.MODE_EXACT, block_n=16)
+    with pytest.raises(ValueError, match="config.tile_n=64"):
+        ta.forward(q, k, v, None, opts, False, config=ta.FwdConfig(32, 4, 1, tile_n=64))

@@ -207,11 +207,13 @@ def test_off_without_statistics_takes_wide_key_tiles(D, causal, Nk, monkeypatch)
     qd, kd, vd = (t.double().cpu() for t in (q, k, v))
     o64 = naive.attention(qd, kd, vd, causal=causal, scale=opts.scale)
     no_worse_than_reference(out, r_out, o64, dtype, "out")
-    # a rule, statistics or a forced partition keep the 64-key blocks
+    # a rule, statistics or a forced partition keep the 64-key blocks (the rule's mode: two per K tile)
     for kw in (dict(mode=rules.MODE_EXACT), dict(block_n=64)):
         ta.forward(q, k, v, None, opts_for(D, causal, **{"mode": rules.MODE_OFF, **kw}), False)
     ta.forward(q, k, v, None, opts, True)
-    assert all(c.block_n is None and not c.tma for c in chosen[1:])
+    assert all(c.block_n is None for c in chosen[1:])
+    assert chosen[1] == ta.FwdConfig(128, 8, 2, tma=D > 64, tile_n=128)
+    assert all(c.tile_n is None and not c.tma for c in chosen[2:])
 
 
 def test_descriptor_loads_with_rule_and_statistics():

@@ -101,6 +101,25 @@ def test_forward_off_wide_key_tiles():
             assert r["R"] <= 0.65, f"{v.name}: R = {r['R']:.2f} > 0.65 (loop of {r['loop_sass']} SASS per warp)"
 
 
+# Issue 11's exact-mode forward on Hopper (bf16): two 64-key blocks of the partition per 128-key tile
+# (the rule per block), wgmma and no spills; at D = 128 without statistics R <= 0.80 (met); with
+# statistics at D = 128 the tile would spill, so that variant keeps 64 keys.
+PAIRED = [Variant("fwd", BF16, 128, True, EXACT, False, 90), Variant("fwd", BF16, 128, False, EXACT, False, 90),
+          Variant("fwd", BF16, 64, True, EXACT, True, 90), Variant("fwd", BF16, 64, True, PAPER, False, 90),
+          Variant("fwd", BF16, 64, True, EXACT, False, 90, varlen=True),
+          Variant("fwd", BF16, 128, True, EXACT, True, 90)]
+
+
+def test_forward_rule_modes_take_two_blocks_per_key_tile():
+    for v, r in zip(PAIRED, describe_in_subprocess(PAIRED), strict=True):
+        check(v, r)
+        keys = 64 if v.stats and v.head_dim == 128 else 128
+        assert r["block_n"] == keys and r["spill_bytes"] == 0, f"{v.name}: {r['block_n']} keys, {r['spill_bytes']} B"
+        assert r["loop_mma"] > 0 and r["R"] == pytest.approx(r["issue_clk"] / r["mma_clk"])
+        if v.head_dim == 128 and not v.stats:
+            assert r["R"] <= 0.80, f"{v.name}: R = {r['R']:.2f} > 0.80 (loop of {r['loop_sass']} SASS per warp)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", FULL, ids=lambda v: v.name)
 def test_every_variant_compiles(variant):

@@ -136,6 +136,21 @@ def test_ties_at_the_max_fire_per_sequence():
     assert st.fixed_blocks.sum() > 0 and st.saturated.any()
 
 
+def test_two_blocks_per_key_tile_through_packed_descriptors():
+    """Two blocks of the partition per key tile (``FwdConfig.tile_n``) with K/V through the packed
+    descriptors, whose tiles of a short sequence overhang into the next one: out, lse and the
+    statistics bit for bit those of one block per tile with pointer loads, on tied sequences."""
+    lens = [1, 23, 40, 7, 70]
+    q, k, v, _ = packed_inputs(lens, lens, 2, 1, 32, torch.bfloat16, 11, tied=True)
+    opts = dataclasses.replace(opts_for(32, True, block_n=16), scale=1.0)
+    args = (q, k, v, cu(lens), cu(lens), max(lens), max(lens), opts, True)
+    one = ta.forward_varlen(*args, config=SMALL)
+    two = ta.forward_varlen(*args, config=dataclasses.replace(SMALL, tile_n=32, tma=True))
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert all(torch.equal(getattr(one[2], f), getattr(two[2], f)) for f in FIELDS)
+    assert one[2].fixed_blocks.sum() > 0 and one[2].saturated.any()
+
+
 def test_rows_that_see_no_key():
     """len_q > len_k with causal and window: the first rows of a sequence see no key (zeros, lse = +inf,
     zero gradients); a sequence without keys and one without queries write what they must."""
