@@ -142,9 +142,7 @@ def _constants(v: Variant) -> tuple[dict, dict]:
     if not v.varlen:  # the varlen kernels take no padding mask
         common["HAS_KPM"] = f
     if v.kind == "fwd":
-        free_keys = v.mode == rules.MODE_OFF and not v.stats and not f  # as the launcher decides
-        cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc, free_keys=free_keys,
-                         pair_blocks=v.mode != rules.MODE_OFF and not f, stats=v.stats)
+        cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc, mode=v.mode, stats=v.stats, plain=not f)
         consts = dict(common, MODE=v.mode, STATS=v.stats, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n or v.block_n,
                       TILE_N=cfg.tile_n or cfg.block_n or v.block_n, TMA=cfg.tma)
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)

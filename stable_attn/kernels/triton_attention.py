@@ -101,8 +101,9 @@ def head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, free_keys: bool = False,
-               pair_blocks: bool = False, stats: bool = False, tma: bool = True) -> FwdConfig:
+def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode: int = rules.MODE_EXACT,
+               stats: bool = False, plain: bool = False, forced_block_n: bool = False,
+               tma: bool = True) -> FwdConfig:
     """Forward tiling by padded head dim and compute capability (major*10+minor).
 
     The query tile and the fp32 accumulator live in registers; K and V tiles are pipelined through
@@ -116,13 +117,15 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, free_
     pointers the kernels spill. The 64-key tiles keep pointer loads: descriptors cost them 14 to 20
     SASS instructions per iteration (docs/BENCHMARKS.md).
 
-    ``free_keys``: no rule sees the key partition (stabilize off, no statistics, no forced
-    ``block_n``) and the variant is plain (no window, softcap, padding mask or dropout): the partition
-    itself is 128 keys. ``pair_blocks``: a rule decides (exact or paper mode) and the variant is plain:
-    two 64-key blocks per tile, the rule still per block (``tile_n``), except with ``stats`` at
-    D = 128, where that tile spills (as it does for stabilize off with statistics, which keeps one
-    block per tile).
+    ``plain``: no window, softcap, padding mask or dropout. Where no rule sees the key partition
+    (``mode`` off, no ``stats``, ``block_n`` not ``forced_block_n`` by the user) and the variant is plain,
+    the partition itself is 128 keys (``free_keys``). Where a rule decides (exact or paper mode) and the
+    variant is plain: two 64-key blocks per tile, the rule still per block (``tile_n``), except with
+    ``stats`` at D = 128, where that tile spills (as it does for stabilize off with statistics, which
+    keeps one block per tile). The launcher and ``triton_aot`` both call this, so they cannot disagree.
     """
+    free_keys = mode == rules.MODE_OFF and not stats and not forced_block_n and plain
+    pair_blocks = mode != rules.MODE_OFF and plain
     wide = cc >= 90 and dtype != torch.float32 and block_n == BLOCK_N and (block_d <= 64 or block_d <= 128 and tma)
     if wide and free_keys:
         return FwdConfig(128, 8, 2, block_n=128, tma=block_d > 64)
@@ -352,10 +355,8 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
                          f"{2 * block_n * block_d * q.element_size()} bytes, more than the {_MAX_KV_TILE_BYTES} "
                          f"bytes of shared memory the kernel may use; use a smaller block_n (64 is the default)")
     plain = (opts.window is None and opts.softcap is None and opts.dropout_p == 0 and key_padding_mask is None)
-    free_keys = opts.mode == rules.MODE_OFF and not with_stats and not opts.block_n and plain
-    cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device), free_keys=free_keys,
-                               pair_blocks=opts.mode != rules.MODE_OFF and plain, stats=with_stats,
-                               tma=tma_compatible(k, v))
+    cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device), mode=opts.mode, stats=with_stats,
+                               plain=plain, forced_block_n=bool(opts.block_n), tma=tma_compatible(k, v))
     block_n = cfg.block_n or block_n
     tile_n = cfg.tile_n or block_n
     if tile_n not in (block_n, 2 * block_n):

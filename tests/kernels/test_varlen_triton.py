@@ -197,7 +197,8 @@ def test_off_without_statistics_wide_key_tiles():
     most of them overhanging into the next sequence; each sequence equal to its dense launch and no
     worse than the reference against fp64."""
     lens = random_lengths(3, 150, 14)
-    assert ta.fwd_config(128, 64, torch.bfloat16, 90, free_keys=True) == ta.FwdConfig(128, 8, 2, 128, True)
+    wide = ta.fwd_config(128, 64, torch.bfloat16, 90, mode=rules.MODE_OFF, plain=True)
+    assert wide == ta.FwdConfig(128, 8, 2, 128, True)
     opts = opts_for(128, True, rules.MODE_OFF)
     q, k, v, do = packed_inputs(lens, lens, 2, 1, 128, torch.bfloat16, 14)
     cu_q = cu(lens)
