@@ -69,6 +69,15 @@ def main(weights: str, out: str) -> None:
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    shutdown()
+
+
+def shutdown() -> None:
+    """Leave the process group on every rank before exit: gloo's worker threads, torn down by static
+    destructors instead, sometimes abort the process ("terminate called without an active exception")."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
