@@ -257,7 +257,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         l = torch.zeros(row, device=q.device)
         acc = torch.zeros(B, Hkv, G * cq, D, device=q.device)
         fixed = torch.zeros(row, dtype=torch.int32, device=q.device) if with_stats else None
-        near_max = torch.zeros(row, dtype=torch.int32, device=q.device) if with_stats else None
+        m2 = torch.full(row, neg_inf, device=q.device)  # running second-largest score (statistics)
         s_first = torch.full(row, neg_inf, device=q.device)
 
         for j0, j1 in p.key_blocks(q0, q1):
@@ -276,13 +276,9 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
                                        opts.mode)
 
             if with_stats:
-                # keys within the tie tolerance of the true max, saturating at 2 (exact, see ALGORITHM.md);
-                # min(2, count) of this block is read off its top two scores
-                sat_thr = m_new - sat_tol2
-                in_blk = (m_blk >= sat_thr).to(torch.int32) + (m2_blk >= sat_thr).to(torch.int32)
-                carried = torch.where(m_new == m, near_max,
-                                      (m >= m_new - sat_tol2).to(torch.int32))
-                near_max = torch.clamp(carried + in_blk, max=2)
+                # the row's running second-largest score, merged with the block's top two: two keys lie
+                # within the tie tolerance of the true max iff it does (ALGORITHM.md, "Statistics")
+                m2 = torch.maximum(torch.minimum(m, m_blk), torch.maximum(m2, m2_blk))
                 fixed += fire.to(torch.int32)
 
             r_safe = torch.where(r_new == neg_inf, torch.zeros_like(r_new), r_new)
@@ -311,7 +307,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         lse = r + torch.log2(l)
         lse2[..., q0:q1] = torch.where(seen, lse, torch.full_like(lse, math.inf))
         if with_stats:
-            st_sat[..., q0:q1] = (near_max >= 2) & seen  # -inf >= -inf must not count
+            st_sat[..., q0:q1] = (m2 >= m - sat_tol2) & seen  # -inf >= -inf must not count
             st_fixed[..., q0:q1] = fixed
             st_max[..., q0:q1] = m / rules.LOG2E
             st_p0[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])

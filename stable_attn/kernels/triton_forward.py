@@ -298,7 +298,7 @@ def fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_
 
 
 @triton.jit
-def fwd_update(acc, l_i, m_i, r_i, near, fixed, s, top1, top2, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d,
+def fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, s, top1, top2, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d,
                stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                MASK: tl.constexpr, SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
@@ -325,12 +325,9 @@ def fwd_update(acc, l_i, m_i, r_i, near, fixed, s, top1, top2, kv_mask, tile_b, 
     r_new, fire = block_offset(r_i, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MODE)
 
     if STATS:
-        # keys within the tie tolerance of the true max, saturating at 2 (reference.py, same carry);
-        # min(2, count) of this block is read off its top two scores
-        sat_thr = m_new - sat2
-        in_blk = (m_blk >= sat_thr).to(tl.int32) + (m2_blk >= sat_thr).to(tl.int32)
-        carried = tl.where(m_new == m_i, near, (m_i >= m_new - sat2).to(tl.int32))
-        near = tl.minimum(carried + in_blk, 2)
+        # the running second-largest score of the row, merged with the block's top two (the running
+        # max is m_new): the row saturates where it lies within sat2 of the max (reference.py, the same)
+        m2_i = tl.maximum(tl.minimum(m_i, m_blk), tl.maximum(m2_i, m2_blk))
         fixed += fire.to(tl.int32)
 
     r_safe = tl.where(r_new == float("-inf"), 0.0, r_new)
@@ -369,11 +366,11 @@ def fwd_update(acc, l_i, m_i, r_i, near, fixed, s, top1, top2, kv_mask, tile_b, 
     if UPCAST:
         v = v.to(tl.float32)
     acc = tl.dot(p_cast, v, acc * alpha[:, None], input_precision=PREC)
-    return acc, l_i, m_new, r_new, near, fixed
+    return acc, l_i, m_new, r_new, m2_i, fixed
 
 
 @triton.jit
-def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
               offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
               tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -387,14 +384,14 @@ def fwd_block(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, k
     s, kv_mask = fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
                             qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP,
                             HAS_KPM, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
-    return fwd_update(acc, l_i, m_i, r_i, near, fixed, s, None, None, kv_mask, tile_b, hkv, v_ptrs, start_n,
+    return fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, s, None, None, kv_mask, tile_b, hkv, v_ptrs, start_n,
                       offs_n0, offs_d, stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed,
                       drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC,
                       TMA)
 
 
 @triton.jit
-def fwd_tile(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
+def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
              offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
              tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
              MASK: tl.constexpr, BOTH: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
@@ -420,23 +417,23 @@ def fwd_tile(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kp
         t2b = None
     else:
         t1a, t2a, t1b, t2b = halves_top2(s, offs_n0.shape[0])
-    acc, l_i, m_i, r_i, near, fixed = fwd_update(
-        acc, l_i, m_i, r_i, near, fixed, s_a, t1a, t2a, kv_tile_mask(start_n + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D),
+    acc, l_i, m_i, r_i, m2_i, fixed = fwd_update(
+        acc, l_i, m_i, r_i, m2_i, fixed, s_a, t1a, t2a, kv_tile_mask(start_n + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D),
         tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d, stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2,
         max_shift2, beta, seed, drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
         UPCAST, PREC, TMA)
     if BOTH:
         start_b = start_n + offs_n0.shape[0]
-        acc, l_i, m_i, r_i, near, fixed = fwd_update(
-            acc, l_i, m_i, r_i, near, fixed, s_b, t1b, t2b,
+        acc, l_i, m_i, r_i, m2_i, fixed = fwd_update(
+            acc, l_i, m_i, r_i, m2_i, fixed, s_b, t1b, t2b,
             kv_tile_mask(start_b + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D), tile_b, hkv, v_ptrs, start_b, offs_n0,
             offs_d, stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
-    return acc, l_i, m_i, r_i, near, fixed
+    return acc, l_i, m_i, r_i, m2_i, fixed
 
 
 @triton.jit
-def fwd_stretch(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_t0,
+def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_t0,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
                 tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -448,19 +445,19 @@ def fwd_stretch(acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs,
     TILE_N: tl.constexpr = offs_t0.shape[0]
     tiles_hi = lo + (hi - lo) // TILE_N * TILE_N
     for start_n in range(lo, tiles_hi, TILE_N):
-        acc, l_i, m_i, r_i, near, fixed = fwd_tile(
-            acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
+        acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
+            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
             tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, True, CAUSAL, WINDOW, SOFTCAP,
             HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
     if MASK:
         if tiles_hi < hi:
-            acc, l_i, m_i, r_i, near, fixed = fwd_tile(
-                acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi, offs_m,
+            acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
+                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi, offs_m,
                 offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
                 window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, False, CAUSAL,
                 WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
-    return acc, l_i, m_i, r_i, near, fixed
+    return acc, l_i, m_i, r_i, m2_i, fixed
 
 
 @triton.jit
@@ -524,7 +521,7 @@ def fwd_program(
     else:
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    near = tl.zeros([BLOCK_M], tl.int32)
+    m2_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # second-largest score (statistics)
     fixed = tl.zeros([BLOCK_M], tl.int32)
 
     lo, mid_lo, mid_hi, hi_al = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
@@ -540,20 +537,20 @@ def fwd_program(
         # the mask hides no key of it)
         pair_hi = mid_lo + (mid_hi - mid_lo) // TILE_N * TILE_N
         if WINDOW:
-            acc, l_i, m_i, r_i, near, fixed = fwd_stretch(
-                acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo, offs_m,
+            acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
+                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo, offs_m,
                 offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
                 window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                 UPCAST, PREC, TMA)
-        acc, l_i, m_i, r_i, near, fixed = fwd_stretch(
-            acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, pair_hi, offs_m,
+        acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
+            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, pair_hi, offs_m,
             offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC, TMA)
-        acc, l_i, m_i, r_i, near, fixed = fwd_stretch(
-            acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, pair_hi, hi_al, offs_m,
+        acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
+            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, pair_hi, hi_al, offs_m,
             offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
@@ -561,22 +558,22 @@ def fwd_program(
     else:
         if WINDOW:
             for start_n in range(lo, mid_lo, BLOCK_N):
-                acc, l_i, m_i, r_i, near, fixed = fwd_block(
-                    acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+                acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
+                    acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                     offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
                     window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                     True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                     UPCAST, PREC, TMA)
         for start_n in range(mid_lo, mid_hi, BLOCK_N):
-            acc, l_i, m_i, r_i, near, fixed = fwd_block(
-                acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
+                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
                 window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                 UPCAST, PREC, TMA)
         for start_n in range(mid_hi, hi_al, BLOCK_N):
-            acc, l_i, m_i, r_i, near, fixed = fwd_block(
-                acc, l_i, m_i, r_i, near, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
+                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
                 window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
@@ -598,7 +595,7 @@ def fwd_program(
     row_ptr = (h.to(tl.int64) * total_q + q_start + offs_m) if VARLEN else (b64 * Hq + h) * Nq + offs_m
     tl.store(Lse + row_ptr, lse, mask=row_ok)
     if STATS:
-        tl.store(StSat + row_ptr, ((near >= 2) & seen).to(tl.int8), mask=row_ok)
+        tl.store(StSat + row_ptr, ((m2_i >= m_i - sat2) & seen).to(tl.int8), mask=row_ok)
         tl.store(StFixed + row_ptr, fixed, mask=row_ok)
         tl.store(StMax + row_ptr, m_i / LOG2E, mask=row_ok)
         # the sink's score, recomputed from key 0 alone: the loops then carry no test for block 0

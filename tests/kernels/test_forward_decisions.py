@@ -170,3 +170,35 @@ def test_key_tile_of_other_widths_is_refused():
     opts = Options(mode=rules.MODE_EXACT, block_n=16)
     with pytest.raises(ValueError, match="config.tile_n=64"):
         ta.forward(q, k, v, None, opts, False, config=ta.FwdConfig(32, 4, 1, tile_n=64))
+
+
+def test_running_second_max_gives_the_count_verdict():
+    """Saturation as both backends now keep it (the row's running second-largest score, merged with each
+    block's top two) against the count it replaced (``near = min(2, carried + in_blk)``, reset when the
+    max moves), walked over block sequences built to hit every branch of the count: maxima that rise by
+    less and by more than the window, ties with the running max, blocks without keys (-inf), rows
+    that never see a key. The count reads the block's elements; the new form only its top two."""
+    g = torch.Generator().manual_seed(11)
+    sat2 = rules.sat_tolerance2(torch.bfloat16)
+    rows, blocks, width = 4000, 6, 3
+    grid = torch.tensor([-math.inf, -3.0, 0.0, sat2 / 2, sat2, 1.5 * sat2, 2 * sat2, 3.0])
+    m = torch.full((rows,), -math.inf)
+    m2 = torch.full((rows,), -math.inf)
+    near = torch.zeros(rows, dtype=torch.int32)
+    for _ in range(blocks):
+        s2 = grid[torch.randint(0, len(grid), (rows, width), generator=g)]
+        s2 = s2 + torch.randint(0, 3, (rows, 1), generator=g) * sat2  # the level moves between blocks
+        s2 = torch.where(torch.rand(rows, 1, generator=g) < 0.15, -math.inf, s2)  # blocks without keys
+        s2[:50] = -math.inf  # rows without any key
+        m_blk, m2_blk = reference.row_top2(s2)
+        m_new = torch.maximum(m, m_blk)
+        in_blk = (s2 >= (m_new - sat2)[:, None]).sum(-1, dtype=torch.int32)
+        carried = torch.where(m_new == m, near, (m >= m_new - sat2).to(torch.int32))
+        near = torch.clamp(carried + in_blk, max=2)
+        m2 = torch.maximum(torch.minimum(m, m_blk), torch.maximum(m2, m2_blk))
+        m = m_new
+    seen = m > -math.inf
+    by_count = (near >= 2) & seen
+    by_second = (m2 >= m - sat2) & seen
+    assert torch.equal(by_second, by_count)
+    assert 0.2 < by_count.float().mean() < 0.9 and (~seen).any()  # both verdicts occur, and unseen rows
