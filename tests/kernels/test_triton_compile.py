@@ -102,8 +102,8 @@ def test_forward_off_wide_key_tiles():
 
 
 # Issue 11's exact-mode forward on Hopper (bf16): two 64-key blocks of the partition per 128-key tile
-# (the rule per block), wgmma and no spills; at D = 128 without statistics R <= 0.80 (met); with
-# statistics at D = 128 the tile would spill, so that variant keeps 64 keys.
+# (the rule per block), wgmma and no spills; at D = 128 R <= 0.80 without statistics and <= 0.88 with
+# them (both met; the statistics variant fits the tile since both blocks' softmax halves precede P-bar V).
 PAIRED = [Variant("fwd", BF16, 128, True, EXACT, False, 90), Variant("fwd", BF16, 128, False, EXACT, False, 90),
           Variant("fwd", BF16, 64, True, EXACT, True, 90), Variant("fwd", BF16, 64, True, PAPER, False, 90),
           Variant("fwd", BF16, 64, True, EXACT, False, 90, varlen=True),
@@ -113,11 +113,11 @@ PAIRED = [Variant("fwd", BF16, 128, True, EXACT, False, 90), Variant("fwd", BF16
 def test_forward_rule_modes_take_two_blocks_per_key_tile():
     for v, r in zip(PAIRED, describe_in_subprocess(PAIRED), strict=True):
         check(v, r)
-        keys = 64 if v.stats and v.head_dim == 128 else 128
-        assert r["block_n"] == keys and r["spill_bytes"] == 0, f"{v.name}: {r['block_n']} keys, {r['spill_bytes']} B"
+        assert r["block_n"] == 128 and r["spill_bytes"] == 0, f"{v.name}: {r['block_n']} keys, {r['spill_bytes']} B"
         assert r["loop_mma"] > 0 and r["R"] == pytest.approx(r["issue_clk"] / r["mma_clk"])
-        if v.head_dim == 128 and not v.stats:
-            assert r["R"] <= 0.80, f"{v.name}: R = {r['R']:.2f} > 0.80 (loop of {r['loop_sass']} SASS per warp)"
+        if v.head_dim == 128:
+            bound = 0.88 if v.stats else 0.80
+            assert r["R"] <= bound, f"{v.name}: R = {r['R']:.2f} > {bound} (loop of {r['loop_sass']} SASS per warp)"
 
 
 @pytest.mark.slow
