@@ -253,7 +253,9 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         q_c = qg[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
         row = (B, Hkv, G, cq)
         m = torch.full(row, neg_inf, device=q.device)  # true running max
-        r = torch.full(row, neg_inf, device=q.device)  # offset subtracted before exp2
+        # the offset subtracted before exp2; -FP32_MAX before the row's first key (below every finite score),
+        # so no inf - inf arises below (the kernel's fwd_program starts there too)
+        r = torch.full(row, -rules.FP32_MAX, device=q.device)
         l = torch.zeros(row, device=q.device)
         acc = torch.zeros(B, Hkv, G * cq, D, device=q.device)
         fixed = torch.zeros(row, dtype=torch.int32, device=q.device) if with_stats else None
@@ -281,10 +283,9 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
                 m2 = torch.maximum(torch.minimum(m, m_blk), torch.maximum(m2, m2_blk))
                 fixed += fire.to(torch.int32)
 
-            r_safe = torch.where(r_new == neg_inf, torch.zeros_like(r_new), r_new)
-            alpha = torch.exp2(r - r_safe)  # 0 while no key was seen (r = -inf)
+            alpha = torch.exp2(r - r_new)  # 0 (or 1 on zeros) while no key was seen
             # P-bar = exp2(x * c - r) rounded once where fused (the kernel's tl.fma), else exp2(fl(s2 - r))
-            p_bar = torch.exp2(fma_f32(s, c, -r_safe[..., None]) if fused else s - r_safe[..., None])
+            p_bar = torch.exp2(fma_f32(s, c, -r_new[..., None]) if fused else s - r_new[..., None])
             # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
             p_cast = p_bar.to(dtype).float()
             # our rule: the row sum adds exactly the weights that multiply V (consistent

@@ -46,6 +46,7 @@ MODE_OFF = tl.constexpr(rules.MODE_OFF)
 MODE_EXACT = tl.constexpr(rules.MODE_EXACT)
 MODE_PAPER = tl.constexpr(rules.MODE_PAPER)
 PAPER_ROW_SUM_FLOOR = tl.constexpr(rules.PAPER_ROW_SUM_FLOOR)
+FP32_MAX = tl.constexpr(rules.FP32_MAX)
 LOG2E = tl.constexpr(rules.LOG2E)
 TWO_LOG2E = tl.constexpr(2.0 * rules.LOG2E)
 L_COLS = tl.constexpr(8)  # columns of the tensor-core row sum: wgmma's smallest N
@@ -329,12 +330,12 @@ def fwd_softmax(l_i, m_i, r_i, m2_i, fixed, s, top1, top2, start_n, offs_n0, qk_
         m2_i = tl.maximum(tl.minimum(m_i, m_blk), tl.maximum(m2_i, m2_blk))
         fixed += fire.to(tl.int32)
 
-    r_safe = tl.where(r_new == float("-inf"), 0.0, r_new)
-    alpha = tl.exp2(r_i - r_safe)  # 0 while the row has seen no key (r = -inf)
+    # r starts at -FP32_MAX (fwd_program), so r - r_new and s - r are never inf - inf: no guard here
+    alpha = tl.exp2(r_i - r_new)  # 0 (or 1 on zeros) while the row has seen no key
     if SOFTCAP:
-        p = tl.exp2(s - r_safe[:, None])
+        p = tl.exp2(s - r_new[:, None])
     else:  # P-bar = exp2(x * qk_scale2 - r), rounded once (reference.fma_f32 on the PyTorch path)
-        p = tl.exp2(tl.fma(s, qk_scale2, -r_safe[:, None]))
+        p = tl.exp2(tl.fma(s, qk_scale2, -r_new[:, None]))
     # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
     p_cast = round_to(p, DTYPE, UPCAST)
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
@@ -548,7 +549,9 @@ def fwd_program(
     drop_row = ((h.to(tl.int64) * Nq + offs_m) * Nk if VARLEN else ((b64 * Hq + h) * Nq + offs_m) * Nk)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # true running max
-    r_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # offset subtracted before exp2
+    # the offset subtracted before exp2; before the row's first key -FP32_MAX, below every finite score, so
+    # the first key block takes its own max (reference.py, docs/ALGORITHM.md "Rounding points")
+    r_i = tl.full([BLOCK_M], -FP32_MAX, tl.float32)
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         l_i = tl.zeros([BLOCK_M, L_COLS], tl.float32)  # the row sum, as a tensor-core accumulator
     else:
