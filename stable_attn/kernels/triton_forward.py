@@ -299,15 +299,11 @@ def fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_
 
 
 @triton.jit
-def fwd_softmax(l_i, m_i, r_i, m2_i, fixed, s, top1, top2, start_n, offs_n0, qk_scale2, tie2, sat2, min_shift2,
-                max_shift2, beta, seed, drop_p, drop_row, SOFTCAP: tl.constexpr, MODE: tl.constexpr,
-                STATS: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
-                UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """The softmax half of one block of the partition (``s``: ``fwd_scores`` of keys ``start_n +
-    offs_n0``): the block's decision, P-bar (rounded, dropout applied) and the row sum. Returns
-    ``(p_cast, alpha, l_i, m_new, r_new, m2_i, fixed)``; ``fwd_pv`` adds ``P-bar V``. ``top1``/``top2``:
-    the block's ``row_top2`` of ``s`` if already known, else None."""
-    offs_n = start_n + offs_n0
+def fwd_decide(m_i, r_i, m2_i, fixed, s, top1, top2, qk_scale2, tie2, min_shift2, max_shift2, beta,
+               SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, UPCAST: tl.constexpr):
+    """The decision of one block of the partition (``s``: ``fwd_scores`` of its keys): its maxima, the
+    rule's offset and the statistics' row state. Returns ``(m_blk, m_new, r_new, m2_i, fixed)``.
+    ``top1``/``top2``: the block's ``row_top2`` of ``s`` if already known, else None."""
     if MODE == MODE_OFF and not STATS:
         m_blk = tl.max(s, 1)
         m2_blk = m_blk  # unused: plain FA2 makes no tie test
@@ -323,13 +319,21 @@ def fwd_softmax(l_i, m_i, r_i, m2_i, fixed, s, top1, top2, start_n, offs_n0, qk_
         m2_blk = m2_blk * qk_scale2
     m_new = tl.maximum(m_i, m_blk)
     r_new, fire = block_offset(r_i, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MODE)
-
     if STATS:
         # the running second-largest score of the row, merged with the block's top two (the running
         # max is m_new): the row saturates where it lies within sat2 of the max (reference.py, the same)
         m2_i = tl.maximum(tl.minimum(m_i, m_blk), tl.maximum(m2_i, m2_blk))
         fixed += fire.to(tl.int32)
+    return m_blk, m_new, r_new, m2_i, fixed
 
+
+@triton.jit
+def fwd_weights(l_i, s, m_blk, r_i, r_new, start_n, offs_n0, qk_scale2, seed, drop_p, drop_row,
+                SOFTCAP: tl.constexpr, MODE: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_D: tl.constexpr,
+                DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """P-bar of one block under the offset ``r_new`` ``fwd_decide`` chose (the row's previous offset
+    ``r_i``), rounded, dropout applied, and the row sum: ``(p_cast, alpha, l_i)``; ``fwd_pv`` adds
+    ``P-bar V``."""
     # r starts at -FP32_MAX (fwd_program), so r - r_new and s - r are never inf - inf: no guard here
     alpha = tl.exp2(r_i - r_new)  # 0 (or 1 on zeros) while the row has seen no key
     if SOFTCAP:
@@ -352,9 +356,9 @@ def fwd_softmax(l_i, m_i, r_i, m2_i, fixed, s, top1, top2, start_n, offs_n0, qk_
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:  # a 0/1 mask keeps P-bar exact; 1/(1-p) is applied once, at the end
-        keep = tl.rand(seed, drop_row[:, None] + offs_n[None, :].to(tl.int64)) >= drop_p
+        keep = tl.rand(seed, drop_row[:, None] + (start_n + offs_n0)[None, :].to(tl.int64)) >= drop_p
         p_cast = tl.where(keep, p_cast, tl.zeros_like(p_cast))
-    return p_cast, alpha, l_i, m_new, r_new, m2_i, fixed
+    return p_cast, alpha, l_i
 
 
 @triton.jit
@@ -383,11 +387,12 @@ def fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, s, top1, top2, kv_mask, tile_b, 
                MASK: tl.constexpr, SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
                UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
-    """The online-softmax step of one block of the partition: ``fwd_softmax``, then ``fwd_pv``; the
+    """The online-softmax step of one block of the partition: ``fwd_decide``, ``fwd_weights``, ``fwd_pv``; the
     updated row state."""
-    p_cast, alpha, l_i, m_new, r_new, m2_i, fixed = fwd_softmax(
-        l_i, m_i, r_i, m2_i, fixed, s, top1, top2, start_n, offs_n0, qk_scale2, tie2, sat2, min_shift2, max_shift2,
-        beta, seed, drop_p, drop_row, SOFTCAP, MODE, STATS, DROPOUT, BLOCK_D, DTYPE, UPCAST, PREC)
+    m_blk, m_new, r_new, m2_i, fixed = fwd_decide(m_i, r_i, m2_i, fixed, s, top1, top2, qk_scale2, tie2, min_shift2,
+                                                  max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
+    p_cast, alpha, l_i = fwd_weights(l_i, s, m_blk, r_i, r_new, start_n, offs_n0, qk_scale2, seed, drop_p, drop_row,
+                                     SOFTCAP, MODE, DROPOUT, BLOCK_D, DTYPE, UPCAST, PREC)
     acc = fwd_pv(acc, p_cast, alpha, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d, stride_vn, Nk, MASK,
                  HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
     return acc, l_i, m_new, r_new, m2_i, fixed
@@ -423,13 +428,13 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kp
              DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
              UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     """Two key blocks of the partition, ``start_n`` and ``start_n + BLOCK_N``, from one key tile of
-    ``TILE_N = 2 * BLOCK_N`` rows: one score product for both, then the two blocks' softmax halves in
-    key order (decision, P-bar, row sum: the second block's with the row state the first left), then
-    their ``P-bar V`` products in key order: the same operations on the same values as two
-    ``fwd_block`` calls. Issuing both softmax halves before either ``P-bar V`` lets the row-sum products
-    start early: sm_90, D = 128, 808 -> 791 SASS per tile, and with statistics the tile fits in 255
-    registers without spilling (it spilled 72 bytes). ``BOTH`` false: the first block only (the scores
-    of the second are dropped).
+    ``TILE_N = 2 * BLOCK_N`` rows: one score product for both, then in key order the two blocks'
+    decisions (``fwd_decide``: the second's from the row state the first left), their P-bar and row sums
+    (``fwd_weights``) and their ``P-bar V`` products (``fwd_pv``): the same operations on the same values
+    as two ``fwd_block`` calls. Issuing both decisions, then both row-sum products, before either
+    ``P-bar V`` lets the row-sum products start early: sm_90, D = 128, 808 -> 772 SASS per tile, and with
+    statistics the tile fits in 255 registers without spilling (it spilled 72 bytes). ``BOTH`` false: the
+    first block only (the scores of the second are dropped).
 
     ``k_ptrs`` and ``kpm_ptrs`` span the tile (``offs_t0``), ``v_ptrs`` one block (``offs_n0``).
     """
@@ -448,12 +453,15 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kp
     mask_a = kv_tile_mask(start_n + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D)
     if BOTH:
         start_b = start_n + offs_n0.shape[0]
-        p_a, alpha_a, l_i, m_i, r_i, m2_i, fixed = fwd_softmax(
-            l_i, m_i, r_i, m2_i, fixed, s_a, t1a, t2a, start_n, offs_n0, qk_scale2, tie2, sat2, min_shift2,
-            max_shift2, beta, seed, drop_p, drop_row, SOFTCAP, MODE, STATS, DROPOUT, BLOCK_D, DTYPE, UPCAST, PREC)
-        p_b, alpha_b, l_i, m_i, r_i, m2_i, fixed = fwd_softmax(
-            l_i, m_i, r_i, m2_i, fixed, s_b, t1b, t2b, start_b, offs_n0, qk_scale2, tie2, sat2, min_shift2,
-            max_shift2, beta, seed, drop_p, drop_row, SOFTCAP, MODE, STATS, DROPOUT, BLOCK_D, DTYPE, UPCAST, PREC)
+        mb_a, m_i, r_a, m2_i, fixed = fwd_decide(m_i, r_i, m2_i, fixed, s_a, t1a, t2a, qk_scale2, tie2, min_shift2,
+                                                 max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
+        mb_b, m_i, r_b, m2_i, fixed = fwd_decide(m_i, r_a, m2_i, fixed, s_b, t1b, t2b, qk_scale2, tie2, min_shift2,
+                                                 max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
+        p_a, alpha_a, l_i = fwd_weights(l_i, s_a, mb_a, r_i, r_a, start_n, offs_n0, qk_scale2, seed, drop_p,
+                                        drop_row, SOFTCAP, MODE, DROPOUT, BLOCK_D, DTYPE, UPCAST, PREC)
+        p_b, alpha_b, l_i = fwd_weights(l_i, s_b, mb_b, r_a, r_b, start_b, offs_n0, qk_scale2, seed, drop_p,
+                                        drop_row, SOFTCAP, MODE, DROPOUT, BLOCK_D, DTYPE, UPCAST, PREC)
+        r_i = r_b
         acc = fwd_pv(acc, p_a, alpha_a, mask_a, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d, stride_vn, Nk,
                      MASK, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
         acc = fwd_pv(acc, p_b, alpha_b, kv_tile_mask(start_b + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D), tile_b,
