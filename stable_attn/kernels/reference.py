@@ -259,7 +259,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         l = torch.zeros(row, device=q.device)
         acc = torch.zeros(B, Hkv, G * cq, D, device=q.device)
         fixed = torch.zeros(row, dtype=torch.int32, device=q.device) if with_stats else None
-        m2 = torch.full(row, neg_inf, device=q.device)  # running second-largest score (statistics)
+        m2 = torch.full(row, neg_inf, device=q.device) if with_stats else None  # running second-largest score
         s_first = torch.full(row, neg_inf, device=q.device)
 
         for j0, j1 in p.key_blocks(q0, q1):

@@ -383,7 +383,7 @@ def fwd_pv(acc, p_cast, alpha, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, o
 
 @triton.jit
 def fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, s, top1, top2, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d,
-               stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+               stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                MASK: tl.constexpr, SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
                UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
@@ -401,7 +401,7 @@ def fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, s, top1, top2, kv_mask, tile_b, 
 @triton.jit
 def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
               offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-              tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+              tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
               HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
@@ -414,7 +414,7 @@ def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, k
                             qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP,
                             HAS_KPM, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
     return fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, s, None, None, kv_mask, tile_b, hkv, v_ptrs, start_n,
-                      offs_n0, offs_d, stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed,
+                      offs_n0, offs_d, stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed,
                       drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC,
                       TMA)
 
@@ -422,7 +422,7 @@ def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, k
 @triton.jit
 def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
              offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-             tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+             tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
              MASK: tl.constexpr, BOTH: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
              SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
              DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
@@ -469,7 +469,7 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kp
     else:
         acc, l_i, m_i, r_i, m2_i, fixed = fwd_update(
             acc, l_i, m_i, r_i, m2_i, fixed, s_a, t1a, t2a, mask_a, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d,
-            stride_vn, qk_scale2, Nk, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK,
+            stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK,
             SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
     return acc, l_i, m_i, r_i, m2_i, fixed
 
@@ -477,7 +477,7 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kp
 @triton.jit
 def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_t0,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-                tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+                tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                 HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
@@ -490,14 +490,14 @@ def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs,
         acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
             acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-            tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, True, CAUSAL, WINDOW, SOFTCAP,
+            tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, True, CAUSAL, WINDOW, SOFTCAP,
             HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
     if MASK:
         if tiles_hi < hi:
             acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
                 acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi, offs_m,
                 offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, False, CAUSAL,
+                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, False, CAUSAL,
                 WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
     return acc, l_i, m_i, r_i, m2_i, fixed
 
@@ -584,19 +584,19 @@ def fwd_program(
             acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
                 acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo, offs_m,
                 offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                 UPCAST, PREC, TMA)
         acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
             acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, pair_hi, offs_m,
             offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-            window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+            window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC, TMA)
         acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
             acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, pair_hi, hi_al, offs_m,
             offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-            window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+            window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC, TMA)
     else:
@@ -605,21 +605,21 @@ def fwd_program(
                 acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
                     acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                     offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                    window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+                    window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                     True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                     UPCAST, PREC, TMA)
         for start_n in range(mid_lo, mid_hi, BLOCK_N):
             acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
                 acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                 UPCAST, PREC, TMA)
         for start_n in range(mid_hi, hi_al, BLOCK_N):
             acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
                 acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
                 UPCAST, PREC, TMA)
 
