@@ -204,20 +204,20 @@ def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, mo
     ``triton_forward.block_offset`` with the same arguments; tests/kernels/test_rule_functions.py checks that
     both give the same bits.
     """
-    has_key = m_blk > -math.inf
     if mode == rules.MODE_EXACT:
         r_cand = torch.maximum(r, m_blk)
-        # P-bar would round to exactly 1.0 at two or more keys of this block: shift the offset
-        fire = (m2_blk >= r_cand - tie2) & has_key
+        # P-bar would round to exactly 1.0 at two or more keys of this block: shift the offset. A block
+        # without a key (m2_blk = -inf) cannot fire: r >= -FP32_MAX, so r_cand - tie2 is finite
+        fire = m2_blk >= r_cand - tie2
         r_new = torch.where(fire, rules.shifted_offset(m_new, beta, min_shift2, max_shift2), r_cand)
     elif mode == rules.MODE_PAPER:
-        fire = (m2_blk >= m_blk - tie2) & has_key
+        fire = (m2_blk >= m_blk - tie2) & (m_blk > -math.inf)
         m_adj = torch.where(fire & (m_blk > 0), beta * m_blk,
                             torch.where(fire & (m_blk < 0), torch.zeros_like(m_blk), m_blk))
         fire = fire & (m_blk != 0)
         r_new = torch.maximum(r, m_adj)
     else:
-        fire = torch.zeros_like(has_key)
+        fire = torch.zeros_like(m_blk, dtype=torch.bool)
         r_new = torch.maximum(r, m_blk)
     return r_new, fire
 

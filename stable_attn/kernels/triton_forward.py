@@ -228,9 +228,13 @@ def shifted_offset(m2, beta, min_shift2, max_shift2):
     """The offset when the rule fires: ``m + clamp(shift_paper(m), MIN_SHIFT, MAX_SHIFT)``.
 
     docs/ALGORITHM.md, forward step 4; the same bits as ``rules.shifted_offset`` (``beta - 1`` in fp32).
+    ``shift_paper(m)`` is ``max((beta - 1) * m, -m)`` here: with ``beta > 1`` (``Options``) the first is the
+    larger for ``m > 0`` and the second for ``m < 0``, the values ``rules.shifted_offset`` selects by the
+    sign of ``m``, with a multiply and a max instead of a compare, a multiply and a select (a zero's
+    sign, where the two could differ, is lost in the clamp: ``MIN_SHIFT > 0``).
     """
     # beta - 1 in fp32 (the cast: the interpreter would otherwise subtract Python floats in double)
-    paper_shift = tl.where(m2 > 0, (tl.cast(beta, tl.float32) - 1.0) * m2, -m2)
+    paper_shift = tl.maximum((tl.cast(beta, tl.float32) - 1.0) * m2, -m2)
     return m2 + tl.minimum(tl.maximum(paper_shift, min_shift2), max_shift2)
 
 
@@ -242,8 +246,9 @@ def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MO
     """
     if MODE == MODE_EXACT:
         r_cand = tl.maximum(r, m_blk)
-        # P-bar would round to exactly 1.0 at two or more keys of this block: shift the offset
-        fire = (m2_blk >= r_cand - tie2) & (m_blk > float("-inf"))
+        # P-bar would round to exactly 1.0 at two or more keys of this block: shift the offset. A block
+        # without a key (m2_blk = -inf) cannot fire: r >= -FP32_MAX, so r_cand - tie2 is finite
+        fire = m2_blk >= r_cand - tie2
         r_new = tl.where(fire, shifted_offset(m_new, beta, min_shift2, max_shift2), r_cand)
     elif MODE == MODE_PAPER:
         fire = (m2_blk >= m_blk - tie2) & (m_blk > float("-inf"))

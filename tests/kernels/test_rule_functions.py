@@ -117,11 +117,12 @@ def test_shifted_offset_twins_give_the_same_bits(c):
 def constructed_rows(tie2: float) -> tuple[torch.Tensor, ...]:
     """``(r, m_new, m_blk, m2_blk)`` per row: block maxima from constructed_maxima, running states before
     them (no key yet, a lower max, a higher max, an offset already shifted), and second maxima at the
-    tie threshold of the offset the rule would use, one fp32 step either side, equal to the max, absent."""
+    tie threshold of the offset the rule would use, one fp32 step either side, equal to the max, absent.
+    Before a row's first key its offset is -FP32_MAX, as both backends start it."""
     rows = []
     for m_blk in constructed_maxima().tolist():
         for m_old, r_shift in ((-INF, None), (m_blk - 1.0, 0.0), (m_blk + 2.0, 0.0), (m_blk, 0.5), (m_blk, 64.0)):
-            r_old = -INF if r_shift is None else m_old + r_shift
+            r_old = -rules.FP32_MAX if r_shift is None else m_old + r_shift
             if not math.isfinite(m_old) and r_shift is not None:
                 continue
             m_new = max(m_old, m_blk)
