@@ -659,7 +659,10 @@ def fwd_program(
         else:
             k0 = tl.load(K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh + offs_d,
                          mask=offs_d < (tl.minimum(Nk, 1) * HEAD_D if VARLEN else HEAD_D), other=0.0)
-        q_again = tl.load(q_ptrs, mask=q_mask, other=0.0)  # reloaded: q itself need not stay in registers
+        # reloaded: q itself need not stay in registers; its addresses are formed again here (64-bit row
+        # offsets, not the loads' expression), so they are not kept, or spilled, across the key loop
+        q_again = tl.load(Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
+                          + offs_m.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_mask, other=0.0)
         x0 = tl.sum(q_again.to(tl.float32) * k0.to(tl.float32)[None, :], 1)
         key0 = tl.zeros([1], tl.int32)
         kp0 = key0 < 0  # placeholder, only read when HAS_KPM
