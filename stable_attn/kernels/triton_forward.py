@@ -7,7 +7,7 @@ offset ``r`` subtracted before ``exp2``) is the reference's, line for line. The 
 stretches: blocks cut by the sliding window's left edge (masked), blocks every row sees in full
 (no structural mask), blocks cut by the causal diagonal or the end of the keys (masked). They are
 visited in increasing key order, so the running state sees the same sequence as the reference.
-With ``TILE_N = 2 * BLOCK_N`` (``triton_attention.fwd_config``: the rule's modes on sm_90) one K tile
+With ``TILE_N = 2 * BLOCK_N`` (``triton_attention.fwd_config``: the rule's modes on sm_90 at D = 128) one K tile
 holds two blocks: one score product for both, then the rule, ``P-bar`` and ``P-bar V`` block by block
 (``fwd_tile``), the same operations on the same values as one block per tile.
 

@@ -207,12 +207,13 @@ def test_off_without_statistics_takes_wide_key_tiles(D, causal, Nk, monkeypatch)
     qd, kd, vd = (t.double().cpu() for t in (q, k, v))
     o64 = naive.attention(qd, kd, vd, causal=causal, scale=opts.scale)
     no_worse_than_reference(out, r_out, o64, dtype, "out")
-    # a rule, statistics or a forced partition keep the 64-key blocks (the rule's mode: two per K tile)
+    # a rule, statistics or a forced partition keep the 64-key blocks (the rule's mode: two per K tile at
+    # D = 128, one per iteration of a 4-warp, 128-row tile at D = 64)
     for kw in (dict(mode=rules.MODE_EXACT), dict(block_n=64)):
         ta.forward(q, k, v, None, opts_for(D, causal, **{"mode": rules.MODE_OFF, **kw}), False)
     ta.forward(q, k, v, None, opts, True)
     assert all(c.block_n is None for c in chosen[1:])
-    assert chosen[1] == ta.FwdConfig(128, 8, 2, tma=D > 64, tile_n=128)
+    assert chosen[1] == (ta.FwdConfig(128, 8, 2, tma=True, tile_n=128) if D > 64 else ta.FwdConfig(128, 4, 3))
     assert all(c.tile_n is None and not c.tma for c in chosen[2:])
 
 
