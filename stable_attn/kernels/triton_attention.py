@@ -131,13 +131,13 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode:
     cannot disagree.
     """
     free_keys = mode == rules.MODE_OFF and not stats and not forced_block_n and plain
-    pair_blocks = mode != rules.MODE_OFF and plain
+    rule_plain = mode != rules.MODE_OFF and plain
     wide = cc >= 90 and dtype != torch.float32 and block_n == BLOCK_N and (block_d <= 64 or block_d <= 128 and tma)
     if wide and free_keys:
         return FwdConfig(128, 8, 2, block_n=128, tma=block_d > 64)
-    if wide and pair_blocks and block_d <= 64:
+    if wide and rule_plain and block_d <= 64:
         return FwdConfig(128, 4, 3)
-    if wide and pair_blocks:
+    if wide and rule_plain:
         return FwdConfig(128, 8, 2, tma=block_d > 64, tile_n=2 * block_n)
     if block_d <= 64:
         cfg = FwdConfig(128, 8, 3)
