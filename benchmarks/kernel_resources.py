@@ -15,6 +15,7 @@ the schedulers' clocks with the tensor cores' clocks per iteration on an H100/H2
     python benchmarks/kernel_resources.py --dtype fp16 --cc 90 --d 128 --jobs 4
     python benchmarks/kernel_resources.py --kernels bwd_dkdv bwd_dq --features false true --jobs 1
     python benchmarks/kernel_resources.py --cc 90 --d 64 128 --varlen true --jobs 1   # packed sequences
+    python benchmarks/kernel_resources.py --cc 90 --d 64 --kernels fwd --stats-modes off exact paper --opcodes
 
 ``--json PATH`` writes one row per variant (fields: kernel, d, mode, stats, cc, regs, spill_bytes,
 shared, wgmma, warps, loop_sass, mma_clk, issue_clk, R, cubin, and more) and keeps the cubins in
@@ -37,8 +38,15 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from stable_attn.kernels import rules  # noqa: E402
-from stable_attn.kernels.triton_aot import SHARED_LIMIT, Variant, describe, describe_in_subprocess  # noqa: E402
+from stable_attn.kernels.triton_aot import (  # noqa: E402
+    SHARED_LIMIT,
+    Variant,
+    describe,
+    describe_in_subprocess,
+    loop_opcodes,
+    parse_sass,
+    sass_of,
+)
 from stable_attn.options import MODE_NAMES  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -53,8 +61,9 @@ def variants(args) -> list[Variant]:
         kw = dict(features=features, varlen=varlen)
         if "fwd" in args.kernels:
             out += [Variant("fwd", DTYPES[dt], d, causal, MODES[mode], False, cc, **kw) for mode in args.modes]
-            if "exact" in args.modes and args.stats:
-                out.append(Variant("fwd", DTYPES[dt], d, causal, rules.MODE_EXACT, True, cc, **kw))
+            if args.stats:
+                out += [Variant("fwd", DTYPES[dt], d, causal, MODES[mode], True, cc, **kw)
+                        for mode in args.stats_modes if mode in args.modes]
         out += [Variant(k, DTYPES[dt], d, causal, cc=cc, **kw) for k in ("bwd_dkdv", "bwd_dq") if k in args.kernels]
     return out
 
@@ -84,6 +93,10 @@ def main() -> None:
     p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[True])
     p.add_argument("--modes", nargs="+", default=["off", "exact", "paper"], choices=sorted(MODES))
     p.add_argument("--no-stats", dest="stats", action="store_false", help="skip the stats-on forward")
+    p.add_argument("--stats-modes", nargs="+", default=["exact"], choices=sorted(MODES),
+                   help="the modes (of --modes) whose stats-on forward is compiled too")
+    p.add_argument("--opcodes", action="store_true",
+                   help="also print, per variant, the steady-state loop's instructions by operation")
     p.add_argument("--kernels", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], choices=KERNELS)
     p.add_argument("--features", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False],
                    help="window, softcap, padding mask and dropout all on (true) or all off (false)")
@@ -105,6 +118,12 @@ def main() -> None:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             rows = list(pool.map(describe, vs, [cubin_dir] * len(vs)))
     print(table(rows))
+    if args.opcodes:
+        for r in rows:
+            if r["loop_sass"] is not None:
+                with open(r["cubin"], "rb") as f:
+                    ops = loop_opcodes(parse_sass(sass_of(f.read())))
+                print(f"{r['variant']}: " + ", ".join(f"{op} {n}" for op, n in ops.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -229,6 +229,17 @@ def _opcode(ins: str) -> str:
     return (words[1] if words[0].startswith("@") and len(words) > 1 else words[0]).split(".")[0]
 
 
+def loop_opcodes(instrs: list[tuple[int, str]]) -> dict[str, int]:
+    """How many instructions of each operation (``_opcode``) the steady-state loop (``steady_loop``) of a
+    parsed listing issues per iteration and warp, most frequent first: where ``loop_sass`` goes."""
+    loop = steady_loop(instrs)
+    counts: dict[str, int] = {}
+    for addr, ins in instrs:
+        if loop.start <= addr <= loop.end:
+            counts[_opcode(ins)] = counts.get(_opcode(ins), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def steady_loop(instrs: list[tuple[int, str]]) -> Loop:
     """The steady-state inner loop: the shortest loop that issues tensor-core instructions itself.
 

@@ -66,6 +66,10 @@ def test_steady_loop_on_a_listing():
     assert {(lp.start, lp.end) for lp in loops} == {(0x30, 0x90), (0xd0, 0xe0), (0xa0, 0xf0), (0x20, 0x100)}
     best = aot.steady_loop(instrs)
     assert (best.start, best.end, best.sass, best.mma) == (0xa0, 0xf0, 6, 1)
+    # the same loop by operation (predicates and modifiers dropped), most frequent first
+    ops = aot.loop_opcodes(instrs)
+    assert ops == {"BRA": 3, "HGMMA": 1, "SYNCS": 1, "WARPGROUP": 1} and list(ops)[0] == "BRA"
+    assert sum(ops.values()) == best.sass
 
 
 def test_steady_loop_refuses_a_listing_without_matrix_loops():
