@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 from closeness import close, no_worse_than_reference
+from margins import robust_rows_of
 
 from stable_attn.kernels import naive, reference, rules
 from stable_attn.kernels import triton_attention as ta
@@ -45,11 +46,14 @@ def visible_rows(B, Hq, Nq, Nk, opts, kpm):
     return vis.any(-1).expand(B, Hq, Nq)
 
 
-def check_stats(st, rs, seen, what=""):
+def check_stats(st, rs, seen, keep, what=""):
+    """The kernel's row statistics against the reference's: decisions bit-identical on the rows ``keep``
+    (margins.robust_rows_of: no fp32 summation order of q.k can flip them; at least 90% of the rows)."""
     assert torch.isin(st.saturated.view(torch.uint8).cpu(), torch.tensor([0, 1], dtype=torch.uint8)).all()
-    assert torch.equal(st.saturated.cpu(), rs.saturated.cpu()), f"saturated differs {what}"
+    assert keep.float().mean() >= 0.9, f"only {keep.float().mean():.3f} of the rows have safe margins"
+    assert torch.equal(st.saturated.cpu()[keep], rs.saturated.cpu()[keep]), f"saturated differs {what}"
     assert not st.saturated.cpu()[~seen].any()
-    assert torch.equal(st.fixed_blocks.cpu(), rs.fixed_blocks.cpu()), f"fixed_blocks differs {what}"
+    assert torch.equal(st.fixed_blocks.cpu()[keep], rs.fixed_blocks.cpu()[keep]), f"fixed_blocks differs {what}"
     torch.testing.assert_close(st.max_logit.cpu(), rs.max_logit.cpu(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(st.first_key_prob.cpu(), rs.first_key_prob.cpu(), rtol=1e-4, atol=1e-6)
 
@@ -74,7 +78,7 @@ def run_case(B, Hq, Hkv, Nq, Nk, D, dtype, opts, *, kpm_drop=0.0, seed=0, qk_std
     close(out, r_out, 2, dtype, "out")
     torch.testing.assert_close(lse.cpu(), r_lse.cpu(), rtol=1e-5, atol=1e-5, equal_nan=True)
     assert torch.isinf(lse.cpu()[~seen]).all() and (out.cpu()[~seen] == 0).all()
-    check_stats(st, rs, seen)
+    check_stats(st, rs, seen, robust_rows_of(q, k, opts, kpm))
     dq, dk, dv = ta.backward(do, q, k, v, out, lse, kpm, opts, config=bwd_config)
     r_dq, r_dk, r_dv = reference.attention_backward(do, q, k, v, r_out, r_lse, kpm, None, opts)
     for name, a, b in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
@@ -132,7 +136,7 @@ def test_rows_that_see_no_key():
     assert (~seen).sum() > Nq  # batch 1 entirely, and the first rows of batch 0
     assert (out.cpu()[~seen] == 0).all() and torch.isinf(lse.cpu()[~seen]).all()
     assert (st.max_logit.cpu()[~seen] == -math.inf).all() and (st.first_key_prob.cpu()[~seen] == 0).all()
-    check_stats(st, rs, seen)
+    check_stats(st, rs, seen, robust_rows_of(q, k, opts, kpm))
     dq, dk, dv = ta.backward(do, q, k, v, out, lse, kpm, opts, config=SMALL_BWD)
     assert (dq.cpu()[~seen] == 0).all() and (dk.cpu()[1] == 0).all() and (dv.cpu()[1] == 0).all()
     r_grads = reference.attention_backward(do, q, k, v, r_out, r_lse, kpm, None, opts)
