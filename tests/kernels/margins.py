@@ -175,3 +175,21 @@ def robust_rows_of(q: torch.Tensor, k: torch.Tensor, opts: options_mod.Options, 
         m = m_new
     robust &= safe(m2, m - sat2)
     return robust
+
+
+def score_error_output_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor,
+                             o: torch.Tensor, scale: float) -> torch.Tensor:
+    """First-order bound on how far the fp32 score errors alone move an output, ``[B, Hq, Nq, D]`` fp64.
+
+    ``q [B, Hq, Nq, D]``, ``k, v [B, Hkv, Nk, D]``, ``p`` the exact probabilities, ``o`` the exact output.
+    A score error ``d_j`` moves ``o_i`` by ``sum_j p_ij d_j (v_j - o_i)``; with ``|d_j| <= gamma_D scale
+    sum_d |q_d k_jd|`` (softcap's tanh only shrinks it) that is at most
+    ``gamma_D scale [sum_j p_ij A_ij |v_j| + |o_i| sum_j p_ij A_ij]``, ``A = |q| |k|^T``. Large logits
+    make it large: the error of a score grows with its size, and softmax passes it on in full.
+    """
+    D = q.shape[-1]
+    gamma = D * U32 / (1 - D * U32)
+    group = q.shape[1] // k.shape[1]
+    pa = p * _abs_products(q, k)
+    va = v.detach().double().cpu().abs().repeat_interleave(group, dim=1)
+    return gamma * scale * (pa @ va + pa.sum(-1, keepdim=True) * o.abs())
