@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .events import SpikeEvent
 from .names import ALERT_KINDS
-from .spikes import SpikeEvent
 
 __all__ = [
     "ALERT_KINDS",
