@@ -19,10 +19,12 @@ __all__ = [
     "Episodes",
     "as_float",
     "check_count",
+    "check_metric",
     "check_positive",
     "check_rate",
     "check_state",
     "huber_consistency",
+    "optional_float",
     "update_scale",
 ]
 
@@ -80,6 +82,13 @@ def as_float(name: str, value: Any) -> float:
         raise TypeError(f"{name} must be a real number (float, int or 1-element tensor), got {value!r}") from None
 
 
+def check_metric(metric: Any) -> str:
+    """``metric`` if it is a non-empty str (the name a detector's events carry), else TypeError."""
+    if not isinstance(metric, str) or not metric:
+        raise TypeError(f"metric must be a non-empty str, got {metric!r}")
+    return metric
+
+
 def check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
     """``value`` as a float if it is finite and > 0 (``allow_zero``: >= 0), else ValueError naming ``name``."""
     value = as_float(name, value)
@@ -105,6 +114,11 @@ def check_count(name: str, value: int, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     return value
+
+
+def optional_float(value: Any) -> float | None:
+    """``None`` for None, else ``float(value)``: a saved estimate that may not exist yet."""
+    return None if value is None else float(value)
 
 
 def check_state(state: Mapping[str, Any], kind: str, keys: tuple[str, ...], version: int) -> None:

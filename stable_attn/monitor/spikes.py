@@ -46,10 +46,12 @@ from .robust import (
     Episodes,
     as_float,
     check_count,
+    check_metric,
     check_positive,
     check_rate,
     check_state,
     huber_consistency,
+    optional_float,
     update_scale,
 )
 from .surge import SurgeDetector  # re-exported: ``from stable_attn.monitor.spikes import SurgeDetector``
@@ -232,13 +234,11 @@ class SpikeDetector:
         direction: Literal["up", "both"] = "up",
         log_space: bool = True,
     ) -> None:
-        if not isinstance(metric, str) or not metric:
-            raise TypeError(f"metric must be a non-empty str, got {metric!r}")
+        self.metric = check_metric(metric)
         if direction not in ("up", "both"):
             raise ValueError(f"direction must be 'up' or 'both', got {direction!r}")
         if not isinstance(log_space, bool):
             raise TypeError(f"log_space must be a bool, got {log_space!r}")
-        self.metric = metric
         self.z_threshold = check_positive("z_threshold", z_threshold)
         self.min_rel_change = check_positive("min_rel_change", min_rel_change, allow_zero=True)
         self.warmup = check_count("warmup", warmup, 0)
@@ -346,17 +346,17 @@ class SpikeDetector:
         self._calm = int(state["calm"])
         self._cusum = float(state["cusum"])
         self._settling = int(state["settling"])
-        self._level = None if state["level"] is None else float(state["level"])
+        self._level = optional_float(state["level"])
         self._trend = float(state["trend"])
-        self._var = None if state["var"] is None else float(state["var"])
+        self._var = optional_float(state["var"])
         self._residuals = int(state["residuals"])
-        self._last_residual = None if state["last_residual"] is None else float(state["last_residual"])
+        self._last_residual = optional_float(state["last_residual"])
         self._episodes.run = int(state["run"])
         self._episodes.last_kind = state["last_kind"]
         self._recent = [float(v) for v in state["recent"]]
         self._window = [float(v) for v in state["window"]][-_GROSS_WINDOW:]
         self._rmean = float(state["rmean"])
-        self._rvar = None if state["rvar"] is None else float(state["rvar"])
+        self._rvar = optional_float(state["rvar"])
         self._rcov = float(state["rcov"])
         self._rcount = int(state["rcount"])
 

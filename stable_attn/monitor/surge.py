@@ -30,10 +30,12 @@ from .robust import (
     Episodes,
     as_float,
     check_count,
+    check_metric,
     check_positive,
     check_rate,
     check_state,
     huber_consistency,
+    optional_float,
     update_scale,
 )
 
@@ -117,9 +119,7 @@ class SurgeDetector:
         clip: float = 2.0,
         rebaseline_after: int = 20,
     ) -> None:
-        if not isinstance(metric, str) or not metric:
-            raise TypeError(f"metric must be a non-empty str, got {metric!r}")
-        self.metric = metric
+        self.metric = check_metric(metric)
         self.min_delta = check_positive("min_delta", min_delta)
         self.ratio = as_float("ratio", ratio)
         if not (self.ratio >= 1.0 and math.isfinite(self.ratio)):
@@ -242,15 +242,15 @@ class SurgeDetector:
             state = {**state, "version": _STATE_VERSION, "loss_fast": None, "loss_slow": None, "losses": 0}
         check_state(state, "SurgeDetector", tuple(self.state_dict()), _STATE_VERSION)
         self._n = int(state["n"])
-        self._level = None if state["level"] is None else float(state["level"])
-        self._var = None if state["var"] is None else float(state["var"])
+        self._level = optional_float(state["level"])
+        self._var = optional_float(state["var"])
         self._residuals = int(state["residuals"])
-        self._last_residual = None if state["last_residual"] is None else float(state["last_residual"])
+        self._last_residual = optional_float(state["last_residual"])
         self._episodes.run = int(state["run"])
         self._episodes.last_kind = state["last_kind"]
         self._recent = [float(v) for v in state["recent"]]
-        self._loss_fast = None if state["loss_fast"] is None else float(state["loss_fast"])
-        self._loss_slow = None if state["loss_slow"] is None else float(state["loss_slow"])
+        self._loss_fast = optional_float(state["loss_fast"])
+        self._loss_slow = optional_float(state["loss_slow"])
         self._losses = int(state["losses"])
 
     def update(self, step: int, value: float, loss: float | None = None) -> SpikeEvent | None:

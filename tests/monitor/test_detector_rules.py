@@ -12,20 +12,9 @@ import math
 
 import numpy as np
 import pytest
+from detector_runs import run
 
-from stable_attn.monitor import SpikeDetector, SpikeEvent
-
-
-def run(det, values, losses=None, start: int = 0) -> list[SpikeEvent]:
-    events = []
-    for i, x in enumerate(values):
-        if losses is None:
-            event = det.update(start + i, float(x))
-        else:
-            event = det.update(start + i, float(x), loss=float(losses[i]))
-        if event is not None:
-            events.append(event)
-    return events
+from stable_attn.monitor import SpikeDetector
 
 
 def early_loss(seed: int, steps: int = 400, sigma: float = 0.03) -> np.ndarray:

@@ -9,8 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from detector_runs import run
 
-from stable_attn.monitor import SpikeDetector, SpikeEvent, SurgeDetector
+from stable_attn.monitor import SpikeDetector, SurgeDetector
 
 
 def lm_trace(
@@ -26,15 +27,6 @@ def lm_trace(
     hard = rng.random(steps) < hard_rate
     noise[hard] = rng.uniform(2.0, 4.0, hard.sum())
     return curve + sigma * noise, curve
-
-
-def run(det: SpikeDetector | SurgeDetector, values, start: int = 0) -> list[SpikeEvent]:
-    events = []
-    for i, x in enumerate(values):
-        event = det.update(start + i, float(x))
-        if event is not None:
-            events.append(event)
-    return events
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -12,20 +12,9 @@ import math
 
 import numpy as np
 import pytest
+from detector_runs import run
 
-from stable_attn.monitor import SpikeEvent, SurgeDetector
-
-
-def run(det, values, losses=None, start: int = 0) -> list[SpikeEvent]:
-    events = []
-    for i, x in enumerate(values):
-        if losses is None:
-            event = det.update(start + i, float(x))
-        else:
-            event = det.update(start + i, float(x), loss=float(losses[i]))
-        if event is not None:
-            events.append(event)
-    return events
+from stable_attn.monitor import SurgeDetector
 
 
 def test_saturation_noise_near_zero_never_fires_and_a_surge_does() -> None:
