@@ -41,6 +41,7 @@ from .robust import (
 
 __all__ = ["SurgeDetector"]
 
+# State format: version 2 added the loss averages (a version-1 state loads with no loss history).
 _STATE_VERSION = 2
 
 
