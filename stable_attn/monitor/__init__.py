@@ -19,7 +19,9 @@ from .alerts import (
     JsonlChannel,
     LoggingChannel,
 )
-from .spikes import SpikeDetector, SpikeEvent, SurgeDetector
+from .events import SpikeEvent
+from .spikes import SpikeDetector
+from .surge import SurgeDetector
 from .webhook import WebhookChannel
 
 __all__ = [

@@ -6,11 +6,13 @@ channel and shields training from channel failures: a full disk, a raising user 
 unreachable webhook is logged, never raised, and counted (:data:`DELIVERY_COUNTS`). The webhook channel
 lives in :mod:`stable_attn.monitor.webhook`. Only the standard library is used.
 
-JSON encoding (JSONL lines and webhook bodies, via :meth:`Alert.to_dict`): non-finite floats are
-written as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON has no NaN/Infinity, and a
-string keeps the difference between NaN and inf that ``null`` would lose); ``lr`` is ``null`` when
-unknown; ``layers`` is a list of ``[name, change]`` pairs; ``time`` is seconds since the epoch.
-:meth:`Alert.from_dict` reverses the encoding.
+JSON encoding (JSONL lines and webhook bodies, via :meth:`Alert.to_dict`): one object with the keys
+:attr:`Alert.FIELDS`, in that order. Non-finite floats (:attr:`Alert.FLOAT_FIELDS` and the changes in
+``layers``) are written as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON has no
+NaN/Infinity, and a string keeps the difference between NaN and inf that ``null`` would lose); ``lr``
+is ``null`` when unknown; ``layers`` is a list of ``[name, change]`` pairs; ``time`` is seconds since
+the epoch. :meth:`Alert.from_dict` reverses the encoding; :meth:`Alert.decode_fields` undoes it
+without building an alert, for readers that also take older or hand-written lines (``stable-attn report``).
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from .events import SpikeEvent
 from .names import ALERT_KINDS
-from .spikes import SpikeEvent
 
 __all__ = [
     "ALERT_KINDS",
@@ -44,8 +46,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("stable_attn")
-
-_FLOAT_FIELDS = ("value", "baseline", "threshold", "score")
 
 
 def _encode_float(x: float | None) -> float | str | None:
@@ -87,6 +87,12 @@ class Alert:
         time: wall-clock time of the alert, seconds since the epoch.
     """
 
+    #: The keys of an alert's JSON object (:meth:`to_dict`; the alerts JSONL, webhook bodies), in the
+    #: order they are written: the attributes above.
+    FIELDS: ClassVar[tuple[str, ...]]
+    #: The keys whose values are floats (``lr`` may be None); JSON holds non-finite ones as strings.
+    FLOAT_FIELDS: ClassVar[tuple[str, ...]] = ("value", "baseline", "threshold", "score", "lr")
+
     step: int
     kind: str
     metric: str
@@ -106,10 +112,10 @@ class Alert:
         if not isinstance(self.metric, str):
             raise TypeError(f"metric must be a str, got {self.metric!r}")
         self.step = int(self.step)
-        for name in _FLOAT_FIELDS:
-            setattr(self, name, float(getattr(self, name)))
-        if self.lr is not None:
-            self.lr = float(self.lr)
+        for name in self.FLOAT_FIELDS:
+            value = getattr(self, name)
+            if name != "lr" or value is not None:  # only the learning rate may be unknown
+                setattr(self, name, float(value))
         pairs = []
         for item in self.layers:
             try:
@@ -151,29 +157,29 @@ class Alert:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe dict with the keys of the alerts JSONL (non-finite floats as strings)."""
-        return {
-            "step": self.step,
-            "kind": self.kind,
-            "metric": self.metric,
-            "value": _encode_float(self.value),
-            "baseline": _encode_float(self.baseline),
-            "threshold": _encode_float(self.threshold),
-            "score": _encode_float(self.score),
-            "lr": _encode_float(self.lr),
-            "layers": [[name, _encode_float(change)] for name, change in self.layers],
-            "action": self.action,
-            "message": self.message,
-            "time": self.time,
-        }
+        """JSON-safe dict with the keys :attr:`FIELDS` of the alerts JSONL (non-finite floats as strings)."""
+        data = {name: getattr(self, name) for name in self.FIELDS}
+        for name in self.FLOAT_FIELDS:
+            data[name] = _encode_float(data[name])
+        data["layers"] = [[name, _encode_float(change)] for name, change in self.layers]
+        return data
+
+    @classmethod
+    def decode_fields(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of one alert's JSON object with the float encoding undone: each of :attr:`FLOAT_FIELDS`
+        present and not None becomes a float (``"nan"``, ``"inf"``, ``"-inf"`` and the ``NaN``/``Infinity``
+        literals of Python's ``json`` included); every other key, known or not, is kept as it is.
+        ValueError or TypeError for a float field that holds no number."""
+        decoded = dict(data)
+        for name in cls.FLOAT_FIELDS:
+            if name in decoded:
+                decoded[name] = _decode_float(decoded[name])
+        return decoded
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Alert:
         """Rebuild an alert from :meth:`to_dict` output (e.g. one parsed JSONL line)."""
-        kwargs = dict(data)
-        for name in (*_FLOAT_FIELDS, "lr"):
-            if name in kwargs:
-                kwargs[name] = _decode_float(kwargs[name])
+        kwargs = cls.decode_fields(data)
         kwargs["layers"] = [(name, _decode_float(change)) for name, change in kwargs.get("layers", [])]
         return cls(**kwargs)
 
@@ -207,6 +213,8 @@ class Alert:
     def __str__(self) -> str:
         return self.format()
 
+
+Alert.FIELDS = tuple(f.name for f in fields(Alert))
 
 #: What every channel counts, in this order: ``delivered`` (the channel finished with the alert),
 #: ``failed`` (it tried and the write, call or request failed), ``dropped`` (refused without trying:

@@ -1,8 +1,11 @@
-"""Online anomaly detectors for training metrics: loss / gradient-norm spikes and attention-stat surges.
+"""Online spike detection for training loss and gradient norm: :class:`SpikeDetector`.
 
-Both detectors take one scalar per update, cost O(1) pure-Python arithmetic (no torch, no buffers that
-grow), and keep their whole state in a few plain floats, ints and short lists, so :meth:`state_dict`
-survives ``torch.save``, ``torch.load(weights_only=True)`` and JSON unchanged.
+The detector takes one scalar per update, costs O(1) pure-Python arithmetic (no torch, no buffers that
+grow), and keeps its whole state in a few plain floats, ints and short lists, so :meth:`state_dict`
+survives ``torch.save``, ``torch.load(weights_only=True)`` and JSON unchanged. So does
+:class:`~stable_attn.monitor.surge.SurgeDetector` (per-layer early warnings, in
+:mod:`stable_attn.monitor.surge`; importable from here too); the robust noise scale and the checks
+both use are in :mod:`stable_attn.monitor.robust`, the event they return in :mod:`stable_attn.monitor.events`.
 
 Common API::
 
@@ -26,11 +29,6 @@ measurements behind every number):
   once the forecast has been unbiased for 20 updates in a row.
 - ``"jump"`` and ``"drift"`` (:class:`SpikeDetector`, phase ``"calibrated"``): after ``warmup=100``
   finite updates and once the forecast is unbiased (typically by update 100-130 on a real loss).
-- ``"surge"`` (:class:`SurgeDetector`, ``kind="early_warning"``): after 10 updates, and, when the
-  caller passes the loss, after 50 losses: the statistic is above an absolute floor, well above its
-  own baseline, and the loss has stopped improving.
-- ``"level"`` (:class:`SurgeDetector`, ``kind="early_warning"``): after 10 updates, a value at or
-  above ``alarm_level`` (max logit: 1000), whatever the loss does.
 """
 
 from __future__ import annotations
@@ -38,22 +36,33 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from typing import Any, Literal
+
+from .events import EventKind, SpikeEvent
+from .names import GRAD_NORM, LOSS
+from .robust import (
+    MIN_SCALE_SAMPLES,
+    RECENT_FLAGGED,
+    Episodes,
+    as_float,
+    check_count,
+    check_metric,
+    check_positive,
+    check_rate,
+    check_state,
+    huber_consistency,
+    optional_float,
+    update_scale,
+)
+from .surge import SurgeDetector  # re-exported: ``from stable_attn.monitor.spikes import SurgeDetector``
 
 __all__ = ["EventKind", "Phase", "SpikeDetector", "SpikeEvent", "SurgeDetector"]
 
 _logger = logging.getLogger("stable_attn")
 
-EventKind = Literal["spike", "nonfinite", "early_warning"]
-
-# Residual samples needed before the robust scale is trusted enough to clip with it.
-_MIN_SCALE_SAMPLES = 8
 # While an update is skipped (flagged or non-finite) the trend is extrapolated with this per-update
 # decay, so a long anomaly cannot drag the forecast far along a stale slope (total drift <= ~19 slopes).
 _GAP_TREND_DECAY = 0.95
-# Flagged values kept to re-seat the level after a persistent shift (median of these).
-_RECENT_FLAGGED = 8
 # Values at or below zero have no logarithm; they are floored here (a huge downward outlier, which
 # the clipped update absorbs) and a warning says once that log_space=False suits such a metric.
 _LOG_FLOOR = 1e-30
@@ -83,139 +92,9 @@ _DRIFT_CAP = 1.5
 _FREEZE_MOMENTS = 0.25
 # After a jump the drift sum waits until this many residuals in a row are back below drift_slack.
 _SETTLE_UPDATES = 5
-_STATE_VERSION = 2  # SurgeDetector
-# SpikeDetector: version 3 counts the samples of the residual moments apart (they start later).
-_SPIKE_STATE_VERSION = 3
+# State format: version 3 counts the samples of the residual moments apart (they start later).
+_STATE_VERSION = 3
 Phase = Literal["starting", "gross", "calibrated"]
-
-
-def _huber_consistency(c: float) -> float:
-    """E[min(Z^2, c^2)] for Z ~ N(0, 1): divides the clipped squared residual so that the robust
-    variance estimate equals the ordinary variance on Gaussian noise."""
-    phi = math.exp(-0.5 * c * c) / math.sqrt(2.0 * math.pi)
-    tail = math.erfc(c / math.sqrt(2.0))  # P(|Z| > c)
-    return (1.0 - tail) - 2.0 * c * phi + c * c * tail
-
-
-@dataclass(frozen=True)
-class SpikeEvent:
-    """One anomalous update reported by a detector.
-
-    Attributes:
-        step: the step passed to ``update``.
-        metric: the detector's metric name (e.g. ``"train/loss"``).
-        value: the observed value, as given (may be NaN/inf for ``kind="nonfinite"``).
-        baseline: the value the detector expected at this step, in the metric's units
-            (NaN if the detector had no estimate yet).
-        threshold: the value above which this update counts as anomalous, in the metric's units
-            (NaN if none was defined yet, e.g. a NaN during the first updates).
-        score: how far above the baseline the value lies in robust standard deviations of the
-            recent noise (``inf`` for non-finite values).
-        kind: ``"spike"`` (SpikeDetector), ``"early_warning"`` (SurgeDetector) or ``"nonfinite"``.
-        run_length: consecutive anomalous updates up to and including this one.
-        is_new: True on the first update of an anomalous episode, or when the kind changed since
-            the previous anomalous update; alert on these, act (e.g. skip) on every event.
-        rule: which rule fired: ``"gross"`` (far above the recent values while the detector is not
-            calibrated yet), ``"jump"`` (this value alone is far above the forecast), ``"drift"``
-            (a sustained rise, see :class:`SpikeDetector`), ``"surge"`` or ``"level"``
-            (:class:`SurgeDetector`) or ``"nonfinite"``.
-    """
-
-    step: int
-    metric: str
-    value: float
-    baseline: float
-    threshold: float
-    score: float
-    kind: EventKind
-    run_length: int = 1
-    is_new: bool = True
-    rule: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict (floats may be non-finite)."""
-        return asdict(self)
-
-
-def _update_scale(
-    var: float | None,
-    count: int,
-    residual: float,
-    last_residual: float | None,
-    bound: float,
-    trusted: bool,
-    rate: float,
-    kappa: float,
-) -> tuple[float | None, int]:
-    """One step of the robust noise variance; returns (variance, samples folded in).
-
-    The sample is half the squared difference of successive residuals: a persistent bias (a drift,
-    or a slow explosion the level is chasing) cancels in it, so it cannot inflate the scale and
-    widen its own threshold, while noise that grows shows up at once. Once ``trusted`` it is clipped
-    at ``bound`` (Huber's rho) and divided by ``kappa`` to stay unbiased on Gaussian noise. Early
-    on, all samples are averaged equally (rate 1/k) so the scale is usable after a few steps.
-    """
-    if last_residual is None:
-        if var is not None:  # first residual after a re-baseline: no difference to take yet
-            return var, count
-        sample = residual * residual
-    else:
-        sample = 0.5 * (residual - last_residual) ** 2
-    if trusted:
-        sample = min(sample, bound * bound) / kappa
-    count += 1
-    if var is None:
-        return sample, count
-    return var + max(rate, 1.0 / count) * (sample - var), count
-
-
-def _as_float(name: str, value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a real number (float, int or 1-element tensor), got {value!r}") from None
-
-
-def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
-    value = _as_float(name, value)
-    ok = value >= 0 if allow_zero else value > 0
-    if not (ok and math.isfinite(value)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-    return value
-
-
-def _check_rate(name: str, value: float) -> float:
-    value = _as_float(name, value)
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
-    return value
-
-
-def _check_count(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return value
-
-
-class _Episodes:
-    """Counts consecutive anomalous updates and says which event starts an episode."""
-
-    def __init__(self) -> None:
-        self.run = 0
-        self.last_kind: str | None = None
-
-    def flag(self, kind: str) -> tuple[int, bool]:
-        self.run += 1
-        is_new = self.run == 1 or kind != self.last_kind
-        self.last_kind = kind
-        return self.run, is_new
-
-    def clear(self) -> None:
-        self.run = 0
-        self.last_kind = None
 
 
 class SpikeDetector:
@@ -337,7 +216,7 @@ class SpikeDetector:
 
     def __init__(
         self,
-        metric: str = "train/loss",
+        metric: str = LOSS,
         *,
         z_threshold: float = 6.0,
         min_rel_change: float = 0.01,
@@ -355,45 +234,43 @@ class SpikeDetector:
         direction: Literal["up", "both"] = "up",
         log_space: bool = True,
     ) -> None:
-        if not isinstance(metric, str) or not metric:
-            raise TypeError(f"metric must be a non-empty str, got {metric!r}")
+        self.metric = check_metric(metric)
         if direction not in ("up", "both"):
             raise ValueError(f"direction must be 'up' or 'both', got {direction!r}")
         if not isinstance(log_space, bool):
             raise TypeError(f"log_space must be a bool, got {log_space!r}")
-        self.metric = metric
-        self.z_threshold = _check_positive("z_threshold", z_threshold)
-        self.min_rel_change = _check_positive("min_rel_change", min_rel_change, allow_zero=True)
-        self.warmup = _check_count("warmup", warmup, 0)
+        self.z_threshold = check_positive("z_threshold", z_threshold)
+        self.min_rel_change = check_positive("min_rel_change", min_rel_change, allow_zero=True)
+        self.warmup = check_count("warmup", warmup, 0)
         if gross_ratio is not None:
-            gross_ratio = _as_float("gross_ratio", gross_ratio)
+            gross_ratio = as_float("gross_ratio", gross_ratio)
             if not (gross_ratio > 1.0 and math.isfinite(gross_ratio)):
                 raise ValueError(f"gross_ratio must be a finite number > 1 or None, got {gross_ratio!r}")
         self.gross_ratio = gross_ratio
-        self.gross_warmup = _check_count("gross_warmup", gross_warmup, 1)
-        self.level_rate = _check_rate("level_rate", level_rate)
-        self.trend_rate = _check_rate("trend_rate", trend_rate)
-        self.scale_rate = _check_rate("scale_rate", scale_rate)
-        self.clip = _check_positive("clip", clip)
-        self.rebaseline_after = _check_count("rebaseline_after", rebaseline_after, 1)
-        self.max_rise = _check_positive("max_rise", max_rise, allow_zero=True)
-        self.drift_threshold = None if drift_threshold is None else _check_positive("drift_threshold", drift_threshold)
-        self.drift_slack = _check_positive("drift_slack", drift_slack, allow_zero=True)
+        self.gross_warmup = check_count("gross_warmup", gross_warmup, 1)
+        self.level_rate = check_rate("level_rate", level_rate)
+        self.trend_rate = check_rate("trend_rate", trend_rate)
+        self.scale_rate = check_rate("scale_rate", scale_rate)
+        self.clip = check_positive("clip", clip)
+        self.rebaseline_after = check_count("rebaseline_after", rebaseline_after, 1)
+        self.max_rise = check_positive("max_rise", max_rise, allow_zero=True)
+        self.drift_threshold = None if drift_threshold is None else check_positive("drift_threshold", drift_threshold)
+        self.drift_slack = check_positive("drift_slack", drift_slack, allow_zero=True)
         self.direction = direction
         self.log_space = log_space
-        self._kappa = _huber_consistency(self.clip)
+        self._kappa = huber_consistency(self.clip)
         # The smallest margin a jump must clear in log space (see _sigma for why it also floors the scale).
         self._min_margin = math.log1p(self.min_rel_change) if log_space else 0.0
         self._warned_nonpositive = False
         self.reset()
 
     @classmethod
-    def loss(cls, metric: str = "train/loss", **kwargs: Any) -> SpikeDetector:
+    def loss(cls, metric: str = LOSS, **kwargs: Any) -> SpikeDetector:
         """Defaults for a training loss (the constructor's)."""
         return cls(metric, **kwargs)
 
     @classmethod
-    def grad_norm(cls, metric: str = "train/grad_norm", **kwargs: Any) -> SpikeDetector:
+    def grad_norm(cls, metric: str = GRAD_NORM, **kwargs: Any) -> SpikeDetector:
         """Defaults for a gradient norm: the gross rule fires at 5x the recent median (early
         gradient norms of healthy runs swing by up to 4x from one step to the next)."""
         kwargs.setdefault("gross_ratio", 5.0)
@@ -420,7 +297,7 @@ class SpikeDetector:
         self._rvar: float | None = None
         self._rcov = 0.0
         self._rcount = 0
-        self._episodes = _Episodes()
+        self._episodes = Episodes()
         self._recent: list[float] = []
         self._window: list[float] = []  # last accepted values (transformed), for the gross rule
 
@@ -428,7 +305,7 @@ class SpikeDetector:
         """Plain-Python state (ints, floats, str, None, lists) for checkpoints; config under ``"config"``
         is informational: :meth:`load_state_dict` keeps the constructor's settings."""
         return {
-            "version": _SPIKE_STATE_VERSION,
+            "version": _STATE_VERSION,
             "type": "SpikeDetector",
             "config": self._config(),
             "n": self._n,
@@ -461,25 +338,25 @@ class SpikeDetector:
                 state = {**state, "version": 2, "window": [], "rmean": 0.0, "rvar": None, "rcov": 0.0}
             if state.get("version") == 2 and "residuals" in state:
                 # Version 2 folded the moments in from the first residual on: as many samples as the scale.
-                state = {**state, "version": _SPIKE_STATE_VERSION, "rcount": state["residuals"]}
-        _check_state(state, "SpikeDetector", tuple(self.state_dict()), _SPIKE_STATE_VERSION)
+                state = {**state, "version": _STATE_VERSION, "rcount": state["residuals"]}
+        check_state(state, "SpikeDetector", tuple(self.state_dict()), _STATE_VERSION)
         self._n = int(state["n"])
         self._armed = bool(state["armed"])
         self._bias = float(state["bias"])
         self._calm = int(state["calm"])
         self._cusum = float(state["cusum"])
         self._settling = int(state["settling"])
-        self._level = None if state["level"] is None else float(state["level"])
+        self._level = optional_float(state["level"])
         self._trend = float(state["trend"])
-        self._var = None if state["var"] is None else float(state["var"])
+        self._var = optional_float(state["var"])
         self._residuals = int(state["residuals"])
-        self._last_residual = None if state["last_residual"] is None else float(state["last_residual"])
+        self._last_residual = optional_float(state["last_residual"])
         self._episodes.run = int(state["run"])
         self._episodes.last_kind = state["last_kind"]
         self._recent = [float(v) for v in state["recent"]]
         self._window = [float(v) for v in state["window"]][-_GROSS_WINDOW:]
         self._rmean = float(state["rmean"])
-        self._rvar = None if state["rvar"] is None else float(state["rvar"])
+        self._rvar = optional_float(state["rvar"])
         self._rcov = float(state["rcov"])
         self._rcount = int(state["rcount"])
 
@@ -529,12 +406,12 @@ class SpikeDetector:
 
     # ---------------------------------------------------------------- update
     def update(self, step: int, value: float) -> SpikeEvent | None:
-        """Feed one observation; return a :class:`SpikeEvent` if it is anomalous, else None.
+        """Feed one observation; return a :class:`~stable_attn.monitor.events.SpikeEvent` if it is anomalous, else None.
 
         A flagged value does not enter the estimates. ``value`` may be a float, an int or anything
         ``float()`` accepts (a 1-element tensor); ``step`` is only carried into the event.
         """
-        value = _as_float("value", value)
+        value = as_float("value", value)
         step = int(step)
         if not math.isfinite(value):
             return self._nonfinite(step, value)
@@ -669,7 +546,7 @@ class SpikeDetector:
         # The noise scale comes from differences of successive residuals: a persistent bias (a drift
         # or a slow explosion the level is chasing) cancels in them, so it cannot inflate the scale
         # and widen its own threshold, while noise that grows shows up at once.
-        self._var, self._residuals = _update_scale(
+        self._var, self._residuals = update_scale(
             self._var, self._residuals, residual, self._last_residual, bound, trusted, self.scale_rate, self._kappa
         )
         # While a rise is accumulating in the drift sum, it must not widen its own threshold (a slow
@@ -721,7 +598,7 @@ class SpikeDetector:
         residual = x - forecast
         # Clip only once armed: during warm-up (or re-warm-up after a shift) the forecast is still
         # converging, and clipping at a few sigmas would stop it from catching up with the curve.
-        trusted = self._residuals >= _MIN_SCALE_SAMPLES
+        trusted = self._residuals >= MIN_SCALE_SAMPLES
         bound = self.clip * self._sigma()
         clipped = min(max(residual, -bound), bound) if self._armed else residual
         new_level = forecast + self.level_rate * clipped
@@ -760,7 +637,7 @@ class SpikeDetector:
     ) -> SpikeEvent:
         run, is_new = self._episodes.flag("spike")
         self._recent.append(x)
-        del self._recent[:-_RECENT_FLAGGED]
+        del self._recent[:-RECENT_FLAGGED]
         event = SpikeEvent(
             step=step,
             metric=self.metric,
@@ -820,317 +697,3 @@ class SpikeDetector:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
         return f"SpikeDetector({args})"
-
-
-class SurgeDetector:
-    """Early warning when a per-layer attention statistic grows well above its own recent baseline
-    while the loss has stopped improving.
-
-    Meant for max attention logit, saturation rate (fraction of rows with tied maxima) or
-    fixed-block rate, per layer, fed on the steps the caller monitors, together with that step's
-    training loss. The baseline is an exponential moving average of accepted values (no trend: a
-    steady climb is itself worth a warning once it outruns the average); the noise scale is the same
-    robust clipped-residual variance as in :class:`SpikeDetector`. A value fires
-    (``kind="early_warning"``, ``rule="surge"``) when all of these hold:
-
-    - **absolute level**: the value is at least ``min_level`` (a max logit of 7, a saturation of 1%
-      is where a healthy model lives, whatever it rose from);
-    - **rise**: it exceeds the baseline by ``min_delta`` (absolute units: the floor that keeps a
-      statistic wandering near zero from firing), by ``ratio`` (value >= ratio * baseline) and by
-      ``z_threshold`` robust sigmas of its recent noise (a noisy statistic needs a bigger jump);
-    - **no progress**: when a ``loss`` is passed to :meth:`update`, the loss has not improved: its
-      fast average (rate ``loss_fast_rate``) is not below its slow average (rate ``loss_slow_rate``)
-      by more than ``min_improvement`` (relative). Attention logits and saturation grow while a model
-      learns (sharper attention is what learning looks like); growth that goes on while the loss has
-      stalled or turned up is what precedes the attention-logit divergence of Wortsman et al. (2023).
-      Progress counts as unknown, and the detector stays silent, until ``1 / loss_slow_rate``
-      losses were seen. Without a loss the first two conditions decide alone.
-
-    A second rule (``rule="level"``) fires on any value at or above ``alarm_level``, whatever the
-    loss does: a level no healthy run measured reached (for the max logit, 1000: softmax is one-hot
-    in every float format, and a BF16 score there is only resolved to steps of 4 or 8).
-
-    Why these defaults (``benchmarks/instability.py`` and the runs in docs/DETECTORS.md, tiny GPTs on
-    CPU): in runs that trained well the max logit rose from ~2 to 23-84 while the loss fell; in runs
-    that diverged it passed 1000 by step ~30 and reached 10^8 while the loss stalled, and the loss
-    exploded 100-200 steps later.
-
-    NaN and ``+inf`` fire ``kind="nonfinite"``; ``-inf`` means "no observation" (an
-    ``AttentionStats.max_logit`` that saw no rows) and is ignored. Flagged values do not enter the
-    baseline; after ``rebaseline_after`` consecutive flagged updates the new level is accepted.
-    Use :meth:`saturation` or :meth:`max_logit` for defaults per statistic.
-
-    Args:
-        metric: name carried by events (e.g. ``"stable_attn/saturation/layer3"``).
-        min_delta: absolute rise over the baseline below which nothing fires (required: its scale
-            depends on the statistic).
-        ratio: relative rise over a positive baseline needed to fire (>= 1).
-        z_threshold: robust sigmas of rise needed to fire.
-        min_level: values below this never fire (absolute units; default: no floor).
-        alarm_level: values at or above this fire (``rule="level"``) whatever the loss and the
-            baseline (default: never).
-        min_improvement: relative drop of the loss's fast average below its slow one that counts as
-            progress and keeps the detector silent.
-        loss_fast_rate, loss_slow_rate: smoothing rates of the two loss averages (fast > slow).
-        warmup: finite updates before anything but non-finite values can fire.
-        rate: smoothing rate of the baseline.
-        scale_rate: smoothing rate of the robust noise variance.
-        clip: residuals are clipped at this many sigmas before they update baseline and scale.
-        rebaseline_after: consecutive flagged updates after which the new level is accepted.
-    """
-
-    def __init__(
-        self,
-        metric: str,
-        *,
-        min_delta: float,
-        ratio: float = 1.5,
-        z_threshold: float = 6.0,
-        min_level: float = -math.inf,
-        alarm_level: float = math.inf,
-        min_improvement: float = 0.01,
-        loss_fast_rate: float = 0.1,
-        loss_slow_rate: float = 0.02,
-        warmup: int = 10,
-        rate: float = 0.05,
-        scale_rate: float = 0.05,
-        clip: float = 2.0,
-        rebaseline_after: int = 20,
-    ) -> None:
-        if not isinstance(metric, str) or not metric:
-            raise TypeError(f"metric must be a non-empty str, got {metric!r}")
-        self.metric = metric
-        self.min_delta = _check_positive("min_delta", min_delta)
-        self.ratio = _as_float("ratio", ratio)
-        if not (self.ratio >= 1.0 and math.isfinite(self.ratio)):
-            raise ValueError(f"ratio must be a finite number >= 1, got {ratio!r}")
-        self.z_threshold = _check_positive("z_threshold", z_threshold)
-        self.min_level = _as_float("min_level", min_level)
-        if math.isnan(self.min_level) or self.min_level == math.inf:
-            raise ValueError(f"min_level must be a number below +inf, got {min_level!r}")
-        self.alarm_level = _as_float("alarm_level", alarm_level)
-        if math.isnan(self.alarm_level) or not self.alarm_level > self.min_level:
-            raise ValueError(f"alarm_level must be a number above min_level ({self.min_level!r}), got {alarm_level!r}")
-        self.min_improvement = _check_positive("min_improvement", min_improvement, allow_zero=True)
-        self.loss_fast_rate = _check_rate("loss_fast_rate", loss_fast_rate)
-        self.loss_slow_rate = _check_rate("loss_slow_rate", loss_slow_rate)
-        if not self.loss_slow_rate < self.loss_fast_rate:
-            raise ValueError(
-                f"loss_slow_rate ({loss_slow_rate!r}) must be below loss_fast_rate ({loss_fast_rate!r})"
-            )
-        self.warmup = _check_count("warmup", warmup, 0)
-        self.rate = _check_rate("rate", rate)
-        self.scale_rate = _check_rate("scale_rate", scale_rate)
-        self.clip = _check_positive("clip", clip)
-        self.rebaseline_after = _check_count("rebaseline_after", rebaseline_after, 1)
-        self._kappa = _huber_consistency(self.clip)
-        self.reset()
-
-    @classmethod
-    def saturation(cls, metric: str = "stable_attn/saturation", **kwargs: Any) -> SurgeDetector:
-        """Defaults for a saturation or fixed-block rate in [0, 1]: fire on a rise of at least
-        5 percentage points that also doubles the baseline, to at least 10% of rows, while the loss
-        does not improve."""
-        kwargs.setdefault("min_delta", 0.05)
-        kwargs.setdefault("ratio", 2.0)
-        kwargs.setdefault("min_level", 0.1)
-        return cls(metric, **kwargs)
-
-    @classmethod
-    def max_logit(cls, metric: str = "stable_attn/max_logit", **kwargs: Any) -> SurgeDetector:
-        """Defaults for a max attention logit (scaled score): fire on a rise of at least 5 logit
-        units and 25% over the baseline, to at least 50 (``exp(50)``: one key takes all the
-        attention in any precision), while the loss does not improve; and at 1000 in any case."""
-        kwargs.setdefault("min_delta", 5.0)
-        kwargs.setdefault("ratio", 1.25)
-        kwargs.setdefault("min_level", 50.0)
-        kwargs.setdefault("alarm_level", 1000.0)
-        return cls(metric, **kwargs)
-
-    def reset(self) -> None:
-        """Forget everything learnt (as freshly constructed)."""
-        self._n = 0
-        self._level: float | None = None
-        self._var: float | None = None
-        self._residuals = 0
-        self._last_residual: float | None = None
-        self._episodes = _Episodes()
-        self._recent: list[float] = []
-        self._loss_fast: float | None = None
-        self._loss_slow: float | None = None
-        self._losses = 0
-
-    @property
-    def ready(self) -> bool:
-        """True once warm-up is over and surges can fire."""
-        return self._n >= max(self.warmup, 1)
-
-    @property
-    def baseline(self) -> float | None:
-        """The current baseline (None before the first value)."""
-        return self._level
-
-    @property
-    def loss_improving(self) -> bool | None:
-        """Whether the loss passed to :meth:`update` is still improving: None if no loss was passed,
-        True (the benefit of the doubt) until ``1 / loss_slow_rate`` losses were seen, since the
-        two averages cannot differ before the slow one has its own memory."""
-        if self._loss_fast is None or self._loss_slow is None:
-            return None
-        if self._losses < 1.0 / self.loss_slow_rate:
-            return True
-        return self._loss_fast < self._loss_slow - self.min_improvement * abs(self._loss_slow)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain-Python state for checkpoints (see :meth:`SpikeDetector.state_dict`)."""
-        return {
-            "version": _STATE_VERSION,
-            "type": "SurgeDetector",
-            "config": {
-                "metric": self.metric,
-                "min_delta": self.min_delta,
-                "ratio": self.ratio,
-                "z_threshold": self.z_threshold,
-                "min_level": self.min_level,
-                "alarm_level": self.alarm_level,
-                "min_improvement": self.min_improvement,
-                "loss_fast_rate": self.loss_fast_rate,
-                "loss_slow_rate": self.loss_slow_rate,
-                "warmup": self.warmup,
-                "rate": self.rate,
-                "scale_rate": self.scale_rate,
-                "clip": self.clip,
-                "rebaseline_after": self.rebaseline_after,
-            },
-            "n": self._n,
-            "level": self._level,
-            "var": self._var,
-            "residuals": self._residuals,
-            "last_residual": self._last_residual,
-            "run": self._episodes.run,
-            "last_kind": self._episodes.last_kind,
-            "recent": list(self._recent),
-            "loss_fast": self._loss_fast,
-            "loss_slow": self._loss_slow,
-            "losses": self._losses,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the state saved by :meth:`state_dict` (a version-1 state, saved before the loss
-        condition existed, loads with no loss history)."""
-        if isinstance(state, Mapping) and state.get("version") == 1 and state.get("type") == "SurgeDetector":
-            state = {**state, "version": _STATE_VERSION, "loss_fast": None, "loss_slow": None, "losses": 0}
-        _check_state(state, "SurgeDetector", tuple(self.state_dict()))
-        self._n = int(state["n"])
-        self._level = None if state["level"] is None else float(state["level"])
-        self._var = None if state["var"] is None else float(state["var"])
-        self._residuals = int(state["residuals"])
-        self._last_residual = None if state["last_residual"] is None else float(state["last_residual"])
-        self._episodes.run = int(state["run"])
-        self._episodes.last_kind = state["last_kind"]
-        self._recent = [float(v) for v in state["recent"]]
-        self._loss_fast = None if state["loss_fast"] is None else float(state["loss_fast"])
-        self._loss_slow = None if state["loss_slow"] is None else float(state["loss_slow"])
-        self._losses = int(state["losses"])
-
-    def update(self, step: int, value: float, loss: float | None = None) -> SpikeEvent | None:
-        """Feed one observation (and optionally the training loss of the same step); return an event
-        on a surge or a non-finite value, else None. A non-finite loss is ignored here (the loss's
-        own :class:`SpikeDetector` reports it)."""
-        value = _as_float("value", value)
-        step = int(step)
-        if loss is not None:
-            self._track_loss(_as_float("loss", loss))
-        if value == -math.inf:
-            return None
-        if not math.isfinite(value):
-            run, is_new = self._episodes.flag("nonfinite")
-            baseline = math.nan if self._level is None else self._level
-            threshold = math.nan if self._level is None else self._level + self._margin(self._level)
-            return SpikeEvent(
-                step, self.metric, value, baseline, threshold, math.inf, "nonfinite", run, is_new, "nonfinite"
-            )
-        if self._level is None:
-            self._accept(value)
-            return None
-        margin = self._margin(self._level)
-        rise = value - self._level
-        alarm = value >= self.alarm_level
-        if self.ready and (alarm or (rise > margin and value >= self.min_level and not self.loss_improving)):
-            run, is_new = self._episodes.flag("early_warning")
-            self._recent.append(value)
-            del self._recent[:-_RECENT_FLAGGED]
-            event = SpikeEvent(
-                step=step,
-                metric=self.metric,
-                value=value,
-                baseline=self._level,
-                threshold=self.alarm_level if alarm else max(self._level + margin, self.min_level),
-                score=rise / self._sigma(),
-                kind="early_warning",
-                run_length=run,
-                is_new=is_new,
-                rule="level" if alarm else "surge",
-            )
-            if run >= self.rebaseline_after:
-                ordered = sorted(self._recent)
-                self._level = ordered[len(ordered) // 2]
-                self._last_residual = None
-                self._recent.clear()
-                self._episodes.clear()
-            return event
-        self._accept(value)
-        return None
-
-    def _track_loss(self, loss: float) -> None:
-        if not math.isfinite(loss):
-            return
-        self._losses += 1
-        if self._loss_fast is None or self._loss_slow is None:
-            self._loss_fast = self._loss_slow = loss
-            return
-        # Equal weights over the first values (rate 1/k), so that both averages start from the same data.
-        self._loss_fast += max(self.loss_fast_rate, 1.0 / self._losses) * (loss - self._loss_fast)
-        self._loss_slow += max(self.loss_slow_rate, 1.0 / self._losses) * (loss - self._loss_slow)
-
-    def _sigma(self) -> float:
-        floor = self.min_delta / self.z_threshold
-        return floor if self._var is None else max(math.sqrt(self._var), floor)
-
-    def _margin(self, level: float) -> float:
-        return max(self.min_delta, self.z_threshold * self._sigma(), (self.ratio - 1.0) * level)
-
-    def _accept(self, value: float) -> None:
-        self._n += 1
-        self._episodes.clear()
-        self._recent.clear()
-        if self._level is None:
-            self._level = value
-            return
-        residual = value - self._level
-        trusted = self._residuals >= _MIN_SCALE_SAMPLES
-        bound = self.clip * self._sigma()
-        clipped = min(max(residual, -bound), bound) if self.ready else residual
-        self._level += self.rate * clipped
-        self._var, self._residuals = _update_scale(
-            self._var, self._residuals, residual, self._last_residual, bound, trusted, self.scale_rate, self._kappa
-        )
-        self._last_residual = residual
-
-    def __repr__(self) -> str:
-        return (
-            f"SurgeDetector({self.metric!r}, min_delta={self.min_delta!r}, ratio={self.ratio!r}, "
-            f"z_threshold={self.z_threshold!r}, min_level={self.min_level!r}, warmup={self.warmup!r})"
-        )
-
-
-def _check_state(state: Mapping[str, Any], kind: str, keys: tuple[str, ...], version: int = _STATE_VERSION) -> None:
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping from {kind}.state_dict(), got {type(state).__name__}")
-    if state.get("type", kind) != kind:
-        raise ValueError(f"state is a {state.get('type')!r} state, expected one from {kind}.state_dict()")
-    if state.get("version") != version:
-        raise ValueError(f"state version {state.get('version')!r} is not supported (expected {version})")
-    missing = [k for k in keys if k not in state]
-    if missing:
-        raise ValueError(f"state is missing keys {missing}; pass the dict returned by {kind}.state_dict()")

@@ -2,10 +2,10 @@
 
 What the request holds: ``POST`` to the URL's path and query, headers ``Content-Type:
 application/json``, ``User-Agent: stable_attn-alerts`` and the caller's ``headers``, and a body that
-is ``payload(alert)`` as JSON; by default :meth:`Alert.to_dict`: ``step``, ``kind``, ``metric``,
-``value``, ``baseline``, ``threshold``, ``score``, ``lr``, ``layers`` (layer names and changes),
-``action``, ``message`` and ``time`` (no data, no weights, no file paths beyond what a user's own
-message holds).
+is ``payload(alert)`` as JSON; by default :meth:`Alert.to_dict`, the keys of :attr:`Alert.FIELDS`:
+``step``, ``kind``, ``metric``, ``value``, ``baseline``, ``threshold``, ``score``, ``lr``, ``layers``
+(layer names and changes), ``action``, ``message`` and ``time`` (no data, no weights, no file paths
+beyond what a user's own message holds).
 
 Where it goes, and nowhere else: a direct connection to the URL's host and port (``http.client``: no
 proxy from the environment, no redirect followed; a 3xx answer counts as a failure with its status),

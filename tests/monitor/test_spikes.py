@@ -1,4 +1,4 @@
-"""SpikeDetector and SurgeDetector on synthetic training traces with known anomalies."""
+"""SpikeDetector on synthetic training traces with known anomalies (SurgeDetector: test_surge.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from detector_runs import run
 
-from stable_attn.monitor import SpikeDetector, SpikeEvent, SurgeDetector
+from stable_attn.monitor import SpikeDetector, SurgeDetector
 
 
 def lm_trace(
@@ -26,15 +27,6 @@ def lm_trace(
     hard = rng.random(steps) < hard_rate
     noise[hard] = rng.uniform(2.0, 4.0, hard.sum())
     return curve + sigma * noise, curve
-
-
-def run(det: SpikeDetector | SurgeDetector, values, start: int = 0) -> list[SpikeEvent]:
-    events = []
-    for i, x in enumerate(values):
-        event = det.update(start + i, float(x))
-        if event is not None:
-            events.append(event)
-    return events
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -280,67 +272,3 @@ def test_events_of_an_episode_describe_it() -> None:
         assert abs(d["baseline"] - 3.0) < 0.1
     # the flagged values did not enter the baseline: a return to the old level raises nothing
     assert det.update(202, 3.0) is None
-
-
-# ------------------------------------------------------------------ SurgeDetector
-
-
-def test_saturation_noise_near_zero_never_fires_and_a_surge_does() -> None:
-    rng = np.random.default_rng(20)
-    noise = rng.uniform(0.0, 0.01, 500) * (rng.random(500) < 0.3)  # mostly exactly 0, sometimes up to 1%
-    det = SurgeDetector.saturation("stable_attn/saturation/layer2")
-    assert run(det, noise) == []
-    event = det.update(500, 0.3)
-    assert event is not None and event.kind == "early_warning" and event.rule == "surge"
-    assert event.metric == "stable_attn/saturation/layer2"
-    assert event.threshold >= event.baseline + 0.05
-    # A small rise (below the 5-point floor) is not a surge.
-    assert det.update(501, 0.04) is None
-
-
-def test_max_logit_surge_and_no_observation() -> None:
-    rng = np.random.default_rng(21)
-    det = SurgeDetector.max_logit("stable_attn/max_logit/layer0")
-    assert run(det, 52.0 + 0.5 * rng.standard_normal(300)) == []
-    state = det.state_dict()
-    assert det.update(300, -math.inf) is None  # AttentionStats saw no rows
-    assert det.state_dict() == state
-    assert det.update(301, 56.0) is None  # +4: within noise floors
-    event = det.update(302, 80.0)
-    assert event is not None and event.kind == "early_warning"
-    assert 51.0 < event.baseline < 53.0
-    nan_event = det.update(303, math.nan)
-    assert nan_event is not None and nan_event.kind == "nonfinite" and nan_event.is_new
-
-
-def test_surge_does_not_poison_and_sustained_surge_is_accepted() -> None:
-    rng = np.random.default_rng(22)
-    det = SurgeDetector.saturation(rebaseline_after=10)
-    run(det, 0.02 + 0.002 * rng.standard_normal(200))
-    baseline = det.baseline
-    events = run(det, [0.4] * 30, start=200)
-    assert [e.step for e in events] == list(range(200, 210))
-    assert events[0].baseline == pytest.approx(baseline)
-    assert det.baseline == pytest.approx(0.4)
-
-
-def test_surge_state_round_trip() -> None:
-    rng = np.random.default_rng(23)
-    values = np.concatenate([60 + rng.standard_normal(200), [90.0, 91.0], 60 + rng.standard_normal(100)])
-    reference = SurgeDetector.max_logit()
-    run(reference, values[:150])
-    state = json.loads(json.dumps(reference.state_dict(), allow_nan=False))
-    restored = SurgeDetector.max_logit()
-    restored.load_state_dict(state)
-    expected = run(reference, values[150:], start=150)
-    assert [e.step for e in expected] == [200, 201]
-    assert run(restored, values[150:], start=150) == expected
-
-
-def test_surge_validation() -> None:
-    with pytest.raises(ValueError, match="ratio"):
-        SurgeDetector("x", min_delta=1.0, ratio=0.5)
-    with pytest.raises(ValueError, match="min_delta"):
-        SurgeDetector("x", min_delta=0.0)
-    with pytest.raises(TypeError):
-        SurgeDetector("x")  # type: ignore[call-arg]  # min_delta is required: its scale depends on the metric
