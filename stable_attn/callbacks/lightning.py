@@ -1,7 +1,7 @@
 """StableAttentionCallback: the stabilized attention, monitoring, alerts and spike handling for a
 Lightning ``Trainer``.
 
-A thin adapter: :class:`~stable_attn.callbacks.engine.MonitorEngine` does the work (swap, statistics,
+A thin adapter: :class:`~stable_attn.monitor.engine.MonitorEngine` does the work (swap, statistics,
 detection, the step's action agreed across ranks, alerts, rollback snapshots, resume state); this
 module maps Lightning's hooks onto it (automatic optimization):
 
@@ -29,8 +29,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..monitor import Alert, SpikeDetector, names
-from .engine import MonitorEngine, SpikeAction, Trainables, World
-from .grad_norm import total_grad_norm
+from ..monitor.engine import MonitorEngine, SpikeAction, Trainables, World
+from ..monitor.grad_norm import total_grad_norm
 
 __all__ = ["StableAttentionCallback"]
 

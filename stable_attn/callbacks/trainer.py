@@ -1,7 +1,7 @@
 """StableAttentionTrainerCallback: the stabilized attention, monitoring, alerts and spike handling for a
 transformers ``Trainer`` (and the trainers built on it, such as TRL's).
 
-A thin adapter: :class:`~stable_attn.callbacks.engine.MonitorEngine` decides everything; this module
+A thin adapter: :class:`~stable_attn.monitor.engine.MonitorEngine` decides everything; this module
 only turns the Trainer's hooks into the engine's calls. One optimizer step of the Trainer
 (``on_pre_optimizer_step`` exists from transformers 4.45 on, 4.44 lacks it; the project requires
 transformers >= 5, whose Trainer also computes the gradient norm on every step):
@@ -41,8 +41,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..monitor import Alert, SpikeDetector, names
-from .engine import MonitorEngine, SpikeAction, Trainables, World
-from .grad_norm import total_grad_norm
+from ..monitor.engine import MonitorEngine, SpikeAction, Trainables, World
+from ..monitor.grad_norm import total_grad_norm
 
 __all__ = ["StableAttentionTrainerCallback"]
 

@@ -8,8 +8,8 @@ import pytest
 
 from stable_attn import report
 from stable_attn.callbacks import StableAttentionCallback
-from stable_attn.callbacks.layer_stats import STAT_NAMES
 from stable_attn.monitor import alerts, names
+from stable_attn.monitor.layer_stats import STAT_NAMES
 
 
 def test_every_reader_and_writer_uses_the_same_names():
