@@ -36,17 +36,19 @@ the adapter's (``StepEnd.metrics``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from ..callbacks.swap import find_hf_models, swap_attention
 from . import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, alerting, names
+from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAction: imported from here before
 from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
@@ -57,8 +59,6 @@ __all__ = ["ACTIONS", "Decision", "MonitorEngine", "StepEnd", "Trainables", "Wor
 
 log = logging.getLogger("stable_attn")
 
-SpikeAction = Literal["warn", "skip", "rollback", "stop"]
-ACTIONS = ("warn", "skip", "rollback", "stop")
 
 
 @dataclass(frozen=True)
@@ -121,86 +121,40 @@ class StepEnd:
     alert_count_changed: bool = False  # an alert was raised during this step (since its begin_step)
 
 
-def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        accepted = f"an int >= {minimum}" + (" or None" if allow_none else "")
-        raise ValueError(f"{name}={value!r} is not supported; use {accepted}")
-
-
 class MonitorEngine:
     """Swap, per-layer statistics, spike detection, the step's action agreed across ranks, alerts,
     rollback snapshots and resume state, for any training loop.
 
-    The arguments are the Lightning callback's (see :class:`~stable_attn.callbacks.StableAttentionCallback`
-    for what each does), checked here; ``name`` starts every log line.
+    The arguments are :class:`~stable_attn.monitor.config.MonitorConfig`'s, checked there (see
+    :class:`~stable_attn.callbacks.StableAttentionCallback` for what each does); ``name`` starts every log
+    line. :meth:`from_config` builds an engine from a MonitorConfig.
     """
 
-    def __init__(
-        self,
-        *,
-        name: str = "StableAttentionCallback",
-        on_spike: SpikeAction = "warn",
-        log_every_n_steps: int | None = None,
-        swap: bool = True,
-        patch_sdpa: bool = False,
-        loss_detector: SpikeDetector | None = None,
-        grad_norm_detector: SpikeDetector | None = None,
-        monitor_grad_norm: bool = True,
-        attention_stats: bool = True,
-        early_warnings: bool = True,
-        early_warning_warmup: int | None = None,
-        rollback_every: int = 100,
-        on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None = None,
-        webhook_url: str | None = None,
-        webhook_timeout: float = 2.0,
-        webhook_headers: Mapping[str, str] | None = None,
-        alerts_file: str | None = names.ALERTS_FILE,
-        layer_window: int = 10,
-        not_training_after: int = 10,
-        not_training_stop_after: int | None = 100,
-    ) -> None:
-        if on_spike not in ACTIONS:
-            raise ValueError(f"on_spike={on_spike!r} is not supported; use one of {ACTIONS}")
-        _check_int("log_every_n_steps", log_every_n_steps, 1, allow_none=True)
-        _check_int("rollback_every", rollback_every, 1)
-        _check_int("layer_window", layer_window, 2)
-        _check_int("early_warning_warmup", early_warning_warmup, 0, allow_none=True)
-        _check_int("not_training_after", not_training_after, 1)
-        _check_int("not_training_stop_after", not_training_stop_after, not_training_after, allow_none=True)
-        for arg, flag in (("swap", swap), ("patch_sdpa", patch_sdpa), ("monitor_grad_norm", monitor_grad_norm),
-                          ("attention_stats", attention_stats), ("early_warnings", early_warnings)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{arg}={flag!r} is not supported; use True or False")
-        for arg, det in (("loss_detector", loss_detector), ("grad_norm_detector", grad_norm_detector)):
-            if det is not None and not isinstance(det, SpikeDetector):
-                raise TypeError(f"{arg}={det!r} is not supported; use a stable_attn.monitor.SpikeDetector or None")
-        callbacks = alerting.check_on_alert(on_alert)
-        webhook_timeout, webhook_headers = alerting.check_webhook(webhook_url, webhook_timeout, webhook_headers)
-        alerting.check_alerts_file(alerts_file)
+    def __init__(self, *, name: str = "StableAttentionCallback", **options: Any) -> None:
+        self._configure(MonitorConfig.from_options(options, owner="MonitorEngine"), name)
 
+    __init__.__signature__ = MonitorConfig.signature(  # type: ignore[attr-defined]
+        inspect.Parameter("name", inspect.Parameter.KEYWORD_ONLY, default="StableAttentionCallback", annotation="str"))
+
+    @classmethod
+    def from_config(cls, config: MonitorConfig, *, name: str = "StableAttentionCallback") -> MonitorEngine:
+        """The engine of ``config`` (already checked); ``name`` starts every log line."""
+        engine = cls.__new__(cls)
+        engine._configure(config, name)
+        return engine
+
+    def _configure(self, config: MonitorConfig, name: str) -> None:
+        self.config = config
         self.name = name
-        self.on_spike = on_spike
-        self.log_every_n_steps = log_every_n_steps
-        self.swap = swap
-        self.patch_sdpa = patch_sdpa
-        self.monitor_grad_norm = monitor_grad_norm
-        self.attention_stats = attention_stats
-        self.early_warnings = early_warnings
-        self.early_warning_warmup = early_warning_warmup
-        self.rollback_every = rollback_every
-        self.on_alert = callbacks
-        self.webhook_url = webhook_url
-        self.webhook_timeout = webhook_timeout
-        self.webhook_headers = webhook_headers
-        self.alerts_file = alerts_file
-        self.layer_window = layer_window
-        self.not_training_after = not_training_after
-        self.not_training_stop_after = not_training_stop_after
-        self.loss_detector = loss_detector if loss_detector is not None else SpikeDetector.loss()
-        self.grad_norm_detector = grad_norm_detector if grad_norm_detector is not None else SpikeDetector.grad_norm()
-        self._watch = LayerWatch(layer_window, early_warnings and attention_stats, early_warning_warmup)
+        # One attribute per argument, as the engine keeps it (on_alert a list, webhook_timeout a float, ...).
+        for key, value in config.checked().items():
+            setattr(self, key, value)
+        detector = config.loss_detector
+        self.loss_detector = detector if detector is not None else SpikeDetector.loss()
+        detector = config.grad_norm_detector
+        self.grad_norm_detector = detector if detector is not None else SpikeDetector.grad_norm()
+        self._watch = LayerWatch(config.layer_window, config.early_warnings and config.attention_stats,
+                                 config.early_warning_warmup)
 
         self.world = World()
         self.alert_count = 0
@@ -214,8 +168,8 @@ class MonitorEngine:
         self.log_dir: str | None = None
         self.last: dict[str, float] = {}  # the last step's loss, gradient norm and learning rate
 
-        self._judge = StepJudge(on_spike, self.loss_detector, self.grad_norm_detector)
-        self._streak = NotTrainingStreak(not_training_after, not_training_stop_after)
+        self._judge = StepJudge(config.on_spike, self.loss_detector, self.grad_norm_detector)
+        self._streak = NotTrainingStreak(config.not_training_after, config.not_training_stop_after)
         self._phases = PhaseNotes()
         self._stop_path: Callable[[int], str] = self._default_stop_path
         self._swapped: dict[int, str] = {}
@@ -561,3 +515,7 @@ class MonitorEngine:
         self.rollbacks = [tuple(r) for r in state_dict.get("rollbacks", [])]
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
         self._watch.load_state_dict(state_dict)  # applied to layers found later too
+
+
+MonitorConfig.document(MonitorEngine, log_every="the ``log_every_n_steps`` given to :meth:`MonitorEngine.start`",
+                       log_dir="the ``log_dir`` given to :meth:`MonitorEngine.start`")

@@ -1,17 +1,18 @@
-"""The total gradient norm of a Lightning model, correct for replicated and sharded parameters.
+"""The total gradient norm of a model, correct for replicated and sharded parameters.
 
 Under DDP every rank holds the full, already all-reduced gradients, so the local norm is the global
 one (reducing it again would count every gradient ``world_size`` times). Under FSDP each rank holds
 a shard, so the squared norms of the shards must be summed across ranks; which reduction is right
-depends on how the strategy sharded (full shard, hybrid shard, tensor parallel), and only the
-strategy's own wrapper knows. So this module asks it:
+depends on how the model was sharded (full shard, hybrid shard, tensor parallel), and only the
+sharding itself knows:
 
-- FSDP1 (``FSDPStrategy``): ``FullyShardedDataParallel.clip_grad_norm_`` with ``max_norm=inf``
-  returns the global norm and scales the gradients by ``min(inf / norm, 1) = 1.0``, which is exact;
-- FSDP2 / tensor parallel (``ModelParallelStrategy``, gradients are ``DTensor``): the norm of
-  DTensors is itself a DTensor whose ``full_tensor()`` performs the one reduction the placements
-  require;
+- FSDP2 / tensor parallel (gradients are ``DTensor``): the norm of DTensors is itself a DTensor whose
+  ``full_tensor()`` performs the one reduction the placements require;
 - everything else: the norm of the local gradients.
+
+FSDP1 (a ``FullyShardedDataParallel`` root, whose gradients are plain local shards) needs the wrapper's own
+``clip_grad_norm_``: the Lightning adapter asks its ``FSDPStrategy`` for it
+(:mod:`stable_attn.callbacks.lightning`), since only the training loop knows the root.
 
 :func:`nonfinite_grads` is the cheap check for a run that does not monitor the norm: whether any local
 gradient holds a NaN or inf (the max-abs of each gradient, which reads every element once, squares
@@ -41,18 +42,12 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def total_grad_norm(parameters: Iterable[torch.nn.Parameter], strategy: object | None = None) -> torch.Tensor | None:
+def total_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
     """The 2-norm of all gradients of ``parameters`` over every rank (a 0-d tensor), or None when
-    no parameter has a gradient. ``strategy`` is the Lightning strategy (``trainer.strategy``).
+    no parameter has a gradient.
 
-    Call it on every rank at the same point of the step: under FSDP it is a collective.
+    Call it on every rank at the same point of the step: with DTensor gradients it is a collective.
     """
-    if strategy is not None and type(strategy).__name__ == "FSDPStrategy":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        root = getattr(strategy, "model", None)
-        if isinstance(root, FullyShardedDataParallel):
-            return root.clip_grad_norm_(float("inf")).detach()
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return None
