@@ -278,7 +278,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
                 f"restore_callback_states_from_checkpoint=False: {_NAME} restores its own state either way")
         engine = dict(saved["engine"])
         snapshot = os.path.join(checkpoint, SNAPSHOT_FILE) if checkpoint is not None else None
-        if snapshot is not None and self.engine.on_spike == "rollback" and os.path.isfile(snapshot):
+        if snapshot is not None and self.engine.config.rolls_back and os.path.isfile(snapshot):
             engine["rollback_snapshot"] = torch.load(snapshot, map_location=args.device, weights_only=True)
         self.engine.load_state_dict(engine)
 

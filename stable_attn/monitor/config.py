@@ -165,6 +165,11 @@ class MonitorConfig:
         ``webhook_timeout`` a float and ``webhook_headers`` a dict."""
         return {name: self._checked.get(name, getattr(self, name)) for name in self.names()}
 
+    @property
+    def rolls_back(self) -> bool:
+        """``on_spike="rollback"``: the engine keeps rollback snapshots (a single-process checkpoint saves the last)."""
+        return self.on_spike == "rollback"
+
     # ------------------------------------------------------ signatures and docs
     @classmethod
     def signature(cls, *leading: inspect.Parameter) -> inspect.Signature:

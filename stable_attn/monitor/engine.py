@@ -53,7 +53,7 @@ from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
 from .rollback import Snapshot, Trainables, restore_snapshot, snapshot_from_state, snapshot_state, take_snapshot
-from .verdict import FIELDS, NotTrainingStreak, PhaseNotes, StepJudge
+from .verdict import FIELDS, NotTrainingStreak, PhaseNotes, StepJudge, Verdict
 
 __all__ = ["ACTIONS", "Decision", "MonitorEngine", "StepEnd", "Trainables", "World"]
 
@@ -265,7 +265,7 @@ class MonitorEngine:
         # A snapshot of one process is the whole state; several ranks (DDP, FSDP) each hold their own, and a
         # checkpoint keeps rank zero's only.
         self._snapshot_in_checkpoint = self.world.size == 1
-        if self.on_spike != "rollback":
+        if not self.config.rolls_back:
             return
         if loaded is not None:
             self._snapshot = loaded
@@ -371,7 +371,7 @@ class MonitorEngine:
         if lr is None:
             lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else math.nan
         judged = self._judge.judge(step, table.cpu().tolist(), has_norm=grad_norm is not None, scaler=scaler,
-                                   lr=lr, note=lambda action: self._action_note(step, action))
+                                   lr=lr, note=lambda verdict: self._action_note(step, verdict))
         self.last = judged.last
         watched = [self.loss_detector] + ([self.grad_norm_detector] if self.monitor_grad_norm else [])
         for line in self._phases.update(step, watched):
@@ -386,28 +386,28 @@ class MonitorEngine:
             # No gradients, no update: torch optimizers skip parameters whose .grad is None.
             optimizer.zero_grad(set_to_none=True)
             self._acted = True
-            if verdict.action == "skip":
+            if verdict.skip:
                 self.skipped_steps.append(step)
-            elif verdict.action == "rollback":
+            elif verdict.rollback:
                 self._pending_rollback = True
-            else:
+            elif verdict.stop:
                 self._pending_stop = True
         escalate = self._streak.update(verdict.not_training)
         if escalate is not None:
-            if escalate == "stop":
+            if self._streak.stops:
                 self._pending_stop = True
             self._emit(self._streak.alert(step, escalate, self.last.get(names.LR), self._stop_path(step)))
         self._stepped = True
         return Decision(step=step, drop=verdict.drop, action=verdict.action, rollback=self._pending_rollback,
                         stop=self._pending_stop)
 
-    def _action_note(self, step: int, action: str) -> str:
-        if action == "skip":
+    def _action_note(self, step: int, verdict: Verdict) -> str:
+        if verdict.skip:
             return "; update skipped"
-        if action == "rollback":
+        if verdict.rollback:
             at = self._snapshot.step if self._snapshot is not None else "?"
             return f"; rolling back to the state at global_step {at}"
-        if action == "stop":
+        if verdict.stop:
             return f"; stopping, checkpoint {self._stop_path(step)}"
         return ""
 
@@ -435,7 +435,7 @@ class MonitorEngine:
             if self.world.is_zero:
                 log.warning("%s: rolled back to the state at global_step %d; the batches of steps %d..%d are dropped",
                             self.name, self._snapshot.step, self._snapshot.step, step)
-        elif self.on_spike == "rollback" and not self._acted and state.step % self.rollback_every == 0:
+        elif self.config.rolls_back and not self._acted and state.step % self.rollback_every == 0:
             self._snapshot = take_snapshot(state)
 
         stop = None
@@ -490,7 +490,7 @@ class MonitorEngine:
             "layers": watch["layers"],
             "alert_delivery": self._delivery(),
             **({"rollback_snapshot": snapshot_state(self._snapshot)} if self._snapshot is not None
-               and self._snapshot_in_checkpoint and self.on_spike == "rollback" else {}),
+               and self._snapshot_in_checkpoint and self.config.rolls_back else {}),
         }
 
     def _delivery(self) -> dict[str, dict[str, int]]:

@@ -33,9 +33,19 @@ FIELDS = 4
 
 @dataclass(frozen=True)
 class Verdict:
-    drop: bool  # the step's update is dropped
-    action: str  # what the step's alerts say is done: "warn", "skip", "rollback" or "stop"
-    not_training: bool  # the step counts towards the not-training streak (dropped, or a non-finite loss)
+    """What is done about one step. At most one of ``skip``, ``rollback`` and ``stop`` is True, and one is
+    exactly when the step's update is dropped; ``action`` is the word the step's alerts carry."""
+
+    action: str  # "warn", "skip", "rollback" or "stop": on_spike's (or "skip" for a non-finite step under "warn")
+    skip: bool = False  # the update is dropped and training goes on
+    rollback: bool = False  # the update is dropped and the last snapshot is restored
+    stop: bool = False  # the update is dropped and the run stops with a checkpoint
+    not_training: bool = False  # the step counts towards the not-training streak (dropped, or a non-finite loss)
+
+    @property
+    def drop(self) -> bool:
+        """The step's update is dropped."""
+        return self.skip or self.rollback or self.stop
 
 
 @dataclass
@@ -103,8 +113,8 @@ class StepJudge:
         self._grads_were_bad = False
 
     def judge(self, step: int, rows: list[list[float]], *, has_norm: bool, scaler: bool, lr: float,
-              note: Callable[[str], str]) -> Judgement:
-        """``rows[rank]`` = [loss, grad norm, has loss, non-finite gradients]; ``note(action)`` is what an
+              note: Callable[[Verdict], str]) -> Judgement:
+        """``rows[rank]`` = [loss, grad norm, has loss, non-finite gradients]; ``note(verdict)`` is what an
         alert adds after its message (e.g. "; update skipped")."""
         world = len(rows)
         losses = [r[0] for r in rows if r[2]]
@@ -127,12 +137,17 @@ class StepJudge:
         nonfinite_loss = any(r[2] and not math.isfinite(r[0]) for r in rows)
         nonfinite = nonfinite_loss or bool(bad_grad_ranks)
         spiked = bool(loss_events or norm_events)
-        drop = nonfinite or (spiked and self.on_spike != "warn")
-        action = self.on_spike if self.on_spike != "warn" else ("skip" if drop else "warn")
-        said = note(action)
-        if nonfinite and self.on_spike == "warn":
+        warn_only = self.on_spike == "warn"
+        drop = nonfinite or (spiked and not warn_only)
+        dropped_as = "skip" if warn_only else self.on_spike  # what a dropped update means
+        verdict = Verdict(action=dropped_as if drop or not warn_only else "warn",
+                          skip=drop and dropped_as == "skip", rollback=drop and dropped_as == "rollback",
+                          stop=drop and dropped_as == "stop", not_training=drop or nonfinite_loss)
+        action = verdict.action
+        said = note(verdict)
+        if nonfinite and warn_only:
             said += " (a non-finite update is never applied, whatever on_spike says)"
-        out = Judgement(Verdict(drop=drop, action=action, not_training=drop or nonfinite_loss), last)
+        out = Judgement(verdict, last)
         for events in (loss_events, norm_events):
             new = [(rank, e) for rank, e in events if e.is_new]
             if new:
@@ -153,15 +168,20 @@ class NotTrainingStreak:
         self.streak = 0
 
     def update(self, not_training: bool) -> str | None:
-        """"warn" or "stop" when this step's streak calls for an alert, else None."""
+        """The action of the alert this step's streak calls for ("warn", or "stop" when :attr:`stops`), else None."""
         self.streak = self.streak + 1 if not_training else 0
-        if self.streak == self.stop_after:
+        if self.stops:
             return "stop"
         return "warn" if self.streak == self.after else None
 
+    @property
+    def stops(self) -> bool:
+        """The streak has just reached ``stop_after``: the run stops."""
+        return self.streak == self.stop_after
+
     def alert(self, step: int, action: str, lr: float | None, stop_path: str) -> Alert:
         streak, stop = self.streak, self.stop_after
-        then = f"; stopping, checkpoint {stop_path}" if action == "stop" else (
+        then = f"; stopping, checkpoint {stop_path}" if self.stops else (
             f"; the run stops after {stop} such steps" if stop is not None else "")
         return Alert(
             step=step, kind="not_training", metric=names.NOT_TRAINING, value=streak, threshold=self.after, lr=lr,
