@@ -51,13 +51,13 @@ log = logging.getLogger("stable_attn")
 
 _NAME = "StableAttentionTrainerCallback"
 # The rollback snapshot (weights, optimizer state: tensors) saved next to a single-process checkpoint.
-SNAPSHOT_FILE = "stable_attn_rollback.pt"
+SNAPSHOT_FILE = names.ROLLBACK_SNAPSHOT_FILE
 # Constructor arguments that trainer_state.json can hold (plain values, no secrets), and the others (objects,
 # callables, the webhook's URL and headers, which often carry a token), never written there: MonitorConfig says.
 _JSON_ARGS = MonitorConfig.saved_names()
 _OTHER_ARGS = MonitorConfig.unsaved_names()
 # The Trainer logs its own loss, gradient norm and learning rate; the callback adds only its own metrics.
-_TRAINER_LOGS = (names.LOSS, names.GRAD_NORM, names.LR)
+_TRAINER_LOGS = frozenset(names.TRAINER_LOGS.values())
 
 
 def _calling_trainer() -> tuple[Trainer | None, str | None]:
@@ -285,7 +285,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Only a single-process engine keeps its snapshot in its state (one rank's snapshot is not another's).
         snapshot = self.engine.state_dict().get("rollback_snapshot")
-        folder = os.path.join(args.output_dir or ".", f"checkpoint-{state.global_step}")
+        folder = os.path.join(args.output_dir or ".", names.trainer_checkpoint(state.global_step))
         if snapshot is not None and state.is_world_process_zero and os.path.isdir(folder):
             torch.save(snapshot, os.path.join(folder, SNAPSHOT_FILE))
 
@@ -314,7 +314,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             steps = args.logging_strategy == "steps"
             self._every = self.engine.log_every_n_steps or (state.logging_steps if steps else 0)
             output_dir = args.output_dir or "."
-            self.engine.start(output_dir, self._every, lambda step: os.path.join(output_dir, f"checkpoint-{step}"))
+            stop_path = lambda step: os.path.join(output_dir, names.trainer_checkpoint(step))  # the Trainer's save
+            self.engine.start(output_dir, self._every, stop_path)
             self.engine.train_start(self._trainables(state, model, optimizer, lr_scheduler))
         except BaseException:
             # Unwrap the Trainer and put back what setup patched: a later train() must not wrap the wrappers.

@@ -412,7 +412,7 @@ class MonitorEngine:
         return ""
 
     def _default_stop_path(self, step: int) -> str:
-        return os.path.join(self.log_dir or ".", f"stable_attn-stop-step={step}.ckpt")
+        return os.path.join(self.log_dir or ".", names.stop_checkpoint(step))
 
     def end_step(self, state: Trainables) -> StepEnd:
         """After the optimizer and LR-scheduler step (``state.step`` counts it): layer statistics and early

@@ -38,3 +38,15 @@ def test_layer_metric_rejects_what_it_cannot_round_trip():
         names.layer_metric("entropy", "layer0")
     with pytest.raises(ValueError, match="layer='a/b'"):
         names.layer_metric("saturation", "a/b")
+
+
+def test_checkpoint_and_trainer_names():
+    from stable_attn.callbacks import trainer as trainer_callback
+
+    assert names.stop_checkpoint(7) == "stable_attn-stop-step=7.ckpt"
+    assert names.trainer_checkpoint(12) == "checkpoint-12"
+    assert trainer_callback.SNAPSHOT_FILE == names.ROLLBACK_SNAPSHOT_FILE == "stable_attn_rollback.pt"
+    assert report.TRAINER_STATE_FILE == names.TRAINER_STATE_FILE == "trainer_state.json"
+    # the report reads the Trainer's log names as the callback leaves them to the Trainer
+    assert report._TRAINER_NAMES == names.TRAINER_LOGS
+    assert set(trainer_callback._TRAINER_LOGS) == {names.LOSS, names.GRAD_NORM, names.LR, names.VAL_LOSS}
