@@ -9,7 +9,7 @@ its value and what is accepted.
 :class:`~stable_attn.monitor.engine.MonitorEngine`, :class:`~stable_attn.callbacks.StableAttentionCallback`
 and :class:`~stable_attn.callbacks.StableAttentionTrainerCallback` take these arguments as keywords; their
 ``inspect.signature`` (what ``help()`` and IDEs that introspect show) and the ``Args:`` section of their
-docstrings are made from here, so an argument added here appears in all three. Pure Python: no torch.
+docstrings are made from here, so an argument added here appears in all three. It imports no torch itself.
 """
 
 from __future__ import annotations
