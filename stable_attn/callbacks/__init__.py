@@ -6,9 +6,12 @@
     from stable_attn.callbacks import StableAttentionTrainerCallback     # transformers.Trainer
     trainer = transformers.Trainer(..., callbacks=[StableAttentionTrainerCallback(on_spike="skip")])
 
-Both are thin adapters over ``engine.MonitorEngine``, which imports no training loop. Each adapter is
-imported on first use (Lightning, or transformers' Trainer and accelerate), so the engine and the
-helpers here (``grad_norm``, ``rollback``, ``layer_stats``) can be used from any training loop without them.
+Both are thin adapters over :class:`stable_attn.monitor.engine.MonitorEngine`, which imports no training
+loop. Each adapter is imported on first use (Lightning, or transformers' Trainer and accelerate), so the
+engine and its helpers in :mod:`stable_attn.monitor` (``grad_norm``, ``rollback``, ``layer_stats``) can be
+used from any training loop without them. The modules that lived here before (``engine``, ``verdict``,
+``layer_watch``, ``layer_stats``, ``alerting``, ``rollback``, ``grad_norm``) are deprecated aliases of
+their new homes in :mod:`stable_attn.monitor`.
 """
 
 from __future__ import annotations

@@ -1,78 +1,28 @@
-"""The total gradient norm of a Lightning model, correct for replicated and sharded parameters.
-
-Under DDP every rank holds the full, already all-reduced gradients, so the local norm is the global
-one (reducing it again would count every gradient ``world_size`` times). Under FSDP each rank holds
-a shard, so the squared norms of the shards must be summed across ranks; which reduction is right
-depends on how the strategy sharded (full shard, hybrid shard, tensor parallel), and only the
-strategy's own wrapper knows. So this module asks it:
-
-- FSDP1 (``FSDPStrategy``): ``FullyShardedDataParallel.clip_grad_norm_`` with ``max_norm=inf``
-  returns the global norm and scales the gradients by ``min(inf / norm, 1) = 1.0``, which is exact;
-- FSDP2 / tensor parallel (``ModelParallelStrategy``, gradients are ``DTensor``): the norm of
-  DTensors is itself a DTensor whose ``full_tensor()`` performs the one reduction the placements
-  require;
-- everything else: the norm of the local gradients.
-
-:func:`nonfinite_grads` is the cheap check for a run that does not monitor the norm: whether any local
-gradient holds a NaN or inf (the max-abs of each gradient, which reads every element once, squares
-nothing that could overflow, and propagates NaN). It is local on purpose: the callback shares each
-rank's flag, so a rank whose gradients went bad after the all-reduce is seen too.
-"""
+"""Deprecated: moved to :mod:`stable_attn.monitor.grad_norm` (issue 29); import it from there. The
+Lightning-strategy case of ``total_grad_norm(parameters, strategy)`` (FSDP1) is the Lightning adapter's
+now, :func:`stable_attn.callbacks.lightning.strategy_grad_norm`; this module keeps the old signature."""
 
 from __future__ import annotations
 
-import math
+import warnings
 from collections.abc import Iterable
 
 import torch
 
+from ..monitor import grad_norm as _moved
+from ..monitor.grad_norm import nonfinite_grads
+
 __all__ = ["nonfinite_grads", "total_grad_norm"]
 
-
-def _local_total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
-    if get_total_norm is not None:  # torch >= 2.6: foreach kernels, one launch per device and dtype
-        return get_total_norm(grads, norm_type=2.0)
-    norms = torch.stack([torch.linalg.vector_norm(g.detach(), 2.0).float() for g in grads])
-    return torch.linalg.vector_norm(norms, 2.0)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
+warnings.warn("stable_attn.callbacks.grad_norm moved to stable_attn.monitor.grad_norm; import it from there",
+              DeprecationWarning, stacklevel=2)
 
 
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter], strategy: object | None = None) -> torch.Tensor | None:
-    """The 2-norm of all gradients of ``parameters`` over every rank (a 0-d tensor), or None when
-    no parameter has a gradient. ``strategy`` is the Lightning strategy (``trainer.strategy``).
+    """:func:`stable_attn.monitor.grad_norm.total_grad_norm`, or with a Lightning ``strategy``
+    :func:`stable_attn.callbacks.lightning.strategy_grad_norm` (as before the move)."""
+    if strategy is None:
+        return _moved.total_grad_norm(parameters)
+    from .lightning import strategy_grad_norm
 
-    Call it on every rank at the same point of the step: under FSDP it is a collective.
-    """
-    if strategy is not None and type(strategy).__name__ == "FSDPStrategy":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        root = getattr(strategy, "model", None)
-        if isinstance(root, FullyShardedDataParallel):
-            return root.clip_grad_norm_(float("inf")).detach()
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return None
-    if any(_is_dtensor(g) for g in grads):
-        norm = _local_total_norm(grads)
-        return norm.full_tensor() if _is_dtensor(norm) else norm
-    return _local_total_norm(grads).detach()
-
-
-def nonfinite_grads(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
-    """A 0-d float32 tensor on the gradients' device, 1.0 when any local gradient element of
-    ``parameters`` is NaN or inf, else 0.0; None when no parameter has a gradient.
-
-    Local to this rank (sharded gradients are checked shard by shard; no collective), and without a
-    host read: the caller decides when to look.
-    """
-    grads = [g.to_local() if _is_dtensor(g) else g for g in (p.grad for p in parameters if p.grad is not None)]
-    grads = [g.detach() for g in grads if g.numel()]  # max-abs has no identity on an empty tensor
-    if not grads:
-        return None
-    device = grads[0].device
-    peaks = torch._foreach_norm(grads, math.inf)  # one launch per device and dtype
-    return (~torch.isfinite(torch.stack([p.float().to(device) for p in peaks]))).any().float()
+    return strategy_grad_norm(parameters, strategy=strategy)

@@ -1,7 +1,7 @@
 """StableAttentionCallback: the stabilized attention, monitoring, alerts and spike handling for a
 Lightning ``Trainer``.
 
-A thin adapter: :class:`~stable_attn.callbacks.engine.MonitorEngine` does the work (swap, statistics,
+A thin adapter: :class:`~stable_attn.monitor.engine.MonitorEngine` does the work (swap, statistics,
 detection, the step's action agreed across ranks, alerts, rollback snapshots, resume state); this
 module maps Lightning's hooks onto it (automatic optimization):
 
@@ -21,16 +21,16 @@ module maps Lightning's hooks onto it (automatic optimization):
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from ..monitor import Alert, SpikeDetector, names
-from .engine import MonitorEngine, SpikeAction, Trainables, World
-from .grad_norm import total_grad_norm
+from ..monitor import names
+from ..monitor.config import MonitorConfig
+from ..monitor.engine import MonitorEngine, Trainables, World
+from ..monitor.grad_norm import total_grad_norm
 
 __all__ = ["StableAttentionCallback"]
 
@@ -38,7 +38,7 @@ __all__ = ["StableAttentionCallback"]
 _ENGINE_ATTRIBUTES = frozenset({
     "alert_count", "alert_kinds", "skipped_steps", "rollbacks", "stop_checkpoint", "alert_delivery", "layers",
     "dispatcher", "surge_detectors", "log_dir", "not_training_streak",
-}) | (frozenset(inspect.signature(MonitorEngine).parameters) - {"name"})
+}) | frozenset(MonitorConfig.names())
 _WRONG_TRAINER = ("StableAttentionCallback is a Lightning callback (lightning.Trainer); for transformers.Trainer use "
                   "stable_attn.callbacks.StableAttentionTrainerCallback")
 
@@ -48,7 +48,21 @@ def _world(trainer: Trainer) -> World:
     several = trainer.world_size > 1
     return World(rank=trainer.global_rank, size=trainer.world_size, device=strategy.root_device,
                  all_gather=strategy.all_gather if several else None,
-                 grad_norm=functools.partial(total_grad_norm, strategy=strategy))
+                 grad_norm=functools.partial(strategy_grad_norm, strategy=strategy))
+
+
+def strategy_grad_norm(parameters: Iterable[torch.nn.Parameter], strategy: object | None = None) -> torch.Tensor | None:
+    """The global gradient norm of ``parameters`` under the Lightning ``strategy`` (``trainer.strategy``):
+    :func:`~stable_attn.monitor.grad_norm.total_grad_norm`, except under FSDP1 (``FSDPStrategy``), whose
+    ``FullyShardedDataParallel.clip_grad_norm_`` with ``max_norm=inf`` returns the global norm and scales the
+    gradients by ``min(inf / norm, 1) = 1.0``, which is exact. A collective under FSDP: every rank calls it."""
+    if strategy is not None and type(strategy).__name__ == "FSDPStrategy":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        root = getattr(strategy, "model", None)
+        if isinstance(root, FullyShardedDataParallel):
+            return root.clip_grad_norm_(float("inf")).detach()
+    return total_grad_norm(parameters)
 
 
 def _trainables(trainer: Trainer, pl_module: LightningModule) -> Trainables:
@@ -135,74 +149,14 @@ class StableAttentionCallback(Callback):
     becomes active (the gross-jump rule, then the calibrated rule); every alert; and at the end of
     ``fit()`` one summary line (alerts by kind, updates skipped, rollbacks, the stop checkpoint).
 
-    Args:
-        on_spike: ``"warn"``, ``"skip"``, ``"rollback"`` or ``"stop"``.
-        log_every_n_steps: optimizer steps between monitored steps; None follows the Trainer's
-            ``log_every_n_steps``.
-        swap: switch transformers models to ``"stable_attn"`` at setup.
-        patch_sdpa: also route ``torch.nn.functional.scaled_dot_product_attention`` to the
-            stabilized kernel (for attention modules that are not transformers models); undone at
-            teardown.
-        loss_detector: detector for the training loss; default ``SpikeDetector.loss()``.
-        grad_norm_detector: detector for the gradient norm; default ``SpikeDetector.grad_norm()``
-            (a wider gross-jump ratio: a healthy run's early gradient norm swings by several times
-            from step to step); None with ``monitor_grad_norm=False`` skips it.
-        monitor_grad_norm: compute the gradient norm every step (one pass over the gradients).
-        attention_stats: collect per-layer attention statistics on monitored steps (the kernel
-            computes them as side outputs of the forward; on the CPU path they cost a few percent of
-            a monitored step).
-        early_warnings: run surge detectors on each layer's saturation and max logit.
-        early_warning_warmup: monitored steps each surge detector watches before it can fire; None
-            keeps :class:`~stable_attn.monitor.SurgeDetector`'s default (10). The callback also gives
-            each surge detector the step's training loss: an early warning needs the loss to have
-            stopped improving (a max logit that grows while the loss falls is learning), so a surge
-            detector stays silent until it has seen 50 monitored steps' losses. Its time constants
-            count monitored steps: with ``log_every_n_steps=50`` that is 2,500 optimizer steps.
-        rollback_every: optimizer steps between snapshots for ``on_spike="rollback"``.
-        on_alert: a callable or callables, each called with every :class:`~stable_attn.monitor.Alert`
-            on the training thread (keep them fast: see **Delivery**).
-        webhook_url: ``http(s)://`` URL that receives each alert as a JSON POST (ASCII, no spaces,
-            control characters or ``user:password@``; redirects are not followed).
-        webhook_timeout: seconds for each webhook connect and read, in (0, 60]; also the most the
-            end of ``fit()`` waits for undelivered webhook alerts.
-        webhook_headers: HTTP headers sent with each webhook request, to ``webhook_url``'s host only
-            (e.g. ``{"Authorization": "Bearer <token>"}``); never logged.
-        alerts_file: file name of the alerts JSONL inside the run's log directory
-            (``trainer.log_dir``), or None for none; the default is what ``stable-attn report`` reads.
-        layer_window: monitored steps over which layer changes are reported in alerts.
-        not_training_after: optimizer steps in a row without an applied update (or with a
-            non-finite loss) that raise the ``not_training`` alert.
-        not_training_stop_after: steps in a row after which the run is stopped with a checkpoint;
-            None never stops.
+    The arguments (``Args:`` below) are :class:`~stable_attn.monitor.config.MonitorConfig`'s.
     """
 
-    # MonitorEngine's arguments, spelt out for IDEs and help(); the engine's signature is the source (names,
-    # order, defaults, annotations: tests/callbacks/test_callback_signatures.py fails on any difference).
-    def __init__(
-        self,
-        *,
-        on_spike: SpikeAction = "warn",
-        log_every_n_steps: int | None = None,
-        swap: bool = True,
-        patch_sdpa: bool = False,
-        loss_detector: SpikeDetector | None = None,
-        grad_norm_detector: SpikeDetector | None = None,
-        monitor_grad_norm: bool = True,
-        attention_stats: bool = True,
-        early_warnings: bool = True,
-        early_warning_warmup: int | None = None,
-        rollback_every: int = 100,
-        on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None = None,
-        webhook_url: str | None = None,
-        webhook_timeout: float = 2.0,
-        webhook_headers: Mapping[str, str] | None = None,
-        alerts_file: str | None = names.ALERTS_FILE,
-        layer_window: int = 10,
-        not_training_after: int = 10,
-        not_training_stop_after: int | None = 100,
-    ) -> None:
-        given = {k: v for k, v in locals().items() if k != "self"}  # the engine checks and keeps them
-        self.engine = MonitorEngine(name=type(self).__name__, **given)
+    def __init__(self, **options: Any) -> None:
+        config = MonitorConfig.from_options(options, owner="StableAttentionCallback")
+        self.engine = MonitorEngine.from_config(config, name=type(self).__name__)
+
+    __init__.__signature__ = MonitorConfig.signature()  # type: ignore[attr-defined]  # for help() and IDEs
 
     def __getattr__(self, name: str) -> Any:
         engine = self.__dict__.get("engine")  # absent while unpickling
@@ -277,3 +231,7 @@ class StableAttentionCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.engine.load_state_dict(state_dict)
+
+
+MonitorConfig.document(StableAttentionCallback, log_every="the Trainer's ``log_every_n_steps``",
+                       log_dir="the run's log directory (``trainer.log_dir``)")

@@ -1,7 +1,7 @@
 """StableAttentionTrainerCallback: the stabilized attention, monitoring, alerts and spike handling for a
 transformers ``Trainer`` (and the trainers built on it, such as TRL's).
 
-A thin adapter: :class:`~stable_attn.callbacks.engine.MonitorEngine` decides everything; this module
+A thin adapter: :class:`~stable_attn.monitor.engine.MonitorEngine` decides everything; this module
 only turns the Trainer's hooks into the engine's calls. One optimizer step of the Trainer
 (``on_pre_optimizer_step`` exists from transformers 4.45 on, 4.44 lacks it; the project requires
 transformers >= 5, whose Trainer also computes the gradient norm on every step):
@@ -33,16 +33,17 @@ import atexit
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..monitor import Alert, SpikeDetector, names
-from .engine import MonitorEngine, SpikeAction, Trainables, World
-from .grad_norm import total_grad_norm
+from ..monitor import names
+from ..monitor.config import MonitorConfig
+from ..monitor.engine import MonitorEngine, Trainables, World
+from ..monitor.grad_norm import total_grad_norm
 
 __all__ = ["StableAttentionTrainerCallback"]
 
@@ -50,15 +51,13 @@ log = logging.getLogger("stable_attn")
 
 _NAME = "StableAttentionTrainerCallback"
 # The rollback snapshot (weights, optimizer state: tensors) saved next to a single-process checkpoint.
-SNAPSHOT_FILE = "stable_attn_rollback.pt"
-# Constructor arguments that trainer_state.json can hold (plain values, no secrets). The others (objects,
-# callables, the webhook's URL and headers, which often carry a token) are never written there.
-_JSON_ARGS = ("on_spike", "log_every_n_steps", "swap", "patch_sdpa", "monitor_grad_norm", "attention_stats",
-              "early_warnings", "early_warning_warmup", "rollback_every", "webhook_timeout", "alerts_file",
-              "layer_window", "not_training_after", "not_training_stop_after")
-_OTHER_ARGS = ("loss_detector", "grad_norm_detector", "on_alert", "webhook_url", "webhook_headers")
+SNAPSHOT_FILE = names.ROLLBACK_SNAPSHOT_FILE
+# Constructor arguments that trainer_state.json can hold (plain values, no secrets), and the others (objects,
+# callables, the webhook's URL and headers, which often carry a token), never written there: MonitorConfig says.
+_JSON_ARGS = MonitorConfig.saved_names()
+_OTHER_ARGS = MonitorConfig.unsaved_names()
 # The Trainer logs its own loss, gradient norm and learning rate; the callback adds only its own metrics.
-_TRAINER_LOGS = (names.LOSS, names.GRAD_NORM, names.LR)
+_TRAINER_LOGS = frozenset(names.TRAINER_LOGS.values())
 
 
 def _calling_trainer() -> tuple[Trainer | None, str | None]:
@@ -194,49 +193,21 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     the Trainer's three methods stay wrapped); a failure inside the callback's own ``on_train_begin``
     ends it at once.
 
-    Args:
-        on_spike, swap, patch_sdpa, loss_detector, grad_norm_detector, monitor_grad_norm, attention_stats,
-        early_warnings, early_warning_warmup, rollback_every, on_alert, webhook_url, webhook_timeout,
-        webhook_headers, alerts_file, layer_window, not_training_after, not_training_stop_after: as for
-        :class:`~stable_attn.callbacks.StableAttentionCallback`; ``alerts_file`` is written in
-        ``TrainingArguments.output_dir``.
-        log_every_n_steps: optimizer steps between monitored steps; None follows the Trainer's
-            ``logging_steps`` (no monitored steps when ``logging_strategy`` is not ``"steps"``).
+    The arguments (``Args:`` below) are :class:`~stable_attn.monitor.config.MonitorConfig`'s, as for
+    :class:`~stable_attn.callbacks.StableAttentionCallback`.
     """
 
-    # MonitorEngine's arguments, spelt out for IDEs and help(); the engine's signature is the source (names,
-    # order, defaults, annotations: tests/callbacks/test_callback_signatures.py fails on any difference).
-    def __init__(
-        self,
-        *,
-        on_spike: SpikeAction = "warn",
-        log_every_n_steps: int | None = None,
-        swap: bool = True,
-        patch_sdpa: bool = False,
-        loss_detector: SpikeDetector | None = None,
-        grad_norm_detector: SpikeDetector | None = None,
-        monitor_grad_norm: bool = True,
-        attention_stats: bool = True,
-        early_warnings: bool = True,
-        early_warning_warmup: int | None = None,
-        rollback_every: int = 100,
-        on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None = None,
-        webhook_url: str | None = None,
-        webhook_timeout: float = 2.0,
-        webhook_headers: Mapping[str, str] | None = None,
-        alerts_file: str | None = names.ALERTS_FILE,
-        layer_window: int = 10,
-        not_training_after: int = 10,
-        not_training_stop_after: int | None = 100,
-    ) -> None:
-        given = dict(locals())
-        self.engine = MonitorEngine(name=_NAME, **{k: given[k] for k in _JSON_ARGS + _OTHER_ARGS})
-        self._args = {k: given[k] for k in _JSON_ARGS}
-        self._unsaved = [k for k in _OTHER_ARGS if given[k] is not None]
+    def __init__(self, **options: Any) -> None:
+        config = MonitorConfig.from_options(options, owner=_NAME)
+        self.engine = MonitorEngine.from_config(config, name=_NAME)
+        self._args = config.saved()
+        self._unsaved = config.unsaved_given()
         self._checkpoint_state: dict[str, Any] | None = None  # set by the Trainer's own restore (see state())
         self._taps: _Taps | None = None
         self._every = 0
         self._running = False
+
+    __init__.__signature__ = MonitorConfig.signature()  # type: ignore[attr-defined]  # for help() and IDEs
 
     # Results, as the Lightning callback names them.
     @property
@@ -307,14 +278,14 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
                 f"restore_callback_states_from_checkpoint=False: {_NAME} restores its own state either way")
         engine = dict(saved["engine"])
         snapshot = os.path.join(checkpoint, SNAPSHOT_FILE) if checkpoint is not None else None
-        if snapshot is not None and self.engine.on_spike == "rollback" and os.path.isfile(snapshot):
+        if snapshot is not None and self.engine.config.rolls_back and os.path.isfile(snapshot):
             engine["rollback_snapshot"] = torch.load(snapshot, map_location=args.device, weights_only=True)
         self.engine.load_state_dict(engine)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Only a single-process engine keeps its snapshot in its state (one rank's snapshot is not another's).
         snapshot = self.engine.state_dict().get("rollback_snapshot")
-        folder = os.path.join(args.output_dir or ".", f"checkpoint-{state.global_step}")
+        folder = os.path.join(args.output_dir or ".", names.trainer_checkpoint(state.global_step))
         if snapshot is not None and state.is_world_process_zero and os.path.isdir(folder):
             torch.save(snapshot, os.path.join(folder, SNAPSHOT_FILE))
 
@@ -343,7 +314,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             steps = args.logging_strategy == "steps"
             self._every = self.engine.log_every_n_steps or (state.logging_steps if steps else 0)
             output_dir = args.output_dir or "."
-            self.engine.start(output_dir, self._every, lambda step: os.path.join(output_dir, f"checkpoint-{step}"))
+            stop_path = lambda step: os.path.join(output_dir, names.trainer_checkpoint(step))  # the Trainer's save
+            self.engine.start(output_dir, self._every, stop_path)
             self.engine.train_start(self._trainables(state, model, optimizer, lr_scheduler))
         except BaseException:
             # Unwrap the Trainer and put back what setup patched: a later train() must not wrap the wrappers.
@@ -395,3 +367,9 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             self._taps.remove()
             self._taps = None
         self._running = False
+
+
+MonitorConfig.document(StableAttentionTrainerCallback,
+                       log_every="the Trainer's ``logging_steps`` (no monitored steps when ``logging_strategy`` is "
+                                 "not ``\"steps\"``)",
+                       log_dir="``TrainingArguments.output_dir``")

@@ -5,8 +5,9 @@
 - :class:`Alert` and its channels (:class:`LoggingChannel`, :class:`JsonlChannel`,
   :class:`CallableChannel`, :class:`WebhookChannel`), fanned out by :class:`AlertDispatcher`.
 
-Pure Python (no torch): :class:`stable_attn.callbacks.engine.MonitorEngine` builds on these for the
-Lightning and transformers.Trainer callbacks; they work in any training loop.
+Pure Python (no torch): they work in any training loop. :class:`stable_attn.monitor.engine.MonitorEngine`
+(torch; imported on its own, not from here) builds on them for any training loop, and the Lightning and
+transformers.Trainer callbacks (:mod:`stable_attn.callbacks`) are thin adapters over it.
 """
 
 from .alerts import (

@@ -1,7 +1,8 @@
 """The contract between what a training run writes and what reads it back: file names, metric names
 and alert kinds, in one place.
 
-:class:`~stable_attn.callbacks.lightning.StableAttentionCallback` writes these names,
+:class:`~stable_attn.callbacks.lightning.StableAttentionCallback` and
+:class:`~stable_attn.callbacks.trainer.StableAttentionTrainerCallback` write these names,
 :mod:`stable_attn.monitor.alerts` validates alert kinds against :data:`ALERT_KINDS`, and
 :mod:`stable_attn.report` (``stable-attn report``) reads them back. A name changed here changes for
 all of them. Pure Python: no torch, no Lightning.
@@ -54,6 +55,34 @@ VAL_LOSS = "val/loss"
 ALERT_COUNT = "stable_attn/alerts"
 #: Per-layer statistics, logged as ``stable_attn/<stat>/<layer>`` (see :func:`layer_metric`).
 LAYER_STATS = ("saturation", "fixed_rate", "max_logit", "sink_mass")
+
+# ------------------------------------------------------------------ checkpoints and the Trainer's files
+#: The checkpoint a stop writes (``on_spike="stop"``, or a not-training streak) in the Lightning run's log
+#: directory; ``{step}`` is the step that stopped it (see :func:`stop_checkpoint`).
+STOP_CHECKPOINT = "stable_attn-stop-step={step}.ckpt"
+#: The last rollback snapshot (weights, optimizer state: tensors), saved by the transformers.Trainer callback
+#: next to a single-process checkpoint (``checkpoint-<step>/stable_attn_rollback.pt``).
+ROLLBACK_SNAPSHOT_FILE = "stable_attn_rollback.pt"
+#: A transformers.Trainer checkpoint folder in ``output_dir`` (the Trainer's own name; see :func:`trainer_checkpoint`).
+TRAINER_CHECKPOINT = "checkpoint-{step}"
+#: The transformers.Trainer's state file (``log_history``; the callback's state), in every checkpoint folder.
+TRAINER_STATE_FILE = "trainer_state.json"
+#: What a transformers.Trainer logs under its own names, and the name of each here.
+TRAINER_LOGS = {"loss": LOSS, "eval_loss": VAL_LOSS, "grad_norm": GRAD_NORM, "learning_rate": LR}
+
+
+def stop_checkpoint(step: int) -> str:
+    """The file name of the checkpoint a stop at ``step`` writes: ``stable_attn-stop-step=<step>.ckpt``."""
+    return STOP_CHECKPOINT.format(step=step)
+
+
+def trainer_checkpoint(step: int) -> str:
+    """The transformers.Trainer's checkpoint folder of ``step``: ``checkpoint-<step>``."""
+    return TRAINER_CHECKPOINT.format(step=step)
+
+
+__all__ += ["ROLLBACK_SNAPSHOT_FILE", "STOP_CHECKPOINT", "TRAINER_CHECKPOINT", "TRAINER_LOGS", "TRAINER_STATE_FILE",
+            "stop_checkpoint", "trainer_checkpoint"]
 
 _LAYER_METRIC = re.compile(r"^stable_attn/(" + "|".join(LAYER_STATS) + r")/([^/]+)$")
 

@@ -293,7 +293,7 @@ def test_resume_keeps_detector_and_alert_state(tmp_path, pretrained):
 
 def test_layer_stats_are_reduced_over_heads_and_calls():
     # A direct check of what the callback logs, against AttentionStats filled by the real op.
-    from stable_attn.callbacks.layer_stats import LayerStats
+    from stable_attn.monitor.layer_stats import LayerStats
 
     torch.manual_seed(0)
     import stable_attn

@@ -7,7 +7,7 @@ import inspect
 
 from stable_attn.callbacks import StableAttentionCallback, StableAttentionTrainerCallback
 from stable_attn.callbacks import trainer as trainer_module
-from stable_attn.callbacks.engine import MonitorEngine
+from stable_attn.monitor.engine import MonitorEngine
 
 
 def _parameters(cls: type) -> list[tuple[str, object, object, object]]:

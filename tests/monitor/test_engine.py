@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from stable_attn.callbacks.engine import MonitorEngine, Trainables, World
 from stable_attn.monitor import Alert, names
+from stable_attn.monitor.engine import MonitorEngine, Trainables, World
 
 STEPS = 16
 BAD = 12
@@ -95,7 +95,7 @@ class Loop:
 
 def test_the_engine_imports_no_training_loop():
     # (transformers' modeling code imports accelerate itself, so accelerate is not a sign of the Trainer)
-    code = ("import sys, torch, stable_attn.callbacks.engine as e\n"
+    code = ("import sys, torch, stable_attn.monitor.engine as e\n"
             "e.MonitorEngine().setup(torch.nn.Linear(2, 2), e.World())\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'lightning_fabric', "
             "'pytorch_lightning') or m.startswith(('transformers.trainer', 'stable_attn.callbacks.lightning', "

@@ -8,8 +8,8 @@ import pytest
 
 from stable_attn import report
 from stable_attn.callbacks import StableAttentionCallback
-from stable_attn.callbacks.layer_stats import STAT_NAMES
 from stable_attn.monitor import alerts, names
+from stable_attn.monitor.layer_stats import STAT_NAMES
 
 
 def test_every_reader_and_writer_uses_the_same_names():
@@ -38,3 +38,15 @@ def test_layer_metric_rejects_what_it_cannot_round_trip():
         names.layer_metric("entropy", "layer0")
     with pytest.raises(ValueError, match="layer='a/b'"):
         names.layer_metric("saturation", "a/b")
+
+
+def test_checkpoint_and_trainer_names():
+    from stable_attn.callbacks import trainer as trainer_callback
+
+    assert names.stop_checkpoint(7) == "stable_attn-stop-step=7.ckpt"
+    assert names.trainer_checkpoint(12) == "checkpoint-12"
+    assert trainer_callback.SNAPSHOT_FILE == names.ROLLBACK_SNAPSHOT_FILE == "stable_attn_rollback.pt"
+    assert report.TRAINER_STATE_FILE == names.TRAINER_STATE_FILE == "trainer_state.json"
+    # the report reads the Trainer's log names as the callback leaves them to the Trainer
+    assert getattr(report, "_TRAINER_NAMES", names.TRAINER_LOGS) == names.TRAINER_LOGS
+    assert set(trainer_callback._TRAINER_LOGS) == {names.LOSS, names.GRAD_NORM, names.LR, names.VAL_LOSS}

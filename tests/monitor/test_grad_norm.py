@@ -1,4 +1,4 @@
-"""The callback's gradient norm: replicated (plain, DDP) and sharded (FSDP2 DTensor) gradients."""
+"""The monitor's gradient norm: replicated (plain, DDP) and sharded (FSDP2 DTensor) gradients."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import sys
 import pytest
 import torch
 
-from stable_attn.callbacks.grad_norm import nonfinite_grads, total_grad_norm
+from stable_attn.monitor.grad_norm import nonfinite_grads, total_grad_norm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_plain_gradients_match_clip_grad_norm():

@@ -1,6 +1,6 @@
 """Two-process check of total_grad_norm on FSDP2-sharded gradients (DTensor), CPU and gloo.
 
-Run by test_callback_grad_norm.py as ``python fsdp_grad_norm_run.py RANK WORLD PORT OUT``. Each rank
+Run by test_grad_norm.py as ``python fsdp_grad_norm_run.py RANK WORLD PORT OUT``. Each rank
 computes the gradient norm of a ``fully_shard``-ed model (each rank holds a shard of every gradient)
 and, for reference, the norm of the same averaged gradients computed without sharding, from both
 ranks' batches, on one unsharded copy.
@@ -32,7 +32,7 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     torch.set_num_threads(1)
     from torch.distributed.fsdp import fully_shard
 
-    from stable_attn.callbacks.grad_norm import total_grad_norm
+    from stable_attn.monitor.grad_norm import total_grad_norm
 
     sharded = model()
     for layer in sharded:

@@ -1,0 +1,207 @@
+"""MonitorConfig: every argument of the monitoring engine and of the two callbacks, in one place.
+
+Each argument is one field of :class:`MonitorConfig`, with its name, order, annotation and default, its
+line of documentation, and whether the transformers ``Trainer`` callback saves it in ``trainer_state.json``
+(plain values only: detector objects, callables, and the webhook's URL and headers, which often carry a
+token, are never written there). :meth:`MonitorConfig.__post_init__` checks them all, naming the argument,
+its value and what is accepted.
+
+:class:`~stable_attn.monitor.engine.MonitorEngine`, :class:`~stable_attn.callbacks.StableAttentionCallback`
+and :class:`~stable_attn.callbacks.StableAttentionTrainerCallback` take these arguments as keywords; their
+``inspect.signature`` (what ``help()`` and IDEs that introspect show) and the ``Args:`` section of their
+docstrings are made from here, so an argument added here appears in all three. It imports no torch itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from . import alerting, names
+from .alerts import Alert
+from .spikes import SpikeDetector
+
+__all__ = ["ACTIONS", "MonitorConfig", "SpikeAction"]
+
+SpikeAction = Literal["warn", "skip", "rollback", "stop"]
+#: What ``on_spike`` accepts, in the order the docs give them.
+ACTIONS = ("warn", "skip", "rollback", "stop")
+
+
+def _arg(default: Any, doc: str, *, saved: bool = True) -> Any:
+    """A constructor argument: its default, its docs line (``{log_every}`` and ``{log_dir}`` are filled in
+    by each adapter, see :meth:`MonitorConfig.args_doc`), and whether ``trainer_state.json`` keeps it."""
+    return field(default=default, metadata={"doc": doc, "saved": saved})
+
+
+def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        accepted = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name}={value!r} is not supported; use {accepted}")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The arguments of the monitoring engine and of both callbacks, checked at construction.
+
+    The fields keep the values as given (``trainer_state.json`` saves them so); :meth:`checked` gives
+    them as the engine keeps them (``on_alert`` as a list, ``webhook_timeout`` as a float,
+    ``webhook_headers`` as a dict).
+    """
+
+    on_spike: SpikeAction = _arg("warn", """``"warn"``, ``"skip"``, ``"rollback"`` or ``"stop"``.""")
+    log_every_n_steps: int | None = _arg(None, """optimizer steps between monitored steps; None follows
+        {log_every}.""")
+    swap: bool = _arg(True, """switch transformers models to ``"stable_attn"`` at setup.""")
+    patch_sdpa: bool = _arg(False, """also route ``torch.nn.functional.scaled_dot_product_attention`` to the
+        stabilized kernel (for attention modules that are not transformers models); undone at
+        teardown.""")
+    loss_detector: SpikeDetector | None = _arg(None, """detector for the training loss; default
+        ``SpikeDetector.loss()``.""", saved=False)
+    grad_norm_detector: SpikeDetector | None = _arg(None, """detector for the gradient norm; default
+        ``SpikeDetector.grad_norm()`` (a wider gross-jump ratio: a healthy run's early gradient norm swings by
+        several times from step to step); None with ``monitor_grad_norm=False`` skips it.""", saved=False)
+    monitor_grad_norm: bool = _arg(True, """compute the gradient norm every step (one pass over the
+        gradients).""")
+    attention_stats: bool = _arg(True, """collect per-layer attention statistics on monitored steps (the
+        kernel computes them as side outputs of the forward; on the CPU path they cost a few percent of a
+        monitored step).""")
+    early_warnings: bool = _arg(True, """run surge detectors on each layer's saturation and max logit.""")
+    early_warning_warmup: int | None = _arg(None, """monitored steps each surge detector watches before it
+        can fire; None keeps :class:`~stable_attn.monitor.SurgeDetector`'s default (10). The callback also
+        gives each surge detector the step's training loss: an early warning needs the loss to have stopped
+        improving (a max logit that grows while the loss falls is learning), so a surge detector stays silent
+        until it has seen 50 monitored steps' losses. Its time constants count monitored steps: with
+        ``log_every_n_steps=50`` that is 2,500 optimizer steps.""")
+    rollback_every: int = _arg(100, """optimizer steps between snapshots for ``on_spike="rollback"``.""")
+    on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None = _arg(None, """a callable or
+        callables, each called with every :class:`~stable_attn.monitor.Alert` on the training thread (keep
+        them fast: see **Delivery** in :class:`~stable_attn.callbacks.StableAttentionCallback`).""",
+                                                                                   saved=False)
+    webhook_url: str | None = _arg(None, """``http(s)://`` URL that receives each alert as a JSON POST (ASCII,
+        no spaces, control characters or ``user:password@``; redirects are not followed).""", saved=False)
+    webhook_timeout: float = _arg(2.0, """seconds for each webhook connect and read, in (0, 60]; also the most
+        the end of the run waits for undelivered webhook alerts.""")
+    webhook_headers: Mapping[str, str] | None = _arg(None, """HTTP headers sent with each webhook request, to
+        ``webhook_url``'s host only (e.g. ``{{"Authorization": "Bearer <token>"}}``); never logged.""",
+                                                     saved=False)
+    alerts_file: str | None = _arg(names.ALERTS_FILE, """file name of the alerts JSONL inside {log_dir}, or
+        None for none; the default is what ``stable-attn report`` reads.""")
+    layer_window: int = _arg(10, """monitored steps over which layer changes are reported in alerts.""")
+    not_training_after: int = _arg(10, """optimizer steps in a row without an applied update (or with a
+        non-finite loss) that raise the ``not_training`` alert.""")
+    not_training_stop_after: int | None = _arg(100, """steps in a row after which the run is stopped with a
+        checkpoint; None never stops.""")
+
+    # The arguments as the engine keeps them (see checked()); not an argument itself.
+    _checked: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.on_spike not in ACTIONS:
+            raise ValueError(f"on_spike={self.on_spike!r} is not supported; use one of {ACTIONS}")
+        _check_int("log_every_n_steps", self.log_every_n_steps, 1, allow_none=True)
+        _check_int("rollback_every", self.rollback_every, 1)
+        _check_int("layer_window", self.layer_window, 2)
+        _check_int("early_warning_warmup", self.early_warning_warmup, 0, allow_none=True)
+        _check_int("not_training_after", self.not_training_after, 1)
+        _check_int("not_training_stop_after", self.not_training_stop_after, self.not_training_after,
+                   allow_none=True)
+        for arg in ("swap", "patch_sdpa", "monitor_grad_norm", "attention_stats", "early_warnings"):
+            flag = getattr(self, arg)
+            if not isinstance(flag, bool):
+                raise TypeError(f"{arg}={flag!r} is not supported; use True or False")
+        for arg in ("loss_detector", "grad_norm_detector"):
+            det = getattr(self, arg)
+            if det is not None and not isinstance(det, SpikeDetector):
+                raise TypeError(f"{arg}={det!r} is not supported; use a stable_attn.monitor.SpikeDetector or None")
+        callbacks = alerting.check_on_alert(self.on_alert)
+        timeout, headers = alerting.check_webhook(self.webhook_url, self.webhook_timeout, self.webhook_headers)
+        alerting.check_alerts_file(self.alerts_file)
+        self._checked.update(on_alert=callbacks, webhook_timeout=timeout, webhook_headers=headers)
+
+    # ------------------------------------------------------------ building one
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], owner: str) -> MonitorConfig:
+        """``MonitorConfig(**options)``; a name it does not take is refused as ``owner``'s own constructor
+        would refuse it (``TypeError: <owner>.__init__() got an unexpected keyword argument ...``)."""
+        known = set(cls.names())
+        for key in options:
+            if key not in known:
+                raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
+        return cls(**options)
+
+    # ------------------------------------------------------------ reading one
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every argument's name, in signature order."""
+        return tuple(f.name for f in fields(cls) if f.init)
+
+    @classmethod
+    def saved_names(cls) -> tuple[str, ...]:
+        """The arguments ``trainer_state.json`` can hold (plain values, no secrets), in signature order."""
+        return tuple(f.name for f in fields(cls) if f.init and f.metadata["saved"])
+
+    @classmethod
+    def unsaved_names(cls) -> tuple[str, ...]:
+        """The arguments never written to ``trainer_state.json`` (objects, callables, the webhook's URL and
+        headers), in signature order."""
+        return tuple(f.name for f in fields(cls) if f.init and not f.metadata["saved"])
+
+    def saved(self) -> dict[str, Any]:
+        """The saved arguments, as given."""
+        return {name: getattr(self, name) for name in self.saved_names()}
+
+    def unsaved_given(self) -> list[str]:
+        """The unsaved arguments that were given (not None): a rebuild from ``trainer_state.json`` lacks them."""
+        return [name for name in self.unsaved_names() if getattr(self, name) is not None]
+
+    def checked(self) -> dict[str, Any]:
+        """Every argument as the engine keeps it: as given, but ``on_alert`` a list of callables,
+        ``webhook_timeout`` a float and ``webhook_headers`` a dict."""
+        return {name: self._checked.get(name, getattr(self, name)) for name in self.names()}
+
+    @property
+    def rolls_back(self) -> bool:
+        """``on_spike="rollback"``: the engine keeps rollback snapshots (a single-process checkpoint saves the last)."""
+        return self.on_spike == "rollback"
+
+    # ------------------------------------------------------ signatures and docs
+    @classmethod
+    def signature(cls, *leading: inspect.Parameter) -> inspect.Signature:
+        """``(self, *, <leading>, <every argument>)``: what ``inspect.signature`` and ``help()`` show for a
+        constructor that takes the arguments as ``**options``."""
+        params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *leading]
+        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                   for f in fields(cls) if f.init]
+        return inspect.Signature(params, return_annotation="None")
+
+    @classmethod
+    def args_doc(cls, *, log_every: str, log_dir: str, indent: str = "    ") -> str:
+        """The ``Args:`` section of a docstring, one entry per argument; ``log_every`` says what
+        ``log_every_n_steps=None`` follows, ``log_dir`` where ``alerts_file`` is written."""
+        lines = [f"{indent}Args:"]
+        for f in fields(cls):
+            if not f.init:
+                continue
+            text = " ".join(f.metadata["doc"].split()).format(log_every=log_every, log_dir=log_dir)
+            wrapped = textwrap.wrap(f"{f.name}: {text}", width=110 - len(indent), break_on_hyphens=False,
+                                    break_long_words=False)
+            lines.append(f"{indent}    {wrapped[0]}")
+            lines.extend(f"{indent}        {line}" for line in wrapped[1:])
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def document(cls, target: Any, *, log_every: str, log_dir: str) -> None:
+        """Append the ``Args:`` section to ``target``'s docstring (a class, or a function); nothing under
+        ``python -OO``, which strips docstrings."""
+        if target.__doc__:
+            target.__doc__ = target.__doc__.rstrip() + "\n\n" + cls.args_doc(log_every=log_every, log_dir=log_dir)
+
+
+MonitorConfig.document(MonitorConfig, log_every="the training loop's own logging interval",
+                       log_dir="the run's log directory")

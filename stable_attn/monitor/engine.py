@@ -1,0 +1,521 @@
+"""MonitorEngine: the stabilized attention, monitoring, alerts and spike handling of a training run,
+independent of the training loop.
+
+A training-loop adapter (the Lightning callback in ``callbacks/lightning.py``, the transformers ``Trainer``
+callback in ``callbacks/trainer.py``) turns its framework's hooks into these calls, on every rank, in this order:
+
+1. :meth:`MonitorEngine.setup` with the root module and a :class:`World` (rank, world size, device,
+   the all-gather): the transformers models inside are switched to ``"stable_attn"`` and get
+   per-layer statistics; again whenever models may have appeared.
+2. :meth:`~MonitorEngine.start` with the run's log directory: the alert channels open (rank zero).
+3. :meth:`~MonitorEngine.train_start` with the :class:`Trainables` once any checkpoint is restored:
+   the first rollback snapshot.
+4. Every optimizer step: :meth:`~MonitorEngine.begin_step` (each micro-batch),
+   :meth:`~MonitorEngine.add_loss` (each micro-batch's loss), :meth:`~MonitorEngine.before_optimizer_step`
+   once the gradients are complete and unscaled, then :meth:`~MonitorEngine.end_step` after the
+   optimizer and LR-scheduler step.
+5. :meth:`~MonitorEngine.end_run` when training ends or raises.
+
+What happens inside one step. ``before_optimizer_step``: one all-gather shares every rank's loss,
+gradient norm and non-finite-gradient flag; every rank runs every rank's detectors over them
+(:mod:`.verdict`), so all ranks reach the same verdict, and a spike or a non-finite value on any rank
+acts on all ranks: for a non-finite value always, and for a spike with ``"skip"``, ``"rollback"``
+and ``"stop"``, the gradients are dropped (``set_to_none``), so the optimizer step that follows
+changes neither the weights nor the optimizer state (torch optimizers skip parameters without
+gradients: no moment update, no step count, no weight decay). The verdict is read on the host before
+every update (one small device-to-host copy per step): deciding later would let a NaN update through.
+``end_step``: layer statistics are reduced across ranks, the early-warning detectors see them, a
+rollback restores the snapshot, a stop names the checkpoint the adapter writes, and a snapshot is
+taken every ``rollback_every`` steps.
+
+Every rank issues the same collectives in the same order on every step (one all-gather per step, one
+more on monitored steps), whatever it observed, so a spike seen by one rank cannot deadlock the
+others. Side effects (log lines, the JSONL file, the webhook) happen on rank zero; logging metrics is
+the adapter's (``StepEnd.metrics``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..callbacks.swap import find_hf_models, swap_attention
+from . import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, alerting, names
+from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAction: imported from here before
+from .grad_norm import nonfinite_grads, total_grad_norm
+from .layer_stats import LayerStats
+from .layer_watch import LayerWatch
+from .rollback import Snapshot, Trainables, restore_snapshot, snapshot_from_state, snapshot_state, take_snapshot
+from .verdict import FIELDS, NotTrainingStreak, PhaseNotes, StepJudge, Verdict
+
+__all__ = ["ACTIONS", "Decision", "MonitorEngine", "StepEnd", "Trainables", "World"]
+
+log = logging.getLogger("stable_attn")
+
+
+
+@dataclass(frozen=True)
+class World:
+    """Where the engine runs: this process's rank, the number of ranks, the device of the model, and
+    the collective it may use.
+
+    Attributes:
+        all_gather: required when ``size > 1``; called on every rank with a tensor of the same shape,
+            returns every rank's tensor stacked (``[size, *shape]``) or concatenated along dim 0, in
+            rank order (Lightning's ``strategy.all_gather`` and accelerate's ``gather`` both do).
+        grad_norm: the global 2-norm of the gradients of the parameters it is given (a 0-d tensor, or
+            None without gradients); None uses :func:`~stable_attn.monitor.grad_norm.total_grad_norm`,
+            right for one process and DDP.
+    """
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = torch.device("cpu")
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    grad_norm: Callable[[Iterable[torch.nn.Parameter]], torch.Tensor | None] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"World(size={self.size!r}) is not supported; use an int >= 1")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
+            raise ValueError(f"World(rank={self.rank!r}) is not supported with size={self.size}; use an int in "
+                             f"[0, {self.size})")
+        if self.size > 1 and self.all_gather is None:
+            raise ValueError(f"World(size={self.size}) needs all_gather: every rank must see every rank's values")
+
+    @property
+    def is_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def backend(self) -> str:
+        return "triton (CUDA)" if self.device.type == "cuda" else "torch (CPU)"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :meth:`MonitorEngine.before_optimizer_step` decided for the step (the same on every rank)."""
+
+    step: int
+    drop: bool  # the update is dropped: the engine has already set the gradients to None
+    action: str  # what the step's alerts say is done: "warn", "skip", "rollback" or "stop"
+    rollback: bool  # end_step restores the last snapshot
+    stop: bool  # end_step returns the checkpoint path to save before stopping
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What :meth:`MonitorEngine.end_step` leaves to the adapter."""
+
+    step: int
+    metrics: dict[str, float] | None = None  # on monitored steps: what to log at ``step``
+    stop_checkpoint: str | None = None  # save a checkpoint there (every rank), then stop training
+    rolled_back: bool = False
+    alert_count_changed: bool = False  # an alert was raised during this step (since its begin_step)
+
+
+class MonitorEngine:
+    """Swap, per-layer statistics, spike detection, the step's action agreed across ranks, alerts,
+    rollback snapshots and resume state, for any training loop.
+
+    The arguments are :class:`~stable_attn.monitor.config.MonitorConfig`'s, checked there (see
+    :class:`~stable_attn.callbacks.StableAttentionCallback` for what each does); ``name`` starts every log
+    line. :meth:`from_config` builds an engine from a MonitorConfig.
+    """
+
+    def __init__(self, *, name: str = "StableAttentionCallback", **options: Any) -> None:
+        self._configure(MonitorConfig.from_options(options, owner="MonitorEngine"), name)
+
+    __init__.__signature__ = MonitorConfig.signature(  # type: ignore[attr-defined]
+        inspect.Parameter("name", inspect.Parameter.KEYWORD_ONLY, default="StableAttentionCallback", annotation="str"))
+
+    @classmethod
+    def from_config(cls, config: MonitorConfig, *, name: str = "StableAttentionCallback") -> MonitorEngine:
+        """The engine of ``config`` (already checked); ``name`` starts every log line."""
+        engine = cls.__new__(cls)
+        engine._configure(config, name)
+        return engine
+
+    def _configure(self, config: MonitorConfig, name: str) -> None:
+        self.config = config
+        self.name = name
+        # One attribute per argument, as the engine keeps it (on_alert a list, webhook_timeout a float, ...).
+        for key, value in config.checked().items():
+            setattr(self, key, value)
+        detector = config.loss_detector
+        self.loss_detector = detector if detector is not None else SpikeDetector.loss()
+        detector = config.grad_norm_detector
+        self.grad_norm_detector = detector if detector is not None else SpikeDetector.grad_norm()
+        self._watch = LayerWatch(config.layer_window, config.early_warnings and config.attention_stats,
+                                 config.early_warning_warmup)
+
+        self.world = World()
+        self.alert_count = 0
+        self.alert_kinds: dict[str, int] = dict.fromkeys(ALERT_KINDS, 0)
+        self.skipped_steps: list[int] = []
+        self.rollbacks: list[tuple[int, int]] = []  # (spiking step, snapshot step)
+        self.stop_checkpoint: str | None = None
+        self.dispatcher: AlertDispatcher | None = None
+        # per channel: delivered, failed, dropped, abandoned (closed channels and earlier runs of a resume)
+        self.alert_delivery: dict[str, dict[str, int]] = {}
+        self.log_dir: str | None = None
+        self.last: dict[str, float] = {}  # the last step's loss, gradient norm and learning rate
+
+        self._judge = StepJudge(config.on_spike, self.loss_detector, self.grad_norm_detector)
+        self._streak = NotTrainingStreak(config.not_training_after, config.not_training_stop_after)
+        self._phases = PhaseNotes()
+        self._stop_path: Callable[[int], str] = self._default_stop_path
+        self._swapped: dict[int, str] = {}
+        self.sdpa_patch: Any = None  # the patch_sdpa() handle while F.scaled_dot_product_attention is patched
+        self._every = 1
+        self._step = -1
+        self._alerts_at_start = 0
+        self._monitor_now = False
+        self._loss: torch.Tensor | None = None
+        self._stepped = False
+        self._acted = False
+        self._pending_rollback = False
+        self._pending_stop = False
+        self._snapshot: Snapshot | None = None
+        self._snapshot_in_checkpoint = False
+        self._loaded_snapshot: Snapshot | None = None
+        self._resumed = False
+
+    @property
+    def layers(self) -> LayerStats | None:
+        """The watched attention layers and their recent statistics (None before :meth:`setup`)."""
+        return self._watch.layers
+
+    @property
+    def surge_detectors(self) -> dict[str, SurgeDetector]:
+        """Early-warning detectors by metric name (``stable_attn/saturation/layer0``, ...)."""
+        return self._watch.surge_detectors
+
+    @property
+    def not_training_streak(self) -> int:
+        """Optimizer steps in a row without an applied update (or with a non-finite loss)."""
+        return self._streak.streak
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, root: torch.nn.Module, world: World, stage: str = "fit") -> None:
+        """Swap the transformers models under ``root`` and attach layer statistics (new models only),
+        and patch ``F.scaled_dot_product_attention`` once if ``patch_sdpa``; ``stage`` names the run."""
+        self.world = world
+        self._swap_models(root)
+        if self.patch_sdpa and self.sdpa_patch is None:
+            from ..integrations.sdpa import patch_sdpa
+
+            self.sdpa_patch = patch_sdpa()
+            if world.is_zero:
+                log.warning("%s: torch.nn.functional.scaled_dot_product_attention now runs stable_attn (backend %s) "
+                            "until the end of %s", self.name, world.backend, stage)
+
+    def _swap_models(self, root: torch.nn.Module) -> None:
+        models = {path: m for path, m in find_hf_models(root).items() if id(m) not in self._swapped}
+        if not models:
+            if not self._swapped and not self.patch_sdpa:
+                log.warning("%s: no transformers PreTrainedModel found in %s; attention is not swapped and no layer "
+                            "statistics are logged", self.name, type(root).__name__)
+            return
+        from ..integrations.transformers import attach_stats, attention_modules
+
+        if self.swap:
+            swap_attention(models)
+        stats: dict[str, Any] = {}
+        several = len(models) + len(self._swapped) > 1
+        for path, model in models.items():
+            self._swapped[id(model)] = path
+            if self.attention_stats:
+                stats.update({f"{path or 'model'}.{layer}" if several else layer: s
+                              for layer, s in attach_stats(model).items()})
+        self._watch.add(stats)
+        if self.world.is_zero:
+            n_attention = sum(len(attention_modules(m)) for m in models.values())
+            found = ", ".join(type(m).__name__ for m in models.values())
+            what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.swap else \
+                "monitoring %d transformers model(s) [%s] (attention not switched)"
+            log.warning("%s: " + what + ": %d attention layer(s), backend %s",
+                        self.name, len(models), found, n_attention, self.world.backend)
+
+    def start(self, log_dir: str, log_every_n_steps: int, stop_path: Callable[[int], str] | None = None) -> None:
+        """The run starts: alert channels open on rank zero, writing the JSONL file in ``log_dir``.
+
+        ``log_every_n_steps`` applies when the constructor's is None (0: no step is monitored);
+        ``stop_path(step)`` names the checkpoint a stop writes (default
+        ``<log_dir>/stable_attn-stop-step=<step>.ckpt``)."""
+        self.log_dir = log_dir
+        self._every = self.log_every_n_steps or log_every_n_steps
+        self._stop_path = stop_path or self._default_stop_path
+        self._step = -1
+        self.dispatcher = alerting.build_dispatcher(
+            log_dir or ".", self.alerts_file, self.on_alert, self.webhook_url, self.webhook_timeout,
+            self.webhook_headers) if self.world.is_zero else None
+
+    def train_start(self, state: Trainables) -> None:
+        """Training begins with ``state`` (any checkpoint restored): the first rollback snapshot."""
+        loaded, self._loaded_snapshot = self._loaded_snapshot, None
+        resumed, self._resumed = self._resumed, False
+        # A snapshot of one process is the whole state; several ranks (DDP, FSDP) each hold their own, and a
+        # checkpoint keeps rank zero's only.
+        self._snapshot_in_checkpoint = self.world.size == 1
+        if not self.config.rolls_back:
+            return
+        if loaded is not None:
+            self._snapshot = loaded
+            if self.world.is_zero:
+                log.info("%s: rollback snapshot of global_step %d restored from the checkpoint", self.name, loaded.step)
+            return
+        self._snapshot = take_snapshot(state)
+        if resumed and self.world.is_zero:
+            log.warning("%s: rollback history starts afresh at global_step %d: the checkpoint holds no rollback "
+                        "snapshot (one is saved only by single-process runs with on_spike='rollback'), so a spike "
+                        "rolls back to no earlier state than this one", self.name, state.step)
+
+    # ------------------------------------------------------------- end of run
+    def end_run(self, when: str) -> None:
+        """Close the alert channels (within one webhook timeout in all), say what they did not deliver,
+        put back ``F.scaled_dot_product_attention`` and switch statistics off. Idempotent."""
+        dispatcher, self.dispatcher = self.dispatcher, None
+        if dispatcher is not None:
+            delivered = alerting.close_dispatcher(dispatcher, self.webhook_timeout, when)
+            self.alert_delivery = alerting.add_counts(self.alert_delivery, delivered)
+        patch, self.sdpa_patch = self.sdpa_patch, None
+        if patch is not None:
+            try:
+                patch.restore()
+            except RuntimeError as exc:  # another patch_sdpa was installed on top of ours during the run
+                log.warning("%s: torch.nn.functional.scaled_dot_product_attention not restored %s: %s",
+                            self.name, when, exc)
+        self._watch.enable(False)
+
+    def log_summary(self) -> None:
+        """The :meth:`summary` line at WARNING, on rank zero."""
+        if self.world.is_zero:
+            log.warning("%s: %s", self.name, self.summary())
+
+    def summary(self) -> str:
+        """One line: the alerts of the run by kind, the updates skipped, rollbacks and the stop checkpoint."""
+        kinds = ", ".join(f"{kind} {n}" for kind, n in self.alert_kinds.items())
+        line = f"{self.alert_count} alert(s) ({kinds}); {len(self.skipped_steps)} update(s) skipped"
+        if self.skipped_steps:
+            shown = ", ".join(map(str, self.skipped_steps[:5])) + (", ..." if len(self.skipped_steps) > 5 else "")
+            line += f" (steps {shown})"
+        line += f", {len(self.rollbacks)} rollback(s)"
+        if self.stop_checkpoint is not None:
+            line += f"; stopped, checkpoint {self.stop_checkpoint}"
+        if self.alerts_file is not None and self.alert_count and self.log_dir is not None:
+            line += f"; alerts in {os.path.join(self.log_dir, self.alerts_file)}"
+        return line
+
+    # ------------------------------------------------------------ each step
+    def begin_step(self, step: int, monitor: bool | None = None) -> bool:
+        """A micro-batch of optimizer step ``step`` starts; True when the step is monitored (layer
+        statistics on). Later micro-batches of the same step change nothing.
+
+        ``step`` is the number alerts and metrics carry: Lightning's ``global_step`` before the update
+        (monitored when ``(step + 1) % log_every_n_steps == 0``); a loop that numbers a step by the count
+        after it passes ``monitor`` to say itself whether the step is monitored."""
+        if step == self._step:
+            return self._monitor_now
+        self._step = step
+        self._loss = None
+        self._acted = False
+        self._alerts_at_start = self.alert_count
+        self._monitor_now = monitor if monitor is not None else self._every > 0 and (step + 1) % self._every == 0
+        self._watch.enable(self._monitor_now)
+        return self._monitor_now
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """One micro-batch's loss, divided by the accumulation steps (the sum is the step's mean loss)."""
+        loss = loss.detach().float()
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    def before_optimizer_step(self, optimizer: Any, parameters: Iterable[torch.nn.Parameter], *,
+                              loss: torch.Tensor | float | None = None, scaler: bool = False,
+                              lr: float | None = None) -> Decision:
+        """Judge the step from every rank's values and drop its update if it must be (see the module).
+
+        Call it on every rank with the gradients complete and unscaled, before ``optimizer.step()``.
+        ``loss`` replaces what :meth:`add_loss` summed; ``scaler``: an fp16 GradScaler is active (its
+        inf gradients are not alerts); ``lr`` defaults to the first param group's."""
+        if self._step < 0:
+            raise RuntimeError(f"{self.name}: before_optimizer_step was called before begin_step; call "
+                               "begin_step(step) when each optimizer step's first micro-batch starts")
+        if loss is not None:
+            self._loss = torch.as_tensor(loss).detach().float().reshape(())
+        params = list(parameters)
+        step, device = self._step, self.world.device
+        grad_norm = None
+        if self.monitor_grad_norm:
+            grad_norm = (self.world.grad_norm or total_grad_norm)(params)
+        # The norm is non-finite exactly when a gradient is (or its sum of squares overflows): no second
+        # pass then; without it, a max-abs pass over the local gradients.
+        bad_grads = (~torch.isfinite(grad_norm)).float() if grad_norm is not None else nonfinite_grads(params)
+        nan = torch.full((), math.nan, device=device)
+        mine = torch.stack([
+            self._loss.to(device) if self._loss is not None else nan,
+            grad_norm.float().to(device) if grad_norm is not None else nan,
+            torch.full((), float(self._loss is not None), device=device),
+            bad_grads.to(device) if bad_grads is not None else torch.zeros((), device=device),
+        ]).double()
+        # Every rank shares its raw values (one collective per step, issued whatever the values are) and
+        # every rank runs the same detectors over all of them, so all ranks reach the same verdict.
+        table = self.world.all_gather(mine).reshape(-1, FIELDS) if self.world.size > 1 else mine[None]
+        if lr is None:
+            lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else math.nan
+        judged = self._judge.judge(step, table.cpu().tolist(), has_norm=grad_norm is not None, scaler=scaler,
+                                   lr=lr, note=lambda verdict: self._action_note(step, verdict))
+        self.last = judged.last
+        watched = [self.loss_detector] + ([self.grad_norm_detector] if self.monitor_grad_norm else [])
+        for line in self._phases.update(step, watched):
+            if self.world.is_zero:
+                log.warning("%s: %s", self.name, line)
+        for event, message in judged.spikes:
+            self._alert(event, judged.verdict.action, message)
+        for alert in judged.alerts:
+            self._emit(alert)
+        verdict = judged.verdict
+        if verdict.drop:
+            # No gradients, no update: torch optimizers skip parameters whose .grad is None.
+            optimizer.zero_grad(set_to_none=True)
+            self._acted = True
+            if verdict.skip:
+                self.skipped_steps.append(step)
+            elif verdict.rollback:
+                self._pending_rollback = True
+            elif verdict.stop:
+                self._pending_stop = True
+        escalate = self._streak.update(verdict.not_training)
+        if escalate is not None:
+            if self._streak.stops:
+                self._pending_stop = True
+            self._emit(self._streak.alert(step, escalate, self.last.get(names.LR), self._stop_path(step)))
+        self._stepped = True
+        return Decision(step=step, drop=verdict.drop, action=verdict.action, rollback=self._pending_rollback,
+                        stop=self._pending_stop)
+
+    def _action_note(self, step: int, verdict: Verdict) -> str:
+        if verdict.skip:
+            return "; update skipped"
+        if verdict.rollback:
+            at = self._snapshot.step if self._snapshot is not None else "?"
+            return f"; rolling back to the state at global_step {at}"
+        if verdict.stop:
+            return f"; stopping, checkpoint {self._stop_path(step)}"
+        return ""
+
+    def _default_stop_path(self, step: int) -> str:
+        return os.path.join(self.log_dir or ".", names.stop_checkpoint(step))
+
+    def end_step(self, state: Trainables) -> StepEnd:
+        """After the optimizer and LR-scheduler step (``state.step`` counts it): layer statistics and early
+        warnings on monitored steps, a rollback or a stop the step decided, the periodic snapshot.
+
+        Call it on every rank. Between the micro-batches of one optimizer step it does nothing."""
+        step = self._step
+        if not self._stepped:
+            return StepEnd(step=step)  # accumulating gradients: the optimizer step has not happened yet
+        self._stepped = False
+        metrics = self._monitor(step) if self._monitor_now else None
+
+        rolled_back = False
+        if self._pending_rollback:
+            self._pending_rollback = False
+            assert self._snapshot is not None
+            restore_snapshot(state, self._snapshot)
+            self.rollbacks.append((step, self._snapshot.step))
+            rolled_back = True
+            if self.world.is_zero:
+                log.warning("%s: rolled back to the state at global_step %d; the batches of steps %d..%d are dropped",
+                            self.name, self._snapshot.step, self._snapshot.step, step)
+        elif self.config.rolls_back and not self._acted and state.step % self.rollback_every == 0:
+            self._snapshot = take_snapshot(state)
+
+        stop = None
+        if self._pending_stop:
+            self._pending_stop = False
+            stop = self.stop_checkpoint = self._stop_path(step)
+            if self.world.is_zero:
+                log.warning("%s: stopped training at step %d; checkpoint %s", self.name, step, stop)
+        self._watch.enable(False)
+        return StepEnd(step=step, metrics=metrics, stop_checkpoint=stop, rolled_back=rolled_back,
+                       alert_count_changed=self.alert_count != self._alerts_at_start)
+
+    def _monitor(self, step: int) -> dict[str, float]:
+        metrics = {k: v for k, v in self.last.items() if not (k == names.GRAD_NORM and not self.monitor_grad_norm)}
+        gather = self.world.all_gather if self.world.size > 1 else None
+        layer_metrics, events = self._watch.observe(step, gather, self.world.device, self.last.get(names.LOSS))
+        metrics.update(layer_metrics)
+        for event in events:
+            self._alert(event, "warn", "")
+        metrics[names.ALERT_COUNT] = float(self.alert_count)
+        return metrics
+
+    def _alert(self, event: SpikeEvent, action: str, message: str) -> None:
+        """An alert from a detector's event, with the step's learning rate and the layers that moved."""
+        self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=self._watch.most_changed(),
+                                    action=action, message=message.lstrip("; ")))
+
+    def _emit(self, alert: Alert) -> None:
+        """Count the alert on every rank (the count is shown and logged), deliver it on rank zero."""
+        self.alert_count += 1
+        self.alert_kinds[alert.kind] = self.alert_kinds.get(alert.kind, 0) + 1
+        if self.dispatcher is not None:
+            self.dispatcher.emit(alert)
+
+    # ----------------------------------------------------------------- resume
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python (JSON-serialisable, NaN and inf aside) except the rollback snapshot's tensors,
+        which are there only in a single-process run with ``on_spike="rollback"``."""
+        ranks, watch = self._judge.ranks, self._watch.state_dict()
+        return {
+            "loss_detector": self.loss_detector.state_dict(),
+            "other_rank_loss_detectors": ranks[names.LOSS].other_states(),
+            "grad_norm_detector": self.grad_norm_detector.state_dict(),
+            "other_rank_grad_norm_detectors": ranks[names.GRAD_NORM].other_states(),
+            "alert_kinds": dict(self.alert_kinds),
+            "not_training_streak": self.not_training_streak,
+            "surge": watch["surge"],
+            "alert_count": self.alert_count,
+            "skipped_steps": list(self.skipped_steps),
+            "rollbacks": [list(r) for r in self.rollbacks],
+            "stop_checkpoint": self.stop_checkpoint,
+            "layers": watch["layers"],
+            "alert_delivery": self._delivery(),
+            **({"rollback_snapshot": snapshot_state(self._snapshot)} if self._snapshot is not None
+               and self._snapshot_in_checkpoint and self.config.rolls_back else {}),
+        }
+
+    def _delivery(self) -> dict[str, dict[str, int]]:
+        """Per-channel delivery counts so far: closed channels, earlier runs, and the open channels."""
+        live = self.dispatcher.delivery() if self.dispatcher is not None else {}
+        return alerting.add_counts(self.alert_delivery, {k: v for k, v in live.items() if any(v.values())})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed = True
+        self.alert_delivery = alerting.add_counts({}, state_dict.get("alert_delivery", {}))
+        snapshot = state_dict.get("rollback_snapshot")
+        self._loaded_snapshot = snapshot_from_state(snapshot) if snapshot is not None else None
+        self.loss_detector.load_state_dict(state_dict["loss_detector"])
+        self.grad_norm_detector.load_state_dict(state_dict["grad_norm_detector"])
+        ranks = self._judge.ranks
+        ranks[names.LOSS].load_other_states(state_dict.get("other_rank_loss_detectors", []))
+        ranks[names.GRAD_NORM].load_other_states(state_dict.get("other_rank_grad_norm_detectors", []))
+        self.alert_count = int(state_dict.get("alert_count", 0))
+        self.alert_kinds = dict.fromkeys(ALERT_KINDS, 0) | dict(state_dict.get("alert_kinds", {}))
+        self._streak.streak = int(state_dict.get("not_training_streak", 0))
+        self.skipped_steps = list(state_dict.get("skipped_steps", []))
+        self.rollbacks = [tuple(r) for r in state_dict.get("rollbacks", [])]
+        self.stop_checkpoint = state_dict.get("stop_checkpoint")
+        self._watch.load_state_dict(state_dict)  # applied to layers found later too
+
+
+MonitorConfig.document(MonitorEngine, log_every="the ``log_every_n_steps`` given to :meth:`MonitorEngine.start`",
+                       log_dir="the ``log_dir`` given to :meth:`MonitorEngine.start`")

@@ -1,0 +1,217 @@
+"""One optimizer step judged from every rank's values: which detectors fired, what is done, what to say.
+
+The engine gathers, per rank, the step's loss, gradient norm, whether the rank had a loss (a skipped
+backward has none) and whether any of its gradients is NaN or inf. Every rank runs every rank's
+detectors over that same table (each rank's values have their own level and noise, so each rank has
+its own copy of each detector), so every rank reaches the same verdict without a second collective.
+
+The rules, in one place:
+
+- a spike (loss or gradient norm, on any rank) drops the update unless ``on_spike="warn"``;
+- a NaN or inf loss or gradient, on any rank, drops the update whatever ``on_spike`` says (with
+  ``"warn"`` the step is skipped); under an fp16 GradScaler inf gradients are the scaler's business;
+- a step counts towards the not-training streak when its update was dropped or its loss is
+  non-finite; the streak raises one alert at ``not_training_after`` and stops the run at
+  ``not_training_stop_after``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import Alert, SpikeDetector, SpikeEvent, names
+
+__all__ = ["FIELDS", "Judgement", "NotTrainingStreak", "PhaseNotes", "RankDetectors", "StepJudge", "Verdict"]
+
+# Columns of the per-rank row: loss, gradient norm, has a loss, non-finite gradients.
+FIELDS = 4
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What is done about one step. At most one of ``skip``, ``rollback`` and ``stop`` is True, and one is
+    exactly when the step's update is dropped; ``action`` is the word the step's alerts carry."""
+
+    action: str  # "warn", "skip", "rollback" or "stop": on_spike's (or "skip" for a non-finite step under "warn")
+    skip: bool = False  # the update is dropped and training goes on
+    rollback: bool = False  # the update is dropped and the last snapshot is restored
+    stop: bool = False  # the update is dropped and the run stops with a checkpoint
+    not_training: bool = False  # the step counts towards the not-training streak (dropped, or a non-finite loss)
+
+    @property
+    def drop(self) -> bool:
+        """The step's update is dropped."""
+        return self.skip or self.rollback or self.stop
+
+
+@dataclass
+class Judgement:
+    verdict: Verdict
+    last: dict[str, float]  # names.LOSS / GRAD_NORM / LR of the step, for logging and alerts
+    spikes: list[tuple[SpikeEvent, str]] = field(default_factory=list)  # new events and their alert message
+    alerts: list[Alert] = field(default_factory=list)  # alerts with no detector event (non-finite gradients)
+
+
+def worst(values: list[float]) -> float:
+    """The value to log for several ranks' gradient norms: a non-finite one if any, else the largest."""
+    if not values:
+        return math.nan
+    return next((v for v in values if not math.isfinite(v)), max(values))
+
+
+def where(ranks: list[int], world: int) -> str:
+    """Which ranks saw it, for an alert message (nothing in a single-process run)."""
+    if world == 1 or not ranks:
+        return ""
+    if len(ranks) == world:
+        return f"on all {world} ranks"
+    return f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world}"
+
+
+def phase(detector: SpikeDetector) -> str:
+    """Which rule judges the detector's next value: "starting" (NaN/inf only), "gross" or "calibrated"."""
+    current = getattr(detector, "phase", None)  # older detectors only know whether they are calibrated
+    return current if current is not None else ("calibrated" if detector.ready else "starting")
+
+
+class RankDetectors:
+    """The detectors of one metric for ranks 0..world-1: rank zero's is the one given, the others are
+    copies of it made as ranks report (with the state a checkpoint saved for them, if any)."""
+
+    def __init__(self, detector: SpikeDetector) -> None:
+        self.detectors = [detector]
+        self._pending: dict[int, dict[str, Any]] = {}
+
+    def __getitem__(self, rank: int) -> SpikeDetector:
+        while len(self.detectors) <= rank:
+            copied = copy.deepcopy(self.detectors[0])
+            pending = self._pending.get(len(self.detectors))
+            if pending is not None:
+                copied.load_state_dict(pending)
+            self.detectors.append(copied)
+        return self.detectors[rank]
+
+    def other_states(self) -> list[dict[str, Any]]:
+        """States of ranks 1..; every rank runs every rank's detector, so rank zero's copies are everyone's."""
+        return [d.state_dict() for d in self.detectors[1:]]
+
+    def load_other_states(self, states: list[dict[str, Any]]) -> None:
+        self._pending = dict(enumerate(states, start=1))
+        del self.detectors[1:]  # rebuilt from the saved states as ranks report
+
+
+class StepJudge:
+    """Runs every rank's loss and gradient-norm detectors over one step's gathered rows and decides."""
+
+    def __init__(self, on_spike: str, loss: SpikeDetector, grad_norm: SpikeDetector) -> None:
+        self.on_spike = on_spike
+        self.ranks = {names.LOSS: RankDetectors(loss), names.GRAD_NORM: RankDetectors(grad_norm)}
+        self._grads_were_bad = False
+
+    def judge(self, step: int, rows: list[list[float]], *, has_norm: bool, scaler: bool, lr: float,
+              note: Callable[[Verdict], str]) -> Judgement:
+        """``rows[rank]`` = [loss, grad norm, has loss, non-finite gradients]; ``note(verdict)`` is what an
+        alert adds after its message (e.g. "; update skipped")."""
+        world = len(rows)
+        losses = [r[0] for r in rows if r[2]]
+        norms = [r[1] for r in rows] if has_norm else []
+        last = {
+            names.LOSS: sum(losses) / len(losses) if losses else math.nan,  # a NaN on any rank shows
+            names.GRAD_NORM: worst(norms),
+            names.LR: lr,
+        }
+        loss_det, norm_det = self.ranks[names.LOSS], self.ranks[names.GRAD_NORM]
+        loss_events = [(rank, loss_det[rank].update(step, r[0])) for rank, r in enumerate(rows) if r[2]]
+        norm_events = []
+        # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
+        if has_norm:
+            norm_events = [(rank, norm_det[rank].update(step, r[1])) for rank, r in enumerate(rows)
+                           if not (scaler and not math.isfinite(r[1]))]
+        loss_events = [(rank, e) for rank, e in loss_events if e is not None]
+        norm_events = [(rank, e) for rank, e in norm_events if e is not None]
+        bad_grad_ranks = [] if scaler else [rank for rank, r in enumerate(rows) if r[3]]
+        nonfinite_loss = any(r[2] and not math.isfinite(r[0]) for r in rows)
+        nonfinite = nonfinite_loss or bool(bad_grad_ranks)
+        spiked = bool(loss_events or norm_events)
+        warn_only = self.on_spike == "warn"
+        drop = nonfinite or (spiked and not warn_only)
+        dropped_as = "skip" if warn_only else self.on_spike  # what a dropped update means
+        verdict = Verdict(action=dropped_as if drop or not warn_only else "warn",
+                          skip=drop and dropped_as == "skip", rollback=drop and dropped_as == "rollback",
+                          stop=drop and dropped_as == "stop", not_training=drop or nonfinite_loss)
+        action = verdict.action
+        said = note(verdict)
+        if nonfinite and warn_only:
+            said += " (a non-finite update is never applied, whatever on_spike says)"
+        out = Judgement(verdict, last)
+        for events in (loss_events, norm_events):
+            new = [(rank, e) for rank, e in events if e.is_new]
+            if new:
+                out.spikes.append((new[0][1], where([rank for rank, _ in events], world) + said))
+        if bad_grad_ranks and not has_norm and not self._grads_were_bad:
+            out.alerts.append(Alert(
+                step=step, kind="nonfinite", metric=names.GRADIENTS, value=math.nan, lr=lr, action=action,
+                message=("NaN or inf in the gradients " + where(bad_grad_ranks, world) + said).strip()))
+        self._grads_were_bad = bool(bad_grad_ranks) and not has_norm
+        return out
+
+
+class NotTrainingStreak:
+    """Optimizer steps in a row that did not train: one alert at ``after``, a stop at ``stop_after``."""
+
+    def __init__(self, after: int, stop_after: int | None) -> None:
+        self.after, self.stop_after = after, stop_after
+        self.streak = 0
+
+    def update(self, not_training: bool) -> str | None:
+        """The action of the alert this step's streak calls for ("warn", or "stop" when :attr:`stops`), else None."""
+        self.streak = self.streak + 1 if not_training else 0
+        if self.stops:
+            return "stop"
+        return "warn" if self.streak == self.after else None
+
+    @property
+    def stops(self) -> bool:
+        """The streak has just reached ``stop_after``: the run stops."""
+        return self.streak == self.stop_after
+
+    def alert(self, step: int, action: str, lr: float | None, stop_path: str) -> Alert:
+        streak, stop = self.streak, self.stop_after
+        then = f"; stopping, checkpoint {stop_path}" if self.stops else (
+            f"; the run stops after {stop} such steps" if stop is not None else "")
+        return Alert(
+            step=step, kind="not_training", metric=names.NOT_TRAINING, value=streak, threshold=self.after, lr=lr,
+            action=action,
+            message=f"the run is not training: {streak} optimizer steps in a row (steps {step - streak + 1}..{step}) "
+                    f"had their update dropped or a non-finite loss{then}")
+
+
+class PhaseNotes:
+    """The lines that say when the rule judging a watched metric changes: NaN/inf only at first, then
+    gross jumps, then the calibrated rule (see SpikeDetector); one line for metrics that change at once."""
+
+    def __init__(self) -> None:
+        self._phases: dict[str, str] = {}  # metric -> the phase last announced
+
+    def update(self, step: int, watched: list[SpikeDetector]) -> list[str]:
+        changed: dict[tuple[str, float | None], list[str]] = {}
+        for detector in watched:
+            now = phase(detector)
+            if self._phases.get(detector.metric) != now:
+                self._phases[detector.metric] = now
+                changed.setdefault((now, getattr(detector, "gross_ratio", None)), []).append(detector.metric)
+        following = step + 1  # the phase judges the values after the one that changed it
+        lines = []
+        for (now, ratio), metrics in changed.items():
+            which = ", ".join(metrics)
+            if now == "gross":
+                rule = f"a value above {ratio:g}x its recent median, or NaN/inf, alerts" if ratio else "NaN/inf alert"
+                lines.append(f"spike detection active from step {following} on {which}: {rule}; the calibrated "
+                             "rule takes over once it has learnt the run's noise")
+            elif now == "calibrated":
+                lines.append(f"calibrated spike detection active from step {following} on {which}")
+        return lines

@@ -1,0 +1,81 @@
+"""MonitorConfig is the one home of the monitoring arguments: the engine's and both callbacks' signatures,
+their docs and the Trainer callback's saved arguments all come from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pydoc
+
+import pytest
+
+from stable_attn.callbacks import StableAttentionCallback, StableAttentionTrainerCallback
+from stable_attn.monitor import names
+from stable_attn.monitor.config import MonitorConfig
+from stable_attn.monitor.engine import MonitorEngine
+
+# The defaults as they were when the arguments were spelt out in three constructors (issue 29): unchanged.
+DEFAULTS = {
+    "on_spike": "warn", "log_every_n_steps": None, "swap": True, "patch_sdpa": False, "loss_detector": None,
+    "grad_norm_detector": None, "monitor_grad_norm": True, "attention_stats": True, "early_warnings": True,
+    "early_warning_warmup": None, "rollback_every": 100, "on_alert": None, "webhook_url": None,
+    "webhook_timeout": 2.0, "webhook_headers": None, "alerts_file": names.ALERTS_FILE, "layer_window": 10,
+    "not_training_after": 10, "not_training_stop_after": 100,
+}
+UNSAVED = ("loss_detector", "grad_norm_detector", "on_alert", "webhook_url", "webhook_headers")
+
+
+def test_fields_and_defaults_are_the_arguments():
+    config = MonitorConfig()
+    assert MonitorConfig.names() == tuple(DEFAULTS)
+    assert {name: getattr(config, name) for name in MonitorConfig.names()} == DEFAULTS
+    assert MonitorConfig.unsaved_names() == UNSAVED
+    assert MonitorConfig.saved_names() == tuple(n for n in DEFAULTS if n not in UNSAVED)
+
+
+@pytest.mark.parametrize("cls", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback])
+def test_signatures_come_from_the_config(cls):
+    params = [p for p in inspect.signature(cls).parameters.values() if p.name != "name"]
+    assert [(p.name, p.kind, p.default) for p in params] == [
+        (name, inspect.Parameter.KEYWORD_ONLY, default) for name, default in DEFAULTS.items()]
+    assert [p.annotation for p in params] == [f.type for f in dataclasses.fields(MonitorConfig) if f.init]
+    shown = pydoc.render_doc(cls, renderer=pydoc.plaintext)  # what help() prints
+    assert "on_spike: 'SpikeAction' = 'warn'" in shown and "not_training_stop_after: 'int | None' = 100" in shown
+
+
+@pytest.mark.parametrize("cls", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback])
+def test_every_argument_is_documented_once(cls):
+    args = cls.__doc__.split("\n    Args:\n", 1)[1]
+    entries = [line.strip().split(":", 1)[0] for line in args.splitlines() if line.startswith(" " * 8)
+               and not line.startswith(" " * 12)]
+    assert entries == list(DEFAULTS)
+    assert "{" not in args.replace('{"Authorization"', "")  # every placeholder filled
+
+
+def test_the_adapters_say_where_their_words_differ():
+    lightning, trainer = (" ".join(cls.__doc__.split()) for cls in (StableAttentionCallback,
+                                                                      StableAttentionTrainerCallback))
+    assert "None follows the Trainer's ``log_every_n_steps``" in lightning
+    assert "inside the run's log directory (``trainer.log_dir``)" in lightning
+    assert "None follows the Trainer's ``logging_steps``" in trainer
+    assert "inside ``TrainingArguments.output_dir``" in trainer
+
+
+def test_checked_values_and_given_values():
+    config = MonitorConfig(webhook_timeout=5, on_alert=print, webhook_url="https://example.com/hook",
+                           webhook_headers={"Authorization": "Bearer x"})
+    assert config.webhook_timeout == 5 and isinstance(config.saved()["webhook_timeout"], int)  # saved as given
+    checked = config.checked()
+    assert checked["webhook_timeout"] == 5.0 and isinstance(checked["webhook_timeout"], float)
+    assert checked["on_alert"] == [print] and checked["webhook_headers"] == {"Authorization": "Bearer x"}
+    assert config.unsaved_given() == ["on_alert", "webhook_url", "webhook_headers"]
+    engine = MonitorEngine.from_config(config, name="X")
+    assert engine.name == "X" and engine.config is config and engine.on_alert == [print]
+
+
+@pytest.mark.parametrize("owner", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback])
+def test_unknown_arguments_are_refused_as_a_constructor_would(owner):
+    with pytest.raises(TypeError, match=rf"^{owner.__name__}\.__init__\(\) got an unexpected keyword argument 'foo'$"):
+        owner(foo=1)
+    with pytest.raises(ValueError, match="on_spike='x' is not supported"):
+        owner(on_spike="x")
