@@ -225,9 +225,16 @@ class Options:
     def stabilize(self) -> Stabilize:
         return stabilize_of(self.mode)
 
+    # block_n = 0 (the default partition) is read only here: everything else asks key_block / key_block_given
     @property
     def key_block(self) -> int:
+        """The key-block size: the partition the per-block rule sees (``block_n``, or :data:`BLOCK_N`)."""
         return self.block_n or BLOCK_N
+
+    @property
+    def key_block_given(self) -> bool:
+        """Whether the caller chose ``block_n`` (only then is the partition fixed where no rule sees it)."""
+        return self.block_n != 0
 
     # Kernel scalars: one Python expression each, so the PyTorch path and the Triton launcher round
     # the same fp64 value to the same fp32 kernel argument.
@@ -254,7 +261,7 @@ class Options:
     def model_options(self) -> dict[str, Any]:
         """The :data:`MODEL_OPTIONS` of these options, in the public vocabulary."""
         return {"stabilize": self.stabilize, "beta": self.beta, "backend": self.backend,
-                "block_n": self.block_n or None}
+                "block_n": self.block_n if self.key_block_given else None}
 
     def op_args(self) -> tuple:
         """The fields the ops take as scalar arguments, in :func:`op_schema` order."""
