@@ -81,45 +81,56 @@ def stabilize_of(mode: int) -> Stabilize:
     raise ValueError(f"mode={mode!r} is not one of rules.MODE_* {sorted(MODE_NAMES)}")
 
 
-def _number(x: object) -> bool:
+def is_number(x: object) -> bool:
+    """An int or a float, not a bool (``True`` is an int to Python, never a value we accept)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _int(x: object) -> bool:
+def is_int(x: object) -> bool:
+    """An int, not a bool."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_causal(x: object) -> None:
-    if not (isinstance(x, bool) or (_int(x) and x in (0, 1))):
+    if not (isinstance(x, bool) or (is_int(x) and x in (0, 1))):
         raise TypeError(f"causal={x!r} must be True or False")
 
 
-def _check_scale(x: object) -> None:
+def scale_problem(x: object) -> str | None:
+    """Why ``scale=x`` is refused, or None; the one scale rule (``attention()`` raises on it, the sdpa
+    patch leaves such calls to the original function)."""
     # the forward takes block maxima on the unscaled q.k and scales them after, which gives the maxima
     # of the scaled scores only for a positive finite fp32 score scale (kernels/triton_forward.fwd_block)
-    if x is not None and not (_number(x) and math.isfinite(x) and x > 0
+    if x is not None and not (is_number(x) and math.isfinite(x) and x > 0
                               and rules.FP32_MIN_NORMAL <= x * rules.LOG2E <= rules.FP32_MAX):
-        raise ValueError(f"scale={x!r} must be a finite positive number or None (1/sqrt(D)), with scale * log2(e) "
-                         f"in fp32's normal range [{rules.FP32_MIN_NORMAL:.3g}, {rules.FP32_MAX:.3g}]")
+        return (f"scale={x!r} must be a finite positive number or None (1/sqrt(D)), with scale * log2(e) "
+                f"in fp32's normal range [{rules.FP32_MIN_NORMAL:.3g}, {rules.FP32_MAX:.3g}]")
+    return None
+
+
+def _check_scale(x: object) -> None:
+    problem = scale_problem(x)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _check_window(x: object) -> None:
-    if x is not None and not (_int(x) and x >= 1):
+    if x is not None and not (is_int(x) and x >= 1):
         raise ValueError(f"window={x!r} must be a positive int (keys j > p - window) or None")
 
 
 def _check_softcap(x: object) -> None:
-    if x is not None and not (_number(x) and math.isfinite(x) and x > 0):
+    if x is not None and not (is_number(x) and math.isfinite(x) and x > 0):
         raise ValueError(f"softcap={x!r} must be a finite positive number or None")
 
 
 def _check_dropout_p(x: object) -> None:
-    if not (_number(x) and 0.0 <= x < 1.0):
+    if not (is_number(x) and 0.0 <= x < 1.0):
         raise ValueError(f"dropout_p={x!r} must be a number in [0, 1)")
 
 
 def _check_beta(x: object) -> None:
-    if not (_number(x) and math.isfinite(x) and x > 1.0):
+    if not (is_number(x) and math.isfinite(x) and x > 1.0):
         raise ValueError(f"beta={x!r} must be a finite number > 1")
 
 
@@ -129,7 +140,7 @@ def _check_backend(x: object) -> None:
 
 
 def _check_block_n(x: object) -> None:
-    if x is not None and not (_int(x) and x >= 16 and x & (x - 1) == 0):
+    if x is not None and not (is_int(x) and x >= 16 and x & (x - 1) == 0):
         raise ValueError(f"block_n={x!r} must be a power of two >= 16 or None ({BLOCK_N})")
 
 
@@ -214,9 +225,16 @@ class Options:
     def stabilize(self) -> Stabilize:
         return stabilize_of(self.mode)
 
+    # block_n = 0 (the default partition) is read only here: everything else asks key_block / key_block_given
     @property
     def key_block(self) -> int:
+        """The key-block size: the partition the per-block rule sees (``block_n``, or :data:`BLOCK_N`)."""
         return self.block_n or BLOCK_N
+
+    @property
+    def key_block_given(self) -> bool:
+        """Whether the caller chose ``block_n`` (only then is the partition fixed where no rule sees it)."""
+        return self.block_n != 0
 
     # Kernel scalars: one Python expression each, so the PyTorch path and the Triton launcher round
     # the same fp64 value to the same fp32 kernel argument.
@@ -243,7 +261,7 @@ class Options:
     def model_options(self) -> dict[str, Any]:
         """The :data:`MODEL_OPTIONS` of these options, in the public vocabulary."""
         return {"stabilize": self.stabilize, "beta": self.beta, "backend": self.backend,
-                "block_n": self.block_n or None}
+                "block_n": self.block_n if self.key_block_given else None}
 
     def op_args(self) -> tuple:
         """The fields the ops take as scalar arguments, in :func:`op_schema` order."""

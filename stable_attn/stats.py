@@ -7,9 +7,22 @@ and calls until :meth:`reset`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import torch
+
+
+def _stat(dtype: torch.dtype, unseen: float) -> Any:
+    """A statistic's field: its dtype and its value on a row that sees no key."""
+    return field(metadata={"dtype": dtype, "unseen": unseen})
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @dataclass
@@ -21,12 +34,61 @@ class RowStats:
     - ``fixed_blocks``: int32, key blocks of this row where the stabilization shifted the offset;
     - ``max_logit``: float32, the row's max scaled score (``-inf`` when no key is visible);
     - ``first_key_prob``: float32, softmax probability on key 0 (0 when key 0 is masked).
+
+    The fields' order is the order of the ops' statistics outputs (:data:`SCHEMA`) and of the
+    constructor's arguments; :data:`DTYPES` holds their dtypes. Everything that allocates or passes the
+    four tensors goes through :meth:`empty`, :meth:`like`, :meth:`unseen` and :meth:`tensors`.
     """
 
-    saturated: torch.Tensor
-    fixed_blocks: torch.Tensor
-    max_logit: torch.Tensor
-    first_key_prob: torch.Tensor
+    saturated: torch.Tensor = _stat(torch.bool, False)
+    fixed_blocks: torch.Tensor = _stat(torch.int32, 0)
+    max_logit: torch.Tensor = _stat(torch.float32, -math.inf)
+    first_key_prob: torch.Tensor = _stat(torch.float32, 0.0)
+
+    FIELDS: ClassVar[tuple[str, ...]]
+    DTYPES: ClassVar[Mapping[str, torch.dtype]]
+    SCHEMA: ClassVar[str]  # the ops' results for the four statistics, in field order
+
+    @classmethod
+    def empty(cls, rows: tuple[int, ...], device: torch.device,
+              alloc: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = _empty) -> RowStats:
+        """Uninitialized statistics of shape ``rows``, each allocated by ``alloc(rows, dtype, device)``.
+
+        ``saturated`` is allocated as int8 and viewed as bool (one byte per row either way): the Triton
+        kernels write it through an int8 pointer (``saturated.view(torch.int8)``).
+        """
+        return cls(*(alloc(rows, torch.int8, device).view(torch.bool) if dt == torch.bool else alloc(rows, dt, device)
+                     for dt in cls.DTYPES.values()))
+
+    @classmethod
+    def like(cls, q: torch.Tensor, rows: tuple[int, ...] = (0,)) -> RowStats:
+        """Statistics of shape ``rows`` on q's device, as ``q.new_empty`` makes them: the ops' fake outputs,
+        and (``rows=(0,)``, the default) the placeholders the ops return when no statistics are collected."""
+        return cls(*(q.new_empty(rows, dtype=dt) for dt in cls.DTYPES.values()))
+
+    @classmethod
+    def unseen(cls, rows: tuple[int, ...], device: torch.device) -> RowStats:
+        """The statistics of rows that see no key: not saturated, no block fixed, ``max_logit = -inf``,
+        no probability on key 0."""
+        return cls(*(torch.full(rows, f.metadata["unseen"], dtype=f.metadata["dtype"], device=device)
+                     for f in fields(cls)))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The four tensors in field order (the ops' statistics outputs; ``RowStats(*t)`` inverts it)."""
+        return tuple(getattr(self, name) for name in self.FIELDS)
+
+    def view(self, *shape: int) -> RowStats:
+        return RowStats(*(t.view(*shape) for t in self.tensors()))
+
+    def write(self, index: object, other: RowStats) -> None:
+        """``self.<field>[index] = other.<field>`` for every field."""
+        for name in self.FIELDS:
+            getattr(self, name)[index] = getattr(other, name)
+
+
+RowStats.FIELDS = tuple(f.name for f in fields(RowStats))
+RowStats.DTYPES = MappingProxyType({f.name: f.metadata["dtype"] for f in fields(RowStats)})
+RowStats.SCHEMA = ", ".join("Tensor" for _ in RowStats.FIELDS)
 
 
 class AttentionStats:

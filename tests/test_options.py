@@ -68,6 +68,8 @@ def test_create_resolves_the_public_arguments():
                            block_n=32)
     assert isinstance(opts.softcap, float) and isinstance(opts.beta, float)
     assert opts.key_block == 32 and Options().key_block == BLOCK_N
+    assert opts.key_block_given and not Options().key_block_given
+    assert not Options.create(head_dim=64, block_n=None).key_block_given
     with pytest.raises(ValueError, match="scale=None needs the head dim"):
         Options.create()
 

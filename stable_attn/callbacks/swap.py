@@ -1,4 +1,8 @@
-"""Switching the transformers models inside a LightningModule to the stabilized attention."""
+"""Moved to :mod:`stable_attn.integrations.transformers.swap`; this shim keeps ``callbacks.swap`` working.
+
+The functions import the new module when called, not here, so that importing the callbacks never
+imports transformers (as before the move).
+"""
 
 from __future__ import annotations
 
@@ -8,27 +12,14 @@ __all__ = ["find_hf_models", "swap_attention"]
 
 
 def find_hf_models(root: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The outermost transformers ``PreTrainedModel`` instances under ``root`` (by module path;
-    ``""`` when ``root`` is one). Inner ones (the ``GPT2Model`` in a ``GPT2LMHeadModel``) share the
-    outer model's config and follow its attention implementation."""
-    from transformers import PreTrainedModel
+    """:func:`stable_attn.integrations.transformers.swap.find_hf_models`."""
+    from ..integrations.transformers.swap import find_hf_models as moved
 
-    found: dict[str, torch.nn.Module] = {}
-    for name, module in root.named_modules():
-        if not isinstance(module, PreTrainedModel):
-            continue
-        if any(name == p or name.startswith(p + ".") for p in found if p != name) or "" in found:
-            continue
-        found[name] = module
-    return found
+    return moved(root)
 
 
 def swap_attention(models: dict[str, torch.nn.Module]) -> None:
-    """``set_attn_implementation("stable_attn")`` on each model (registering the implementation
-    with transformers first)."""
-    from ..integrations import transformers as hf
+    """:func:`stable_attn.integrations.transformers.swap.swap_attention`."""
+    from ..integrations.transformers.swap import swap_attention as moved
 
-    hf.register()
-    for model in models.values():
-        if getattr(model.config, "_attn_implementation", None) != "stable_attn":
-            model.set_attn_implementation("stable_attn")
+    moved(models)

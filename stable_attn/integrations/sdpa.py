@@ -15,8 +15,10 @@ zeros (sdpa gives NaN). Calls it can serve go to :func:`stable_attn.attention`:
 boolean mask (True = attend) or an additive float mask, ``is_causal`` (sdpa aligns it top-left when
 ``Nq != Nk``; that case is served with an explicit mask), ``enable_gqa``, ``dropout_p`` and ``scale``.
 Every other call (other ranks or dtypes, nested tensors, a value head dim different from the query's,
-batch broadcasting, invalid argument combinations that sdpa itself rejects) goes to the function that
-was installed before the patch, with a one-time ``RuntimeWarning`` naming the reason.
+batch broadcasting, a scale outside what options.scale_problem accepts, invalid argument combinations that
+sdpa itself rejects) goes to the function that was installed before the patch, with a one-time
+``RuntimeWarning`` naming the reason. The rules are :func:`stable_attn._checks.sdpa_problem` (here
+``unsupported_reason``): whatever ``attention()`` would refuse falls back.
 
 Caveats:
 - The patch replaces the attribute ``torch.nn.functional.scaled_dot_product_attention``. Code that did
@@ -31,7 +33,6 @@ Caveats:
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,8 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._checks import sdpa_problem as unsupported_reason
 from ..attention import attention
-from ..kernels import rules
 from ..options import DEFAULTS, Stabilize, model_options
 
 _active: list[SdpaPatch] = []
@@ -56,61 +57,6 @@ def _warn_once(reason: str) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-
-
-def _mask_broadcasts(mask: torch.Tensor, B: int, Hq: int, Nq: int, Nk: int) -> bool:
-    if mask.dim() > 4:
-        return False
-    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
-    return all(s in (1, t) for s, t in zip(shape, (B, Hq, Nq, Nk)))
-
-
-def unsupported_reason(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any,
-                       scale: Any, enable_gqa: Any, extra: dict) -> str | None:
-    """Why a call cannot go to stable_attn (a short phrase), or None when it can."""
-    tensors = (query, key, value)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return "non-tensor inputs"
-    if any(t.is_nested for t in tensors):
-        return "nested tensors"
-    if extra:
-        return f"arguments stable_attn does not know ({', '.join(sorted(extra))})"
-    if any(t.dim() != 4 for t in tensors):
-        return f"inputs of rank {query.dim()}/{key.dim()}/{value.dim()} (stable_attn takes [B, H, N, D])"
-    if any(t.dtype not in rules.SUPPORTED_DTYPES for t in tensors) or not query.dtype == key.dtype == value.dtype:
-        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype} (stable_attn takes one of float16, bfloat16, float32)"
-    if not query.device == key.device == value.device:
-        return "inputs on different devices"
-    B, Hq, Nq, D = query.shape
-    if key.shape != value.shape or key.shape[3] != D:
-        return "a value or key shape that differs from the query's head dim or from each other"
-    if D > 256:
-        return f"head dim {D} > 256"
-    if key.shape[0] != B:
-        return "batch broadcasting between query and key"
-    Hkv, Nk = key.shape[1], key.shape[2]
-    if Hkv != Hq and not (enable_gqa and Hq % Hkv == 0):
-        return "query and key head counts that sdpa only accepts with enable_gqa=True"
-    if Nq == 0 or Nk == 0:
-        return "an empty sequence"
-    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-        return f"dropout_p={dropout_p!r}"
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        return f"scale={scale!r} (stable_attn takes a finite positive scale)"
-    if attn_mask is not None:
-        if is_causal:
-            return "attn_mask together with is_causal=True"
-        if not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested:
-            return "an attn_mask that is not a plain tensor"
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            return f"an attn_mask of dtype {attn_mask.dtype}"
-        if attn_mask.requires_grad and torch.is_grad_enabled():
-            return "an attn_mask that requires grad (stable_attn returns no gradient for masks)"
-        if attn_mask.device != query.device:
-            return "an attn_mask on another device"
-        if not _mask_broadcasts(attn_mask, B, Hq, Nq, Nk):
-            return f"an attn_mask of shape {tuple(attn_mask.shape)} that does not broadcast to {(B, Hq, Nq, Nk)}"
-    return None
 
 
 class SdpaPatch:

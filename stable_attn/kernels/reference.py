@@ -242,10 +242,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
     outg = _grouped(out, p)
     lse2 = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
     if with_stats:
-        st_sat = torch.empty(B, Hkv, G, Nq, dtype=torch.bool, device=q.device)
-        st_fixed = torch.empty(B, Hkv, G, Nq, dtype=torch.int32, device=q.device)
-        st_max = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
-        st_p0 = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
+        st = RowStats.empty((B, Hkv, G, Nq), q.device)
 
     for q0 in range(0, Nq, p.chunk):
         q1 = min(q0 + p.chunk, Nq)
@@ -308,16 +305,13 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         lse = r + torch.log2(l)
         lse2[..., q0:q1] = torch.where(seen, lse, torch.full_like(lse, math.inf))
         if with_stats:
-            st_sat[..., q0:q1] = (m2 >= m - sat_tol2) & seen  # -inf >= -inf must not count
-            st_fixed[..., q0:q1] = fixed
-            st_max[..., q0:q1] = m / rules.LOG2E
-            st_p0[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])
+            st.saturated[..., q0:q1] = (m2 >= m - sat_tol2) & seen  # -inf >= -inf must not count
+            st.fixed_blocks[..., q0:q1] = fixed
+            st.max_logit[..., q0:q1] = m / rules.LOG2E
+            st.first_key_prob[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])
 
     lse2 = lse2.view(B, p.Hq, Nq)
-    row_stats = None
-    if with_stats:
-        shape = (B, p.Hq, Nq)
-        row_stats = RowStats(st_sat.view(shape), st_fixed.view(shape), st_max.view(shape), st_p0.view(shape))
+    row_stats = st.view(B, p.Hq, Nq) if with_stats else None
     return out, lse2, row_stats
 
 

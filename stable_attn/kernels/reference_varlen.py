@@ -40,12 +40,7 @@ def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     total_q, Hq, _ = q.shape
     out = torch.zeros_like(q)
     lse2 = torch.full((Hq, total_q), math.inf, dtype=torch.float32, device=q.device)
-    if with_stats:
-        rows = (1, Hq, total_q)
-        sat = torch.zeros(rows, dtype=torch.bool, device=q.device)
-        fixed = torch.zeros(rows, dtype=torch.int32, device=q.device)
-        max_logit = torch.full(rows, -math.inf, dtype=torch.float32, device=q.device)
-        p0 = torch.zeros(rows, dtype=torch.float32, device=q.device)
+    st = RowStats.unseen((1, Hq, total_q), q.device) if with_stats else None
     for b, ((qs, qe), (ks, ke)) in enumerate(zip(_bounds(cu_seqlens_q), _bounds(cu_seqlens_k), strict=True)):
         if qe == qs or ke == ks:
             continue  # no rows, or rows that see no key: the initial values are the answer
@@ -56,11 +51,8 @@ def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
         out[qs:qe] = o[0].transpose(0, 1)
         lse2[:, qs:qe] = lse_b[0]
         if with_stats:
-            sat[..., qs:qe] = rs.saturated
-            fixed[..., qs:qe] = rs.fixed_blocks
-            max_logit[..., qs:qe] = rs.max_logit
-            p0[..., qs:qe] = rs.first_key_prob
-    return out, lse2, RowStats(sat, fixed, max_logit, p0) if with_stats else None
+            st.write((..., slice(qs, qe)), rs)
+    return out, lse2, st
 
 
 def backward_varlen(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -374,10 +374,8 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
     out = _empty_like(q)
     lse2 = _empty(rows, torch.float32, q.device)
     if with_stats:
-        sat = _empty(rows, torch.int8, q.device)
-        fixed = _empty(rows, torch.int32, q.device)
-        max_logit = _empty(rows, torch.float32, q.device)
-        p0 = _empty(rows, torch.float32, q.device)
+        st = RowStats.empty(rows, q.device, alloc=_empty)
+        sat, fixed, max_logit, p0 = st.saturated.view(torch.int8), *st.tensors()[1:]
     else:
         sat = fixed = max_logit = p0 = lse2  # never touched: STATS is a compile-time False
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
@@ -411,8 +409,7 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
             Hq, Hq // Hkv, sc["window"], q.shape[0], *scalars, **consts,
         )
         rows = (1, *rows)  # the statistics as one batch element: what AttentionStats.update reads
-    row_stats = (RowStats(sat.view(torch.bool).view(rows), fixed.view(rows), max_logit.view(rows), p0.view(rows))
-                 if with_stats else None)
+    row_stats = st.view(rows) if with_stats else None
     return out, lse2, row_stats
 
 

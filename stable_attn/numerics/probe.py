@@ -173,14 +173,14 @@ def _routed_through(model: nn.Module, recorder: _Recorder):
     AttentionMaskInterface.register(PROBE_NAME, integration.stable_attn_mask)
     previous = model.config._attn_implementation
     was_training = model.training
-    original = integration.attention
-    integration.attention = recorder.recording_attention
+    original = integration.attention_function.attention
+    integration.attention_function.attention = recorder.recording_attention
     try:
         model.set_attn_implementation(PROBE_NAME)
         model.eval()  # no dropout: the replay must see the same probabilities
         yield
     finally:
-        integration.attention = original
+        integration.attention_function.attention = original
         model.set_attn_implementation(previous)
         model.train(was_training)
 

@@ -88,7 +88,7 @@ class Calls:
 
     def __init__(self, monkeypatch):
         self.dense, self.varlen, self.fallback = 0, 0, 0
-        real_dense, real_varlen = st.attention, st.attention_varlen
+        real_dense, real_varlen = st.attention_function.attention, st.attention_function.attention_varlen
 
         def dense(*args, **kwargs):
             self.dense += 1
@@ -99,8 +99,8 @@ class Calls:
             self.varlen += 1
             return real_varlen(*args, **kwargs)
 
-        monkeypatch.setattr(st, "attention", dense)
-        monkeypatch.setattr(st, "attention_varlen", varlen)
+        monkeypatch.setattr(st.attention_function, "attention", dense)
+        monkeypatch.setattr(st.attention_function, "attention_varlen", varlen)
 
 
 def assert_matches(name, loss, logits, got_grads, want, what, rtol=2e-5):

@@ -193,6 +193,17 @@ def test_other_calls_go_to_the_original_with_one_warning(case, spy):
     torch.testing.assert_close(out, ORIGINAL(q, k, v, **kwargs), rtol=0, atol=0)
 
 
+def test_a_scale_options_refuse_goes_to_the_original(spy):
+    """scale=1e-39 is finite and positive, but scale * log2(e) is below fp32's normal range, which
+    options.scale_problem (what attention() raises on) refuses: the patch must not serve it."""
+    q, k, v = _inputs()
+    sdpa_mod._warned.clear()
+    with patch_sdpa(), pytest.warns(RuntimeWarning, match=r"scale=1e-39"):
+        out = F.scaled_dot_product_attention(q, k, v, scale=1e-39)
+    assert spy == []
+    torch.testing.assert_close(out, ORIGINAL(q, k, v, scale=1e-39), rtol=0, atol=0)
+
+
 def test_invalid_calls_still_raise_like_sdpa(spy):
     q, k, v = _inputs(hkv=2)
     with patch_sdpa(), pytest.warns(RuntimeWarning, match="head counts"), pytest.raises(RuntimeError):

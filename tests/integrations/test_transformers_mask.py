@@ -153,13 +153,13 @@ def test_transformers_accepts_the_name_at_run_time():
 
 def test_causal_lm_without_padding_builds_no_4d_mask(monkeypatch):
     seen = []
-    real = st.attention
+    real = st.attention_function.attention
 
     def spy(*args, **kwargs):
         seen.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(st, "attention", spy)
+    monkeypatch.setattr(st.attention_function, "attention", spy)
     model = llama()
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[0, :3] = 0
@@ -214,13 +214,13 @@ def test_value_head_dim_and_bad_masks_raise():
 
 def test_options_from_configure_and_from_config(monkeypatch):
     seen = []
-    real = st.attention
+    real = st.attention_function.attention
 
     def spy(*args, **kwargs):
         seen.append({k: kwargs[k] for k in ("stabilize", "beta", "backend", "block_n")})
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(st, "attention", spy)
+    monkeypatch.setattr(st.attention_function, "attention", spy)
     model = llama(stable_attn={"beta": 4.0, "stabilize": "paper"})
     model(input_ids=ids())
     assert seen[-1] == {"stabilize": "paper", "beta": 4.0, "backend": "auto", "block_n": None}

@@ -232,13 +232,13 @@ def test_generate_with_a_static_cache_matches_sdpa(monkeypatch):
     ids, mask = batch("left", seed=4)
     prompt_ids, prompt_mask = ids[:, :12], mask[:, :12]
     masks_seen = []
-    real = st.attention
+    real = st.attention_function.attention
 
     def spy(*args, **kwargs):
         masks_seen.append(kwargs["attn_mask"] is not None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(st, "attention", spy)
+    monkeypatch.setattr(st.attention_function, "attention", spy)
     out = {}
     for impl in ("sdpa", "stable_attn"):
         with torch.no_grad():

@@ -74,7 +74,7 @@ def test_probe_llama_padding_captures_masks_and_grads():
     # the model is left as it was found
     assert model.config._attn_implementation != probe_mod.PROBE_NAME
     assert all(not hasattr(m, "stable_attn_options") for _, m in integration.attention_modules(model))
-    assert integration.attention is probe_mod.attention
+    assert integration.attention_function.attention is probe_mod.attention
 
 
 def test_probe_rejects_bad_arguments():

@@ -1,0 +1,233 @@
+"""Tensor rules: what ``attention()``, ``attention_varlen()`` and the patched sdpa accept, in one place.
+
+:func:`dense_problem` (``[B, H, N, D]`` inputs and their masks) and :func:`packed_problem` (FlashAttention's
+varlen layout) return the :class:`Problem` with a call, or None; the two entry points raise it
+(:func:`raise_problem`): its message names the argument, its value and what is accepted.
+:func:`sdpa_problem` says why ``patch_sdpa``'s wrapper must leave a call to the original
+``scaled_dot_product_attention``: the sdpa-only rules first (nested tensors, GQA without
+``enable_gqa``, ...), then the scale rule of :mod:`stable_attn.options` and :func:`dense_problem`
+itself, so every call the wrapper serves is one that ``attention()`` accepts.
+
+The rules on scalars (scale, window, ...) live in options.py; here are the rules on tensors, the
+interpreter test and the unit-stride rule the ops' fake implementations rely on. No tensor values
+are read (safe to trace); the values of ``cu_seqlens`` are checked inside the varlen op.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import torch
+
+from .kernels import rules
+from .options import is_int, scale_problem
+
+MAX_HEAD_DIM = 256
+
+
+class Problem(NamedTuple):
+    """Why a call is refused: the exception type to raise and its message."""
+
+    error: type[Exception]
+    message: str
+
+
+def raise_problem(problem: Problem | None) -> None:
+    if problem is not None:
+        raise problem.error(problem.message)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``): the Triton backend on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unit_last_stride(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Unit stride in the last dim, so every backend returns outputs with exactly the strides the fake
+    implementations promise (empty_like of these inputs)."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in xs)
+
+
+def broadcasts(mask: torch.Tensor, shape: tuple[int, int, int, int]) -> bool:
+    """Whether ``mask`` broadcasts to ``shape`` ``[B, Hq, Nq, Nk]``."""
+    if mask.dim() > 4:
+        return False
+    padded = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    return all(s in (1, t) for s, t in zip(padded, shape))
+
+
+def _mask_dtype_ok(mask: torch.Tensor) -> bool:
+    return mask.dtype == torch.bool or mask.is_floating_point()
+
+
+def _mask_needs_grad(mask: torch.Tensor) -> bool:
+    return mask.requires_grad and torch.is_grad_enabled()
+
+
+_FA_HINT = ("; they would fit as [B, N, H, D] (FlashAttention's layout): if that is their layout, pass "
+            "q.transpose(1, 2) etc., or call stable_attn.flash_attn_func, which takes [B, N, H, D]")
+
+
+def _fits_bnhd(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether q, k read as ``[B, N, H, D]`` (FlashAttention's layout) would be a valid call."""
+    return q.shape[2] >= 1 and k.shape[2] >= 1 and q.shape[2] % k.shape[2] == 0 and k.shape[1] >= 1
+
+
+def _qkv_problem(q: Any, k: Any, v: Any, packed: bool) -> Problem | None:
+    """The rules q, k, v share in both layouts: ``[B, H, N, D]`` or, ``packed``, ``[total, H, D]``."""
+    rank = 3 if packed else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return Problem(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            if packed:
+                hint = " (batched [B, H, N, D] inputs go to stable_attn.attention)" if t.dim() == 4 else ""
+                return Problem(ValueError, f"{name} must have rank 3 [total, H, D] (FlashAttention's varlen layout), "
+                                           f"got shape {tuple(t.shape)}{hint}")
+            hint = " (packed [total, H, D] sequences go to stable_attn.attention_varlen)" if t.dim() == 3 else ""
+            return Problem(ValueError, f"{name} must have rank 4 [B, H, N, D], got shape {tuple(t.shape)}{hint}")
+        if t.dtype not in rules.SUPPORTED_DTYPES:
+            return Problem(TypeError, f"{name}.dtype={t.dtype} is not supported; use bfloat16, float16 or float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        return Problem(TypeError, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        return Problem(ValueError, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if packed:
+        layout_name, kv_layout = "[total, H, D]", "[total_k, Hkv, D]"
+        layout = f"q {tuple(q.shape)}, k {tuple(k.shape)} as {layout_name}"
+    else:
+        layout_name, kv_layout = "[B, H, N, D]", "[B, Hkv, Nk, D]"
+        layout = f"q {tuple(q.shape)} and k {tuple(k.shape)} as {layout_name}"
+    if k.shape != v.shape:
+        return Problem(ValueError, f"k and v must have the same shape {kv_layout}, got {tuple(k.shape)} and "
+                                   f"{tuple(v.shape)}")
+    if not packed and k.shape[0] != q.shape[0]:
+        return Problem(ValueError, f"k batch size {k.shape[0]} does not match q batch size {q.shape[0]} ({layout})")
+    D = q.shape[-1]
+    if k.shape[-1] != D:
+        return Problem(ValueError, f"k head dim {k.shape[-1]} does not match q head dim {D} ({layout})")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        return Problem(ValueError, f"head dim D={D} is not supported; use 1 <= D <= {MAX_HEAD_DIM} (the last dim of "
+                                   f"{layout_name})")
+    Hq, Hkv = q.shape[-2 if packed else 1], k.shape[-2 if packed else 1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        hint = _FA_HINT if not packed and _fits_bnhd(q, k) else ""
+        return Problem(ValueError, f"q heads Hq={Hq} must be a multiple of k/v heads Hkv={Hkv} (GQA/MQA; {layout})"
+                                   f"{hint}")
+    if packed and (q.shape[0] == 0 or k.shape[0] == 0):
+        return Problem(ValueError, f"the packed sequences must hold at least one token, got total_q={q.shape[0]}, "
+                                   f"total_k={k.shape[0]}")
+    if not packed and (q.shape[2] == 0 or k.shape[2] == 0):
+        return Problem(ValueError, f"sequence lengths must be >= 1, got Nq={q.shape[2]}, Nk={k.shape[2]} ({layout})")
+    return None
+
+
+def dense_problem(q: Any, k: Any, v: Any, key_padding_mask: Any = None, attn_mask: Any = None) -> Problem | None:
+    """What is wrong with an ``attention()`` call's q, k, v (``[B, H, N, D]``) and masks, or None."""
+    problem = _qkv_problem(q, k, v, packed=False)
+    if problem is not None:
+        return problem
+    B, Hq, Nq, _ = q.shape
+    Nk = k.shape[2]
+    layout = f"q {tuple(q.shape)} and k {tuple(k.shape)} as [B, H, N, D]"
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            got = getattr(key_padding_mask, "dtype", type(key_padding_mask).__name__)
+            return Problem(TypeError, f"key_padding_mask must be a bool tensor (True = attend), got {got}")
+        if tuple(key_padding_mask.shape) != (B, Nk):
+            fits = tuple(key_padding_mask.shape) == (B, k.shape[1]) and _fits_bnhd(q, k)
+            return Problem(ValueError, f"key_padding_mask must have shape [B, Nk] = {(B, Nk)} ({layout}), got "
+                                       f"{tuple(key_padding_mask.shape)}{_FA_HINT if fits else ''}")
+        if key_padding_mask.device != q.device:
+            return Problem(ValueError, f"key_padding_mask is on {key_padding_mask.device}, q on {q.device}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            return Problem(TypeError, f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
+        if not _mask_dtype_ok(attn_mask):
+            return Problem(TypeError, f"attn_mask.dtype={attn_mask.dtype}: use bool (True = attend) or a float "
+                                      "additive mask")
+        if not broadcasts(attn_mask, (B, Hq, Nq, Nk)):
+            fits = _fits_bnhd(q, k) and broadcasts(attn_mask, (B, q.shape[2], q.shape[1], k.shape[1]))
+            return Problem(ValueError, f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                                       f"[B, Hq, Nq, Nk] = {(B, Hq, Nq, Nk)} ({layout}){_FA_HINT if fits else ''}")
+        if _mask_needs_grad(attn_mask):
+            return Problem(ValueError, "attn_mask requires grad, but stable_attn returns no gradient for attention "
+                                       "masks; detach it if it is constant")
+        if attn_mask.device != q.device:
+            return Problem(ValueError, f"attn_mask is on {attn_mask.device}, q on {q.device}")
+    return None
+
+
+def packed_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
+                   max_seqlen_k: Any) -> Problem | None:
+    """What is wrong with the shapes, dtypes and devices of an ``attention_varlen()`` call, or None."""
+    problem = _qkv_problem(q, k, v, packed=True)
+    if problem is not None:
+        return problem
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            return Problem(TypeError, f"{name} must be an int32 tensor [batch + 1], got {type(cu).__name__}")
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
+            return Problem(ValueError, f"{name} must be an int32 tensor of shape [batch + 1] (batch >= 1), got dtype "
+                                       f"{cu.dtype} and shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            return Problem(ValueError, f"{name} is on {cu.device}, q on {q.device}; put it on q's device")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        return Problem(ValueError, f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                                   f"shapes {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not ((is_int(m) or isinstance(m, torch.SymInt)) and m >= 1):
+            return Problem(ValueError, f"{name}={m!r} must be a positive int (the longest sequence's length)")
+    return None
+
+
+def sdpa_problem(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
+                 enable_gqa: Any, extra: dict) -> str | None:
+    """Why a ``scaled_dot_product_attention`` call cannot go to ``attention()`` (a short phrase), or None."""
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "non-tensor inputs"
+    if any(t.is_nested for t in tensors):
+        return "nested tensors"
+    if extra:
+        return f"arguments stable_attn does not know ({', '.join(sorted(extra))})"
+    if any(t.dim() != 4 for t in tensors):
+        return f"inputs of rank {query.dim()}/{key.dim()}/{value.dim()} (stable_attn takes [B, H, N, D])"
+    if any(t.dtype not in rules.SUPPORTED_DTYPES for t in tensors) or not query.dtype == key.dtype == value.dtype:
+        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype} (stable_attn takes one of float16, bfloat16, float32)"
+    if not query.device == key.device == value.device:
+        return "inputs on different devices"
+    B, Hq, Nq, D = query.shape
+    if key.shape != value.shape or key.shape[3] != D:
+        return "a value or key shape that differs from the query's head dim or from each other"
+    if D > MAX_HEAD_DIM:
+        return f"head dim {D} > {MAX_HEAD_DIM}"
+    if key.shape[0] != B:
+        return "batch broadcasting between query and key"
+    Hkv, Nk = key.shape[1], key.shape[2]
+    if Hkv != Hq and not (enable_gqa and Hkv > 0 and Hq % Hkv == 0):
+        return "query and key head counts that sdpa only accepts with enable_gqa=True"
+    if Nq == 0 or Nk == 0:
+        return "an empty sequence"
+    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+        return f"dropout_p={dropout_p!r}"
+    problem = scale_problem(scale)
+    if problem is not None:
+        return problem
+    if attn_mask is not None:
+        if is_causal:
+            return "attn_mask together with is_causal=True"
+        if not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested:
+            return "an attn_mask that is not a plain tensor"
+        if not _mask_dtype_ok(attn_mask):
+            return f"an attn_mask of dtype {attn_mask.dtype}"
+        if _mask_needs_grad(attn_mask):
+            return "an attn_mask that requires grad (stable_attn returns no gradient for masks)"
+        if attn_mask.device != query.device:
+            return "an attn_mask on another device"
+        if not broadcasts(attn_mask, (B, Hq, Nq, Nk)):
+            return f"an attn_mask of shape {tuple(attn_mask.shape)} that does not broadcast to {(B, Hq, Nq, Nk)}"
+    # whatever attention() itself would refuse (the rules above only phrase the common cases for sdpa users)
+    problem = dense_problem(query, key, value, attn_mask=attn_mask)
+    return None if problem is None else problem.message

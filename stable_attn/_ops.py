@@ -1,0 +1,157 @@
+"""What the two ops (attention.py, varlen.py) share: backend choice, autocast, the dropout seed, and the
+torch.library glue, written once.
+
+:func:`define` registers a forward/backward pair ``stable_attn::<name>_fwd`` / ``_bwd`` with a fake (meta)
+implementation and an autograd formula, so ``torch.compile`` keeps each op in the graph as one opaque call
+and autograd never traces through a reference implementation. Both ops take ``q, k, v``, then their own
+inputs (the masks, or ``cu_seqlens`` and the lengths), the dropout seed as a tensor, ``with_stats`` and the
+fields of :class:`stable_attn.options.Options` by name (``options.op_schema``); the forward returns
+``out, lse`` and the statistics (:class:`stable_attn.stats.RowStats`, empty placeholders when none are
+collected); the backward returns ``dq, dk, dv``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._checks import interpreting
+from .options import Options, op_schema
+from .stats import AttentionStats, RowStats
+
+logger = logging.getLogger("stable_attn")
+
+_logged_once: set[str] = set()
+
+
+def log_once(key: str, message: str, level: int = logging.INFO) -> None:
+    """Log ``message`` the first time ``key`` is seen in this process (the fallback notices)."""
+    if key not in _logged_once:
+        _logged_once.add(key)
+        logger.log(level, message)
+
+
+# The Triton kernels address one batch element's q/k/v/o with 32-bit offsets.
+_TRITON_MAX_ELEMENTS_PER_BATCH = 2**31
+
+
+def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch.Tensor | None = None) -> str:
+    """Pick the implementation. Never drops the stabilization: what Triton cannot serve goes to torch."""
+    if backend == "torch":
+        return "torch"
+    if has_attn_mask:
+        if backend == "triton" or q.is_cuda:
+            log_once("attn_mask", "stable_attn: an arbitrary attn_mask is served by the PyTorch path "
+                     "(stabilized, slower than the Triton kernel)", logging.WARNING)
+        return "torch"
+    per_batch = max(q[0].numel(), 0 if k is None else k[0].numel())
+    if per_batch >= _TRITON_MAX_ELEMENTS_PER_BATCH and (backend == "triton" or q.is_cuda):
+        log_once("int32", f"stable_attn: {per_batch} elements per batch element exceed the Triton kernels' "
+                 "32-bit offsets; served by the PyTorch path (stabilized, slower)", logging.WARNING)
+        return "torch"
+    if backend == "auto":
+        return "triton" if q.is_cuda else "torch"
+    if not q.is_cuda and not interpreting():
+        raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
+                         "imported; use backend='torch' or 'auto' for the CPU path")
+    return "triton"
+
+
+def autocast_inputs(*xs):
+    """Like F.scaled_dot_product_attention, attention runs in autocast's lower precision."""
+    first = xs[0]
+    if isinstance(first, torch.Tensor) and torch.is_autocast_enabled(first.device.type):
+        dt = torch.get_autocast_dtype(first.device.type)
+        return tuple(t.to(dt) if isinstance(t, torch.Tensor) else t for t in xs)
+    return xs
+
+
+def check_stats(stats: object) -> None:
+    if stats is not None and not isinstance(stats, AttentionStats):
+        raise TypeError(f"stats must be an AttentionStats or None, got {type(stats).__name__}")
+
+
+def seed_value(seed: torch.Tensor | None) -> int:
+    """The dropout seed an op received; it travels as a tensor so that drawing it is a graph op under
+    torch.compile (no .item() in the traced code)."""
+    return 0 if seed is None else int(seed)
+
+
+def draw_seed(dropout_p: float) -> torch.Tensor | None:
+    """A fresh Philox seed for a call with dropout, None without.
+
+    Drawn from the CPU generator, whose state torch.utils.checkpoint restores for the recompute.
+    """
+    return torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0 else None
+
+
+def define(name: str, inputs: str, forward: Callable, backward: Callable,
+           rows: Callable[[torch.Tensor], tuple[tuple, tuple]]) -> tuple[Any, Any]:
+    """Register ``stable_attn::<name>_fwd`` and ``stable_attn::<name>_bwd``; returns the two ops.
+
+    ``inputs``: the schema of the op's own arguments after ``q, k, v`` (``"Tensor? key_padding_mask, ..."``);
+    the tensors among them are saved for the backward, the other values kept as they are.
+    ``forward(q, k, v, *inputs, opts, with_stats) -> (out, lse, RowStats | None)`` and
+    ``backward(do, q, k, v, out, lse, *inputs, opts) -> (dq, dk, dv)`` are the implementations (``do``
+    contiguous); ``rows(q)`` is ``(lse shape, statistics shape)``, for the fake implementation.
+    """
+    is_tensor = tuple(arg.split()[0].startswith("Tensor") for arg in inputs.split(","))
+    n = len(is_tensor)
+    options = op_schema()
+    fwd_schema = (f"(Tensor q, Tensor k, Tensor v, {inputs}, Tensor? seed, bool with_stats, {options}) "
+                  f"-> (Tensor, Tensor, {RowStats.SCHEMA})")
+    bwd_schema = (f"(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {inputs}, Tensor? seed, "
+                  f"{options}) -> (Tensor, Tensor, Tensor)")
+
+    def forward_impl(q, k, v, *args):
+        own, seed, with_stats, opts = args[:n], args[n], args[n + 1], args[n + 2:]
+        out, lse, row_stats = forward(q, k, v, *own, Options.from_op_args(opts, seed_value(seed)), with_stats)
+        return out, lse, *(RowStats.like(q) if row_stats is None else row_stats).tensors()
+
+    def backward_impl(do, q, k, v, out, lse, *args):
+        own, seed, opts = args[:n], args[n], args[n + 1:]
+        return backward(do.contiguous(), q, k, v, out, lse, *own, Options.from_op_args(opts, seed_value(seed)))
+
+    fwd = torch.library.custom_op(f"stable_attn::{name}_fwd", forward_impl, mutates_args=(), schema=fwd_schema)
+    bwd = torch.library.custom_op(f"stable_attn::{name}_bwd", backward_impl, mutates_args=(), schema=bwd_schema)
+
+    @fwd.register_fake
+    def _(q, k, v, *args):
+        lse_rows, stats_rows = rows(q)
+        row_stats = RowStats.like(q, stats_rows) if args[n + 1] else RowStats.like(q)
+        return torch.empty_like(q), q.new_empty(lse_rows, dtype=torch.float32), *row_stats.tensors()
+
+    @bwd.register_fake
+    def _(do, q, k, v, *args):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v = inputs[:3]
+        own, seed = inputs[3:3 + n], inputs[3 + n]
+        ctx.options = inputs[5 + n:]
+        ctx.values = tuple(x for x, t in zip(own, is_tensor) if not t)
+        ctx.n_inputs = len(inputs)
+        ctx.save_for_backward(q, k, v, output[0], output[1], *(x for x, t in zip(own, is_tensor) if t), seed)
+
+    def backward_formula(ctx, do, dlse, *unused):
+        q, k, v, out, lse, *tensors, seed = ctx.saved_tensors
+        saved, values = iter(tensors), iter(ctx.values)
+        own = tuple(next(saved) if t else next(values) for t in is_tensor)
+        dq, dk, dv = bwd(do, q, k, v, out, lse, *own, seed, *ctx.options)
+        return dq, dk, dv, *([None] * (ctx.n_inputs - 3))  # no gradient for the other inputs, seed, options
+
+    fwd.register_autograd(backward_formula, setup_context=setup_context)
+    return fwd, bwd
+
+
+def run(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: tuple, seed: torch.Tensor | None,
+        opts: Options, backend: str, stats: AttentionStats | None) -> torch.Tensor:
+    """Call a forward op of :func:`define` on ``backend`` and fold its statistics into ``stats``."""
+    collect = stats is not None and stats.enabled
+    outs = op(q, k, v, *inputs, seed, collect, *opts.replace(backend=backend).op_args())
+    if collect:
+        stats.update(RowStats(*outs[2:]))
+    return outs[0]
