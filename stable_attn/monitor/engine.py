@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 
-from ..callbacks.swap import find_hf_models, swap_attention
 from . import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, alerting, names
 from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAction: imported from here before
 from .grad_norm import nonfinite_grads, total_grad_norm
@@ -218,6 +217,9 @@ class MonitorEngine:
                             "until the end of %s", self.name, world.backend, stage)
 
     def _swap_models(self, root: torch.nn.Module) -> None:
+        # imported here: the engine imports no transformers until a run sets up
+        from ..integrations.transformers.swap import find_hf_models, swap_attention
+
         models = {path: m for path, m in find_hf_models(root).items() if id(m) not in self._swapped}
         if not models:
             if not self._swapped and not self.patch_sdpa:
