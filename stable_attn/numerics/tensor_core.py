@@ -238,16 +238,16 @@ def _round_block(s: torch.Tensor, lsb_exp: torch.Tensor, spec: TensorCoreSpec) -
 
 
 def _block_model(av, ea, bv, eb, c, spec: TensorCoreSpec) -> torch.Tensor:
-    """One fused block: values ``av`` ``[M, F]`` / ``bv`` ``[F, N]`` (float64, finite) with their
-    exponents ``ea``, ``eb`` (int32), finite ``c`` ``[M, N]`` (float64 holding fp32 values).
+    """One fused block: values ``av`` ``[..., M, F]`` / ``bv`` ``[..., F, N]`` (float64, finite) with
+    their exponents ``ea``, ``eb`` (int32), finite ``c`` ``[..., M, N]`` (float64 holding fp32 values).
 
     The arithmetic is integer arithmetic carried in float64, where each value is exact: a product of
     two <= 11-bit significands is exact, scaling by a power of two is exact, and ``trunc`` of
     ``|v| 2^(facc - E)`` is the aligned integer significand (< 2^28) rounded toward zero.
     """
     facc = spec.accumulator_fraction_bits
-    p = av[:, None, :] * bv.t()[None, :, :]  # [M, N, F] exact products
-    ep = ea[:, None, :] + eb.t()[None, :, :]  # unnormalised product exponents (zero products: very negative)
+    p = av[..., :, None, :] * bv.transpose(-1, -2)[..., None, :, :]  # [..., M, N, F] exact products
+    ep = ea[..., :, None, :] + eb.transpose(-1, -2)[..., None, :, :]  # unnormalised exponents (zeros: very low)
     ec = _exponents(c, _FP32_EMIN)
     emax = torch.maximum(ep.amax(dim=-1), ec).clamp(min=spec.align_exponent_floor)  # [M, N]
     lsb_exp = emax - facc
@@ -266,8 +266,8 @@ def _ieee_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor
     """Exact products, one RNE fp32 addition each, k = 0, 1, ... from C (float64 out)."""
     ad, bd = a.double(), b.double()
     d = c.double()
-    for k in range(a.shape[1]):
-        prod = ad[:, k:k + 1] * bd[k:k + 1, :]  # exact in float64 for <= 11-bit significands
+    for k in range(a.shape[-1]):
+        prod = ad[..., :, k:k + 1] * bd[..., k:k + 1, :]  # exact in float64 for <= 11-bit significands
         s, err = _two_sum(d, prod)
         # round to odd in float64, then one rounding to fp32 is the correctly rounded d + prod
         bits = s.view(torch.int64)
@@ -281,16 +281,19 @@ def _ieee_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor
 def mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, model: str = "h100") -> torch.Tensor:
     """``D = A B + C`` as ``model``'s tensor cores compute it: ``a`` ``[M, K]``, ``b`` ``[K, N]``
     (same dtype: bf16, fp16, or fp8 E4M3/E5M2 where modelled), ``c`` ``[M, N]`` fp32; returns fp32 ``[M, N]``.
+    Leading batch dimensions (the same on all three) give independent products: ``[..., M, K]`` etc.
 
     ``K`` is split into blocks of ``fused_size`` products (the last one may be shorter: padding with
     zeros changes nothing, zero products drop out), each block's ``D`` the next block's ``C``.
     """
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"a must be [M, K] and b [K, N]; got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if a.dim() < 2 or b.dim() != a.dim() or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"a must be [..., M, K] and b [..., K, N] (same batch dims); got a {tuple(a.shape)}, "
+                         f"b {tuple(b.shape)}")
     if a.dtype != b.dtype:
         raise ValueError(f"a.dtype={a.dtype} and b.dtype={b.dtype} must be the same input format")
-    if c.dtype != torch.float32 or tuple(c.shape) != (a.shape[0], b.shape[1]):
-        raise ValueError(f"c must be float32 [M, N] = [{a.shape[0]}, {b.shape[1]}]; got {c.dtype} {tuple(c.shape)}")
+    want = (*a.shape[:-1], b.shape[-1])
+    if c.dtype != torch.float32 or tuple(c.shape) != want:
+        raise ValueError(f"c must be float32 [..., M, N] = {list(want)}; got {c.dtype} {tuple(c.shape)}")
     spec = spec_for(model, a.dtype)
     a, b, c = a.cpu(), b.cpu(), c.cpu()
     if spec.model == "ieee":
@@ -303,14 +306,15 @@ def mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, model: str = "h100") 
     ea, eb = _exponents(av, emin), _exponents(bv, emin)
     d = c.double()
     f = spec.fused_size
-    for k0 in range(0, a.shape[1], f):
+    for k0 in range(0, a.shape[-1], f):
         blk = slice(k0, k0 + f)
-        special = nfa[:, blk].any(dim=1)[:, None] | nfb[blk].any(dim=0)[None, :] | ~torch.isfinite(d)
-        d_new = _block_model(av[:, blk], ea[:, blk], bv[blk], eb[blk],
+        special = (nfa[..., blk].any(dim=-1)[..., :, None] | nfb[..., blk, :].any(dim=-2)[..., None, :]
+                   | ~torch.isfinite(d))
+        d_new = _block_model(av[..., blk], ea[..., blk], bv[..., blk, :], eb[..., blk, :],
                              torch.where(special, torch.zeros_like(d), d), spec)
         if bool(special.any()):
             # [KM25] GEMM.m: a NaN among the products or C gives NaN, +Inf with -Inf gives NaN,
             # otherwise the infinity (float64 products and sums have exactly these semantics)
-            d_new = torch.where(special, ad[:, blk] @ bd[blk] + d, d_new)
+            d_new = torch.where(special, ad[..., blk] @ bd[..., blk, :] + d, d_new)
         d = d_new
     return d.float()

@@ -376,8 +376,19 @@ def test_rejects_unmodelled_inputs():
         mma(a, b.half(), c)
     with pytest.raises(ValueError, match="float32"):
         mma(a, b, c.double())
-    with pytest.raises(ValueError, match=r"\[M, K\]"):
+    with pytest.raises(ValueError, match=r"\[\.\.\., M, K\]"):
         mma(a, b.t(), c)
+
+
+def test_batched_equals_one_by_one():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 3, 40, generator=g).to(BF16)
+    b = torch.randn(4, 40, 5, generator=g).to(BF16)
+    c = torch.randn(4, 3, 5, generator=g)
+    for model in ("a100", "h100", "ieee"):
+        d = mma(a, b, c, model)
+        for i in range(4):
+            assert torch.equal(d[i], mma(a[i], b[i], c[i], model))
 
 
 def test_every_spec_field_is_set_and_sourced():
