@@ -301,15 +301,17 @@ def mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, model: str = "h100") 
     _, _, emin = FORMATS[a.dtype]
     ad, bd = a.double(), b.double()
     nfa, nfb = ~torch.isfinite(ad), ~torch.isfinite(bd)
-    av = torch.where(nfa, torch.zeros_like(ad), ad)
-    bv = torch.where(nfb, torch.zeros_like(bd), bd)
+    av = torch.where(nfa, 0.0, ad) if bool(nfa.any()) else ad
+    bv = torch.where(nfb, 0.0, bd) if bool(nfb.any()) else bd
     ea, eb = _exponents(av, emin), _exponents(bv, emin)
     d = c.double()
     f = spec.fused_size
+    inputs_finite = not (bool(nfa.any()) or bool(nfb.any()))
     for k0 in range(0, a.shape[-1], f):
         blk = slice(k0, k0 + f)
-        special = (nfa[..., blk].any(dim=-1)[..., :, None] | nfb[..., blk, :].any(dim=-2)[..., None, :]
-                   | ~torch.isfinite(d))
+        special = ~torch.isfinite(d)
+        if not inputs_finite:
+            special = special | nfa[..., blk].any(dim=-1)[..., :, None] | nfb[..., blk, :].any(dim=-2)[..., None, :]
         d_new = _block_model(av[..., blk], ea[..., blk], bv[..., blk, :], eb[..., blk, :],
                              torch.where(special, torch.zeros_like(d), d), spec)
         if bool(special.any()):
