@@ -278,10 +278,13 @@ def _ieee_mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor
     return d
 
 
-def mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, model: str = "h100") -> torch.Tensor:
+def mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, model: str | TensorCoreSpec = "h100") -> torch.Tensor:
     """``D = A B + C`` as ``model``'s tensor cores compute it: ``a`` ``[M, K]``, ``b`` ``[K, N]``
     (same dtype: bf16, fp16, or fp8 E4M3/E5M2 where modelled), ``c`` ``[M, N]`` fp32; returns fp32 ``[M, N]``.
     Leading batch dimensions (the same on all three) give independent products: ``[..., M, K]`` etc.
+    ``model`` is a name of :data:`MODELS` or a :class:`TensorCoreSpec` (e.g. ``dataclasses.replace``
+    of a GPU's spec, to ask what one feature changes); its ``input_format`` must be ``a``'s. Inputs
+    on another device are computed on the CPU; the result is a CPU tensor.
 
     ``K`` is split into blocks of ``fused_size`` products (the last one may be shorter: padding with
     zeros changes nothing, zero products drop out), each block's ``D`` the next block's ``C``.
@@ -294,7 +297,12 @@ def mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, model: str = "h100") 
     want = (*a.shape[:-1], b.shape[-1])
     if c.dtype != torch.float32 or tuple(c.shape) != want:
         raise ValueError(f"c must be float32 [..., M, N] = {list(want)}; got {c.dtype} {tuple(c.shape)}")
-    spec = spec_for(model, a.dtype)
+    if isinstance(model, TensorCoreSpec):
+        spec = model
+        if a.dtype not in FORMATS or FORMATS[a.dtype][0] != spec.input_format:
+            raise ValueError(f"a.dtype={a.dtype} does not match the spec's input_format={spec.input_format!r}")
+    else:
+        spec = spec_for(model, a.dtype)
     a, b, c = a.cpu(), b.cpu(), c.cpu()
     if spec.model == "ieee":
         return _ieee_mma(a, b, c).float()

@@ -12,6 +12,7 @@ Sources of expected values (no value here is invented):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from fractions import Fraction
@@ -208,7 +209,10 @@ def _ref_block(av, bv, c: Fraction, spec: tc.TensorCoreSpec, emin_in: int):
         return Fraction(0)
     val = s * unit
     lsb = max(_floor_log2(abs(val)) - spec.output_mantissa_bits, -126 - spec.output_mantissa_bits)
-    q = math.floor(abs(val) / Fraction(2) ** lsb)  # round toward zero
+    if spec.normalisation_rounding == "rz":
+        q = math.floor(abs(val) / Fraction(2) ** lsb)  # round toward zero
+    else:
+        q = round(abs(val) / Fraction(2) ** lsb)  # Fraction.__round__: nearest, ties to even
     out = (1 if val > 0 else -1) * q * Fraction(2) ** lsb
     return out
 
@@ -304,6 +308,25 @@ def test_exact_rational_tie_and_cancellation_cases():
         b = torch.tensor([bv]).t().contiguous().to(BF16)
         cc = torch.tensor([[c]])
         assert mma(a, b, cc, "h100").tolist() == _ref_mma(a, b, cc, spec), (av, bv, c)
+
+
+def test_custom_spec_with_rne_normalisation_matches_exact_rational_steps():
+    # a what-if spec: the H100's alignment with round-to-nearest-even at the normalisation
+    spec = dataclasses.replace(tc.spec_for("h100", BF16), normalisation_rounding="rne")
+    rng = random.Random("rne")
+    for _ in range(12):
+        a, b, c = _random_case(rng, "bf16", 3, rng.choice([5, 16, 21, 40]), 2)
+        assert mma(a, b, c, model=spec).tolist() == _ref_mma(a, b, c, spec)
+    # spec: 1 + 2^-24 (the exact sum, kept with 25 fraction bits) is a tie at fp32: RNE gives 1, and
+    # 1 + 3*2^-25 rounds up to 1 + 2^-23 where RZ gives 1
+    one = torch.ones(1, 1, dtype=BF16)
+    assert float(mma(one, one, torch.tensor([[X(1, -24)]]), model=spec)) == 1.0
+    two = torch.tensor([[1.0, 1.0]], dtype=BF16)
+    col = torch.tensor([[1.0], [X(1, -24) + X(1, -25)]], dtype=BF16)
+    assert float(mma(two, col, torch.zeros(1, 1), model=spec)) == 1 + X(1, -23)
+    assert float(mma(two, col, torch.zeros(1, 1), model="h100")) == 1.0
+    with pytest.raises(ValueError, match="input_format"):
+        mma(one.half(), one.half(), torch.zeros(1, 1), model=spec)
 
 
 @pytest.mark.slow
