@@ -14,7 +14,9 @@ off, ours and the paper's, on the same trials (paired), plus the exact answer ro
 (the best any bf16 output can do), and a variant a' whose row sum is taken over the bf16-rounded
 ``P-bar`` for every fix, in one key block (arithmetic.rounded_rowsum_model; our kernel's
 ``stabilize=True`` does the same blockwise, so a' with fix "ours" cross-checks model (a) with fix
-"ours"). Errors are against the float64 oracle, in units of
+"ours"), and (d): our kernel's forward with ``P-bar V`` as A100 or H100 tensor cores compute it
+(arithmetic.tensor_core_model on the bit-level models of stable_attn.numerics.tensor_core; run on the
+CPU on every device). Errors are against the float64 oracle, in units of
 ``2^-8 * rms(O_row)`` (one bf16 rounding at the row's scale); ``t`` is the t-statistic of the mean
 over trials; ``|t| >= 3`` counts as biased.
 
@@ -60,6 +62,13 @@ def make_inputs(kind: str, trials: int, n: int, d: int, gen: torch.Generator) ->
     return scores, values
 
 
+# (d) the kernel's forward with P-bar V on bit-level tensor-core models (run on the CPU on every device)
+TC_MODELS = {
+    "d_tensor_core_a100": lambda s, v, fix: arithmetic.tensor_core_model(s, v, fix, model="a100"),
+    "d_tensor_core_h100": lambda s, v, fix: arithmetic.tensor_core_model(s, v, fix, model="h100"),
+}
+
+
 def models_for(device: str) -> dict[str, object]:
     """Model name -> ``f(scores, values, fix) -> ModelOutput`` for the device."""
     if device == "cpu":
@@ -68,6 +77,7 @@ def models_for(device: str) -> dict[str, object]:
             "b_blockwise_bf16": lambda s, v, fix: arithmetic.blockwise_bf16_model(s, v, fix),
             "c_sequential_bf16": arithmetic.sequential_bf16_model,
             "a'_rounded_rowsum": arithmetic.rounded_rowsum_model,
+            **TC_MODELS,
         }
     # on a GPU: our Triton kernel (bf16 tl.dot on tensor cores), the PyTorch path for comparison,
     # and the published arithmetic with the device's own bf16 matmul (cuBLAS, tensor cores)
@@ -76,6 +86,7 @@ def models_for(device: str) -> dict[str, object]:
         "a_kernel_torch": lambda s, v, fix: arithmetic.kernel_model(s, v, fix, backend="torch"),
         "b_blockwise_bf16_native": lambda s, v, fix: arithmetic.blockwise_bf16_model(s, v, fix, native_matmul=True),
         "c_sequential_bf16": arithmetic.sequential_bf16_model,
+        **TC_MODELS,
     }
 
 

@@ -5,5 +5,8 @@
 - :mod:`.arithmetic`: arithmetic models of ``softmax(s) V`` (our kernel, the published all-bf16
   blockwise code, sequential bf16 accumulation) and their exact answer (built on
   :mod:`stable_attn.kernels.naive`, the one fp64 oracle); used by benchmarks/bias_study.py;
+- :mod:`.tensor_core`: bit-level models of one A100/H100 tensor-core MMA (``mma``), after Fasi et al.
+  (2021) and Khattak & Mikaitis (2025), with an IEEE fp32 reference; arithmetic model (d) runs the
+  kernel's ``P-bar V`` on them;
 - :mod:`.probe`: the per-layer probe of a transformers model (``stable-attn probe``).
 """

@@ -20,6 +20,10 @@ bf16 values ``v`` ``[T, N, D]``, one independent row per trial ``t``, and return
   whole row (one block). The row sum is float64 and the final division is rounded once to bf16,
   so the only bf16 roundings besides ``P-bar`` and the output are those of the ``P-bar V`` sum.
 
+- (d) :func:`tensor_core_model`: our kernel's forward, key block by key block, with ``P-bar V`` (and
+  the exact mode's tensor-core row sum) as a GPU's tensor cores compute them
+  (:func:`stable_attn.numerics.tensor_core.mma`, ``model="a100"``/``"h100"``/``"ieee"``).
+
 ``fix`` is ``"off"`` (plain safe softmax), ``"ours"`` (stable_attn's rule: exact trigger, minimum and
 capped shift, rules.py) or ``"paper"`` (the published rule: 1e-3 window, ``beta*m`` or 0).
 """
@@ -31,9 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import attention
-from ..kernels import naive, rules
+from ..kernels import naive, reference, rules
 from ..options import FIX_NAMES
 from ..stats import AttentionStats
+from . import tensor_core
 
 FIXES = tuple(FIX_NAMES)
 _BF16 = torch.bfloat16
@@ -214,9 +219,97 @@ def rounded_rowsum_model(scores: torch.Tensor, values: torch.Tensor, fix: str) -
     return ModelOutput(o.double(), (p == 1.0).sum(dim=-1), fire.double().mean().item())
 
 
+TC_K_CHUNK = 16  # K of one bf16 MMA instruction (mma.sync m16n8k16 on A100, wgmma k16 on H100)
+
+
+def tensor_core_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = 64,
+                      model: str = "h100", k_chunk: int = TC_K_CHUNK) -> ModelOutput:
+    """(d) Our kernel's forward with ``P-bar V`` on a model of a GPU's tensor cores.
+
+    Per key block, as ``triton_forward.fwd_weights``/``fwd_pv`` (and ``reference.attention_forward``,
+    whose steps and helper functions this reuses) run it, for one query row per trial with the scores
+    planted as in :func:`kernel_model` (``x = q.k = s``, ``scale = 1``): the running max and the
+    offset ``r`` of the rule (``reference.block_offset``), ``alpha = exp2(r - r_new)``,
+    ``P-bar = exp2(fma(x, log2 e, -r_new))`` in fp32, cast to bf16 (round to nearest even), then
+    ``acc = tl.dot(P-bar, V, acc * alpha)``: the fp32 accumulator, rescaled by ``alpha`` (one fp32
+    rounding), is the ``C`` of the first MMA instruction, and the block's keys run through
+    instructions of ``k_chunk`` keys, each one's ``D`` the next one's ``C``; each instruction is
+    :func:`tensor_core.mma` under ``model`` (which splits it into its fused blocks). For
+    ``fix="ours"`` the row sum is ``tl.dot(P-bar, 1, l * alpha)`` on the tensor cores too
+    (``tensor_core_row_sum``: head dim <= 128, no dropout), else ``l * alpha + sum(P-bar)`` in fp32
+    (the unrounded P-bar for ``"off"`` and ``"paper"``, with the paper's floor). ``O = acc / l``,
+    stored in bf16.
+
+    ``model="fp32_matmul"`` replaces the MMA by ``acc * alpha + P-bar @ V`` in fp32 and the row sum
+    by an fp32 sum: the PyTorch path's arithmetic (the cross-check against :func:`kernel_model`).
+    """
+    _check(scores, values, fix)
+    if model != "fp32_matmul" and model not in tensor_core.MODELS:
+        raise ValueError(f"model={model!r}; accepted values: {(*tensor_core.MODELS, 'fp32_matmul')}")
+    if k_chunk < 1 or block_n < 1:
+        raise ValueError(f"k_chunk={k_chunk} and block_n={block_n} must be >= 1")
+    T, N, D = values.shape
+    scores, values = scores.cpu(), values.cpu()
+    mode = options_mode(fix)
+    tie2, min_shift2, max_shift2 = rules.rule_constants(_BF16, mode)
+    c = 1.0 * rules.LOG2E  # Options.qk_scale2 with scale = 1
+    x = scores.float()
+    m = torch.full((T,), -float("inf"))
+    r = torch.full((T,), -rules.FP32_MAX)
+    l = torch.zeros(T)
+    acc = torch.zeros(T, D)
+    ones = torch.zeros(T, dtype=torch.int64)
+    fired = torch.zeros(T)
+    tc_row_sum = mode == rules.MODE_EXACT and D <= 128 and model != "fp32_matmul"
+    for j0 in range(0, N, block_n):
+        s = x[:, j0:j0 + block_n]
+        n = s.shape[1]
+        m_blk, m2_blk = reference.row_top2(s)
+        m_blk, m2_blk = m_blk * c, m2_blk * c
+        m_new = torch.maximum(m, m_blk)
+        r_new, fire = reference.block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, 2.0, mode)
+        fired += fire.double()
+        alpha = torch.exp2(r - r_new)
+        p_bar = torch.exp2(reference.fma_f32(s, c, -r_new[:, None]))
+        p_cast = p_bar.to(_BF16)
+        ones = torch.maximum(ones, (p_cast == 1.0).sum(dim=-1))
+        v = values[:, j0:j0 + n]
+        if tc_row_sum:
+            l = _tc_chain(p_cast[:, None, :], torch.ones(T, n, 1, dtype=_BF16), (l * alpha)[:, None, None],
+                          model, k_chunk)[:, 0, 0]
+        else:
+            l_blk = (p_cast.float() if mode == rules.MODE_EXACT else p_bar).sum(-1)
+            if mode == rules.MODE_PAPER:
+                l_blk = torch.where(m_blk > -float("inf"), l_blk.clamp(min=rules.PAPER_ROW_SUM_FLOOR), l_blk)
+            l = l * alpha + l_blk
+        c_acc = acc * alpha[:, None]
+        if model == "fp32_matmul":
+            acc = c_acc + torch.matmul(p_cast.float()[:, None, :], v.float())[:, 0]
+        else:
+            acc = _tc_chain(p_cast[:, None, :], v, c_acc[:, None, :], model, k_chunk)[:, 0]
+        m, r = m_new, r_new
+    o = (acc / l[:, None]).to(_BF16)
+    return ModelOutput(o.double(), ones, fired.mean().item())
+
+
+def _tc_chain(p: torch.Tensor, v: torch.Tensor, c: torch.Tensor, model: str, k_chunk: int) -> torch.Tensor:
+    """``tl.dot(p, v, c)`` as a chain of MMA instructions of ``k_chunk`` keys (batched over trials)."""
+    d = c
+    for k0 in range(0, p.shape[-1], k_chunk):
+        d = tensor_core.mma(p[..., k0:k0 + k_chunk], v[..., k0:k0 + k_chunk, :], d, model=model)
+    return d
+
+
+def options_mode(fix: str) -> int:
+    """``rules.MODE_*`` of a lab ``fix`` name."""
+    return {"off": rules.MODE_OFF, "ours": rules.MODE_EXACT, "paper": rules.MODE_PAPER}[fix]
+
+
 MODELS = {
     "a_kernel": kernel_model,
     "b_blockwise_bf16": blockwise_bf16_model,
     "c_sequential_bf16": sequential_bf16_model,
     "a_rounded_rowsum": rounded_rowsum_model,
+    "d_tensor_core_a100": lambda s, v, fix: tensor_core_model(s, v, fix, model="a100"),
+    "d_tensor_core_h100": lambda s, v, fix: tensor_core_model(s, v, fix, model="h100"),
 }
