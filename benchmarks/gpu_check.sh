@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One command for a GPU slot (H100/H200), timing FIRST: the per-step time-outs add up to 8.5 minutes
-# (210 + 90 + 150 + 60 s; the packed step JIT-compiles its kernels first), and each step's output is
+# (210 + 90 + 130 + 20 + 60 s; the packed step JIT-compiles its kernels first), and each step's output is
 # written as it goes.
 #   1. timing table: stable_attn's Triton kernels against SDPA flash / cuDNN (benchmarks/gpu_bench.py)
 #   2. packed documents: attention_varlen against attention() on the same documents padded (gpu_bench.py)
 #   3. the Triton kernel tests on CUDA (each variant is JIT-compiled for the real GPU there)
-#   4. the rounding-bias study with real bf16 tensor-core products (docs/NUMERICS.md)
+#   4. the tensor-core arithmetic model against tl.dot on this GPU
+#   5. the rounding-bias study with real bf16 tensor-core products (docs/NUMERICS.md)
 # Exit status 1 if a step failed or ran out of time (a time-out is reported by name).
 #   bash benchmarks/gpu_check.sh [json-path]      (default: $OUT/gpu_bench.json, or ./gpu_bench.json)
 set -uo pipefail
@@ -37,9 +38,12 @@ step "timing: packed documents, varlen vs padded" 90 \
     python benchmarks/gpu_bench.py --varlen-only --json "$DIR/gpu_bench_varlen.json"
 
 # the compile-only tests need no GPU (CI runs them); everything else in tests/kernels runs on CUDA
-step "kernel tests on CUDA" 150 env STABLE_ATTN_TEST_DEVICE=cuda python -m pytest tests/kernels -q -m "not slow" \
+step "kernel tests on CUDA" 130 env STABLE_ATTN_TEST_DEVICE=cuda python -m pytest tests/kernels -q -m "not slow" \
     -x -p no:cacheprovider --durations=5 \
     --ignore=tests/kernels/test_triton_compile.py --ignore=tests/kernels/test_kernel_resources.py
+
+step "tensor-core model against tl.dot (stable_attn.numerics.tensor_core)" 20 \
+    env STABLE_ATTN_TEST_DEVICE=cuda python -m pytest tests/numerics/gpu_tensor_core_check.py -q -p no:cacheprovider
 
 step "rounding-bias study on tensor cores" 60 \
     python benchmarks/bias_study.py --device cuda --json "$DIR/bias_study_cuda.json"

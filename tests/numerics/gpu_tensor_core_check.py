@@ -8,6 +8,7 @@ many of the tile's entries differ from the model; the KM25 vectors were measured
 ``wmma``/``mma.sync``, and on sm_90 Triton may issue ``wgmma`` for this tile, so this is also the
 check that the two instruction families share the arithmetic.
 
+Not collected by the CPU suite (no test_ prefix): benchmarks/gpu_check.sh runs it on a GPU machine.
 Not yet run on a GPU (written in a session without one).
 """
 
