@@ -11,6 +11,7 @@ Triton kernel.
 from __future__ import annotations
 
 from .attention import attention
+from .explain import explain
 from .integrations.flash_compat import flash_attn_func, flash_attn_varlen_func
 from .integrations.sdpa import patch_sdpa, unpatch_sdpa
 from .stats import AttentionStats
@@ -34,6 +35,6 @@ def register() -> bool:
 register()
 
 __all__ = [
-    "AttentionStats", "attention", "attention_varlen", "flash_attn_func", "flash_attn_varlen_func", "patch_sdpa",
+    "AttentionStats", "attention", "attention_varlen", "explain", "flash_attn_func", "flash_attn_varlen_func", "patch_sdpa",
     "register", "unpatch_sdpa", "__version__",
 ]

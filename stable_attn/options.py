@@ -151,12 +151,17 @@ _CHECKS = {
 }
 
 
+# DEFAULTS' values in a plain dict, read by _completed: torch.compile breaks the graph when traced code reads a
+# mapping proxy after any dict was mutated in the same trace (a static cache's decoding step does)
+_DEFAULTS_READ: dict[str, Any] = dict(DEFAULTS)
+
+
 def _completed(values: Mapping[str, Any], accepted: tuple[str, ...], where: str) -> dict[str, Any]:
     """``values`` with the missing ``accepted`` names from :data:`DEFAULTS`; unknown names raise."""
     unknown = sorted(set(values) - set(accepted))
     if unknown:
         raise ValueError(f"{where} has unknown keys {unknown}; accepted keys are {sorted(accepted)}")
-    return {name: values.get(name, DEFAULTS[name]) for name in accepted}
+    return {name: values.get(name, _DEFAULTS_READ[name]) for name in accepted}
 
 
 def _check_values(values: Mapping[str, Any]) -> None:

@@ -101,11 +101,51 @@ def check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tens
             raise ValueError(f"{max_name}={max_len} is smaller than the longest sequence ({max(lengths)} tokens) of "
                              f"{name}")
         _remember(cu, state, against)
+        _note_extent(cu, state, lengths)
+
+
+# id(cu_seqlens) -> (weak reference, (_version, data_ptr), sequences up to the last non-empty one, longest)
+_EXTENT: dict[int, tuple[weakref.ref, tuple[int, int], int, int]] = {}
+
+
+def _note_extent(cu: torch.Tensor, state: tuple[int, int] | None, lengths: list[int]) -> None:
+    """Remember, from the values the check just read, where the non-empty sequences end and the longest one."""
+    if state is None:
+        return
+    used = max((i + 1 for i, n in enumerate(lengths) if n), default=0)
+    while len(_EXTENT) >= _MAX_CHECKED:
+        del _EXTENT[next(iter(_EXTENT))]
+    key = id(cu)
+    _EXTENT[key] = (weakref.ref(cu, lambda ref, key=key: _EXTENT.pop(key, None)
+                                if key in _EXTENT and _EXTENT[key][0] is ref else None), state, used, max(lengths))
+
+
+def launch_extent(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``cu_seqlens`` without their trailing empty sequences and the max lengths tightened to the longest, for
+    the launch (the Triton grid is sequences x query blocks of ``max_seqlen_q``; the PyTorch path loops
+    over the sequences).
+
+    The transformers integration passes documents it found on the device with a static shape (``B * N + 1``
+    offsets, the unused ones equal to the token count, ``max_seqlen`` = the row length ``N``) so that tracing
+    reads no value; the values the check read are remembered with the tensor, so this reads nothing more.
+    Tensors the check could not remember (inference tensors) are launched as they are.
+    """
+    if cu_seqlens_q is not cu_seqlens_k:
+        return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    entry = _EXTENT.get(id(cu_seqlens_q))
+    if entry is None or entry[0]() is not cu_seqlens_q or entry[1] != _state(cu_seqlens_q):
+        return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    used, longest = entry[2], entry[3]
+    cu = cu_seqlens_q[:used + 1]
+    return cu, cu, min(max_seqlen_q, max(longest, 1)), min(max_seqlen_k, max(longest, 1))
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: Options, with_stats: bool,
              ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = launch_extent(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                         max_seqlen_k)
     if opts.backend == "triton":
         from .kernels import triton_attention
 
@@ -116,6 +156,8 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, op
 
 
 def _backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: Options):
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = launch_extent(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                         max_seqlen_k)
     if opts.backend == "triton":
         from .kernels import triton_attention
 

@@ -170,6 +170,12 @@ def test_several_packed_rows_and_flash_kwargs(monkeypatch, use_cache):
     torch.testing.assert_close(got, separately(name, docs[0])[1], rtol=2e-5, atol=2e-5)
 
 
+def documents_of(mask: st.StableAttnMask) -> list[int]:
+    """The documents' offsets of a mask's static-shape ``cu_seqlens`` (the trailing empty ones dropped)."""
+    cu = mask.cu_seqlens.tolist()
+    return cu[:cu.index(cu[-1]) + 1]
+
+
 def test_packed_mask_is_recognized_and_means_what_masking_utils_builds():
     """create_causal_mask / create_sliding_window_causal_mask on packed positions: a StableAttnMask whose
     documents, written out, are exactly sdpa's materialized mask for the same arguments."""
@@ -186,9 +192,10 @@ def test_packed_mask_is_recognized_and_means_what_masking_utils_builds():
                                position_ids=position_ids)
         ours, exact = masks["stable_attn"], masks["sdpa"]
         assert isinstance(ours, st.StableAttnMask) and ours.causal and ours.window == sliding
-        assert ours.cu_seqlens.tolist() == [0, 3, 4, 9, 11, 17, 22] and ours.max_seqlen == 6
+        # found on the device with a static shape: B * N + 1 offsets, the unused ones the token count
+        assert ours.cu_seqlens.tolist() == [0, 3, 4, 9, 11, 17] + [22] * 17 and ours.max_seqlen == N
         written = torch.zeros(B * N, B * N, dtype=torch.bool)
-        cu = ours.cu_seqlens.tolist()
+        cu = documents_of(ours)
         for a, b in zip(cu[:-1], cu[1:]):
             i = torch.arange(b - a)
             vis = i[None, :] <= i[:, None]
@@ -213,7 +220,7 @@ def test_both_forms_of_the_packed_mask_are_recognized(remapped, window):
     fn = mu.and_masks(pattern, mu.packed_sequence_mask_function(segments))
     assert st.recognize_packed_mask_function(fn)[:2] == (True, window)
     built = st.stable_attn_mask(1, 8, mask_function=fn, local_size=window, q_length=8, q_offset=0)
-    assert isinstance(built, st.StableAttnMask) and built.cu_seqlens.tolist() == [0, 3, 5, 8]
+    assert isinstance(built, st.StableAttnMask) and documents_of(built) == [0, 3, 5, 8]
     for other in (mu.bidirectional_mask_function, mu.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long))):
         fn = mu.and_masks(other, mu.packed_sequence_mask_function(segments))
         assert st.recognize_packed_mask_function(fn) is None

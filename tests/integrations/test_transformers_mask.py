@@ -7,6 +7,7 @@ import inspect
 import itertools
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -47,18 +48,20 @@ def ids(batch: int = 2, n: int = 10) -> torch.Tensor:
 
 
 def meaning(m: st.StableAttnMask, batch: int) -> torch.Tensor:
-    """The boolean [B, 1, Nq, Nk] mask a StableAttnMask stands for, written out naively."""
-    q = torch.arange(m.q_length)[:, None] + (m.kv_length - m.q_length)
-    k = torch.arange(m.kv_length)[None, :]
-    visible = torch.ones(m.q_length, m.kv_length, dtype=torch.bool)
+    """The boolean [B, 1, Nq, Nk] mask a StableAttnMask stands for, written out naively (with ``kv_used``, the
+    keys after the first ``kv_used`` are seen by no query and the kernel gets the first ``kv_used`` only)."""
+    used = m.kv_length if m.kv_used is None else m.kv_used
+    q = torch.arange(m.q_length)[:, None] + (used - m.q_length)
+    k = torch.arange(used)[None, :]
+    visible = torch.ones(m.q_length, used, dtype=torch.bool)
     if m.causal:
         visible &= k <= q
         if m.window is not None:
             visible &= k > q - m.window
-    out = visible.expand(batch, 1, m.q_length, m.kv_length)
+    out = visible.expand(batch, 1, m.q_length, used)
     if m.key_padding_mask is not None:
         out = out & m.key_padding_mask[:, None, None, :]
-    return out
+    return torch.nn.functional.pad(out, (0, m.kv_length - used), value=False)
 
 
 def padding(batch: int, length: int, seed: int) -> torch.Tensor:
@@ -95,13 +98,17 @@ def test_compact_mask_means_exactly_what_sdpa_mask_builds(kind, sizes, pad):
     ours = st.stable_attn_mask(**args)
     exact = mu.sdpa_mask(**args, allow_is_causal_skip=False)
     aligned = kind == "bidirectional" or q_off - kv_off == kv_len - q_len
-    if not aligned:  # positions the kernel's bottom-right alignment cannot express: the exact mask
+    # a static cache: a causal query sees no key after the last query, so the first ones are a causal prefix
+    prefix = kind != "bidirectional" and q_len <= q_off + q_len - kv_off < kv_len
+    if not aligned and not prefix:  # positions the kernel's bottom-right alignment cannot express: the exact mask
         assert isinstance(ours, torch.Tensor) and torch.equal(ours, exact)
         return
     assert isinstance(ours, st.StableAttnMask)
     assert (ours.causal, ours.window) == {"causal": (True, None), "window": (True, 4),
                                           "bidirectional": (False, None)}[kind]
-    assert (ours.key_padding_mask is None) == (pad != "pad" or bool(attention_mask.all()))
+    assert (ours.kv_used is not None) == prefix
+    if not prefix:
+        assert (ours.key_padding_mask is None) == (pad != "pad" or bool(attention_mask.all()))
     assert torch.equal(meaning(ours, batch), exact.expand(batch, 1, q_len, kv_len))
 
 
@@ -125,14 +132,51 @@ def test_other_patterns_get_the_exact_mask(make):
 
 
 def test_query_positions_the_kernel_cannot_align_get_the_exact_mask():
-    if NEW_SIGNATURE:  # a static cache passes its query offset as a tensor
-        query = {"q_length": 1, "q_offset": torch.tensor(3)}
-    else:  # non-contiguous query positions
-        query = {"cache_position": torch.tensor([3, 5])}
-    args = dict(batch_size=1, kv_length=8, mask_function=mu.causal_mask_function, **query)
-    ours = st.stable_attn_mask(**args)
+    """Several queries at positions the kernel's bottom-right alignment cannot express: the exact mask
+    (transformers 5.0: non-contiguous cache_position; later: a static cache's tensor offset, while tracing)."""
+    if NEW_SIGNATURE:
+        args = dict(batch_size=1, kv_length=8, mask_function=mu.causal_mask_function, q_length=2,
+                    q_offset=torch.tensor(3))
+        with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+            ours = st.stable_attn_mask(**args)
+    else:
+        args = dict(batch_size=1, kv_length=8, mask_function=mu.causal_mask_function,
+                    cache_position=torch.tensor([3, 5]))
+        ours = st.stable_attn_mask(**args)
     assert isinstance(ours, torch.Tensor)
     assert torch.equal(ours, mu.sdpa_mask(**args, allow_is_causal_skip=False))
+
+
+@pytest.mark.skipif(not NEW_SIGNATURE, reason="transformers 5.0 passes cache_position")
+@pytest.mark.parametrize("make", [lambda: mu.causal_mask_function, lambda: mu.sliding_window_causal_mask_function(3),
+                                  lambda: mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))])
+def test_a_single_query_is_a_key_mask_whatever_the_pattern(make):
+    """Decoding (one query per row): the exact mask is a key mask, so the kernel takes it as key padding
+    (non-causal), including a static cache's tensor query offset and patterns it has no flag for."""
+    padding = torch.tensor([[True] * 10, [False, False] + [True] * 8])
+    args = dict(batch_size=2, kv_length=10, mask_function=make(), q_length=1, q_offset=torch.tensor(6),
+                attention_mask=padding)
+    ours = st.stable_attn_mask(**args)
+    exact = mu.sdpa_mask(**args, allow_is_causal_skip=False)
+    assert isinstance(ours, st.StableAttnMask) and not ours.causal and ours.window is None
+    assert torch.equal(ours.key_padding_mask, exact[:, 0, 0])
+
+
+@pytest.mark.skipif(not NEW_SIGNATURE, reason="transformers 5.0 passes cache_position")
+def test_static_cache_prefill_is_a_causal_prefix():
+    """A static cache's prefill (eager): causal over the filled prefix of the cache, the empty slots
+    after it cut off (no query sees them); the keys the kernel sees, written out, are sdpa's mask."""
+    padding = torch.tensor([[True] * 5, [False, False] + [True] * 3])
+    args = dict(batch_size=2, kv_length=12, mask_function=mu.causal_mask_function, q_length=3,
+                q_offset=torch.tensor(2), attention_mask=padding)
+    ours = st.stable_attn_mask(**args)
+    exact = mu.sdpa_mask(**args, allow_is_causal_skip=False)
+    assert isinstance(ours, st.StableAttnMask) and ours.causal and ours.kv_used == 5
+    written = torch.zeros(2, 3, 12, dtype=torch.bool)
+    i = torch.arange(3)[:, None]
+    j = torch.arange(5)[None, :]
+    written[:, :, :5] = (j <= i + 5 - 3) & ours.key_padding_mask[:, None, :]
+    assert torch.equal(written, exact[:, 0])
 
 
 def test_register_is_idempotent_and_installs_both_functions():

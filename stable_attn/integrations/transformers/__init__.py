@@ -9,9 +9,10 @@
   window, bidirectional -- each with an optional key-padding mask, and returns a :class:`StableAttnMask`
   describing them: no ``[B, 1, Nq, Nk]`` tensor is built. The mask ``masking_utils`` builds for packed
   sequences (``position_ids`` that restart, no 2D mask, no cache) over a causal or sliding-window
-  pattern is recognized too and becomes a :class:`StableAttnMask` holding the documents' ``cu_seqlens``.
-  Anything else (chunked or block-wise attention, custom ``or``/``and`` mask functions, a static cache
-  whose query offset is a tensor) gets the exact boolean 4D mask from transformers' own ``sdpa_mask``,
+  pattern is recognized too and becomes a :class:`StableAttnMask` holding the documents' ``cu_seqlens``;
+  a static cache's prefill is causal over its filled prefix, and any single query (decoding) a key mask.
+  Anything else (chunked or block-wise attention, custom ``or``/``and`` mask functions, a static cache's
+  prefill while compiling) gets the exact boolean 4D mask from transformers' own ``sdpa_mask``,
   which the attention op serves on its PyTorch path (stabilized, slower; the op logs that once).
 - :func:`stable_attn_attention_forward`, the attention function (``AttentionInterface``). It maps the
   model's arguments (``scaling``, ``dropout``, ``softcap``, ``sliding_window``, GQA key/value heads) to
@@ -23,9 +24,13 @@
   reads them (see :func:`packed_documents`).
 
 Recognition reads the closures transformers' ``masking_utils`` builds (``causal_mask_function``,
-``and_masks(sliding_window_overlay(W), causal_mask_function)``, ``bidirectional_mask_function``). If a
-future transformers builds them differently, recognition fails and the exact 4D mask is used: slower,
-never wrong.
+``and_masks(sliding_window_overlay(W), causal_mask_function)``, ``bidirectional_mask_function``) when eager;
+under ``torch.compile`` (whose dynamo does not expose a closure's cells) it infers the pattern from static
+information and checks it against the mask function on the device (:mod:`.masks`). Documents are found on
+the device with static shapes, so ``torch.compile(model, fullgraph=True)`` traces every common input onto
+the fused ops without a graph break. If a future transformers builds its masks differently, recognition
+fails and the exact 4D mask is used: slower (a WARNING on CUDA, see :mod:`.dispatch` and
+:func:`stable_attn.explain`), never wrong.
 
 Options per model (``stabilize``, ``beta``, ``backend``, ``block_n``): :func:`configure`, or a dict in the
 model config, ``config.stable_attn = {"beta": 4.0}`` (saved with the config). Per-layer statistics:
@@ -35,7 +40,8 @@ learned (requires-grad) additive mask, ``value`` head dim != ``query`` head dim)
 forward, naming the feature and the model. A model whose attention does not dispatch through
 ``AttentionInterface`` never reaches stable_attn; :func:`attach_stats` and :func:`configure` raise for it.
 
-The package, one module each: :mod:`.masks` (the mask builder and :class:`StableAttnMask`),
+The package, one module each: :mod:`.masks` (the mask builder and :class:`StableAttnMask`), :mod:`.dispatch`
+(which path serves each layer, the slow-path warning),
 :mod:`.attention_function` (the attention function), :mod:`.registry` (:func:`register`), :mod:`.models`
 (attention modules, :func:`configure`, statistics) and :mod:`.swap` (switching the models inside a training
 module). Every name is importable from here. Imports are absolute (``stable_attn.integrations...``), so

@@ -7,14 +7,14 @@ probe replaces ``attention`` here while it records a model's calls).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from stable_attn.attention import attention
-from stable_attn.integrations.transformers.masks import StableAttnMask, packed_documents
+from stable_attn.integrations.transformers import dispatch
+from stable_attn.integrations.transformers.masks import StableAttnMask, device_documents, position_starts
 from stable_attn.integrations.transformers.models import _options, _who
 from stable_attn.varlen import attention_varlen
 
@@ -77,6 +77,7 @@ def stable_attn_attention_forward(
                          f"{query.shape[-1]} (e.g. multi-head latent attention), which stable_attn does not implement")
 
     causal, window, key_padding_mask, attn_mask, documents = False, None, None, None, None
+    read_positions, memo = True, None
     if isinstance(attention_mask, StableAttnMask):
         if attention_mask.kv_length != key.shape[2] or attention_mask.q_length != query.shape[2]:
             raise RuntimeError(
@@ -85,6 +86,9 @@ def stable_attn_attention_forward(
                 f"length {key.shape[2]} (a cache whose sizes disagree with the model's mask)"
             )
         causal, window, key_padding_mask = attention_mask.causal, attention_mask.window, attention_mask.key_padding_mask
+        read_positions, memo = attention_mask.read_positions, attention_mask.memo
+        if attention_mask.kv_used is not None:  # a static cache: only its filled prefix can be seen
+            key, value = key[:, :, :attention_mask.kv_used], value[:, :, :attention_mask.kv_used]
         if attention_mask.cu_seqlens is not None:
             cu, longest = attention_mask.cu_seqlens, attention_mask.max_seqlen
             documents = cu, cu, longest, longest
@@ -102,13 +106,14 @@ def stable_attn_attention_forward(
     if attn_mask is None and key_padding_mask is None:
         # as flash_attention_2: explicit cu_seq_lens first, then the packed mask, then position_ids
         documents = _flash_kwargs_documents(kwargs, who) or documents
-        if documents is None and causal and query.shape[2] == key.shape[2] > 1:
-            documents = _position_documents(kwargs.get("position_ids"), query.shape[0], query.shape[2])
+        if documents is None and read_positions and causal and query.shape[2] == key.shape[2] > 1:
+            documents = _position_documents(kwargs.get("position_ids"), query.shape[0], query.shape[2], memo)
 
     stats = getattr(module, "stable_attn_stats", None)
     if stats is not None and not stats.enabled:
         stats = None
     opts = _options(module)
+    dispatch.record(module, query, key, opts["backend"], attn_mask=attn_mask, varlen=documents is not None, who=who)
     common = dict(causal=causal, scale=scaling, window=window, softcap=softcap or None,
                   dropout_p=float(dropout) if module.training else 0.0, stabilize=opts["stabilize"],
                   beta=opts["beta"], stats=stats, backend=opts["backend"], block_n=opts["block_n"])
@@ -141,29 +146,29 @@ def _flash_kwargs_documents(kwargs: dict, who: str) -> tuple[torch.Tensor, torch
     return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
 
 
-# packed_documents of the last position_ids seen: every layer of one forward gets the same tensor
-_last_documents: tuple[weakref.ref, int, int, tuple | None] | None = None
-
-
-def _position_documents(position_ids: Any, batch_size: int, length: int,
+def _position_documents(position_ids: Any, batch_size: int, length: int, memo: dict | None,
                         ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-    global _last_documents
+    """Documents read from ``position_ids`` (:func:`masks.position_starts`), once per forward: kept in the
+    mask's ``memo``, which every layer of the forward shares (eager and traced alike).
+
+    Traced: always the varlen op, with the documents found on the device (:func:`masks.device_documents`;
+    an unpacked batch is one document per row), so nothing depends on the values. Eager: one host read
+    decides whether the batch is packed at all, so that an unpacked batch stays on the dense op.
+    """
     # other layouts (e.g. multimodal RoPE's [3, B, N]) carry no document boundaries we know how to read
     if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
             or position_ids.shape[0] not in (1, batch_size) or position_ids.shape[1] != length):
         return None
-    try:
-        version = position_ids._version  # changes on every in-place write
-    except RuntimeError:  # inference tensors keep no version: no reuse
-        version = None
-    last = _last_documents
-    if (version is not None and last is not None and last[0]() is position_ids and last[1] == version
-            and last[2] == batch_size):
-        return last[3]
-    found = packed_documents(position_ids, batch_size)
-    documents = None if found is None else (found[0], found[0], found[1], found[1])
-    if version is not None:
-        _last_documents = (weakref.ref(position_ids), version, batch_size, documents)
+    if memo is not None:
+        for seen, documents in memo.get("positions", ()):
+            if seen is position_ids:
+                return documents
+    starts = position_starts(position_ids, batch_size)
+    if not torch.compiler.is_compiling() and int(starts.sum()) == batch_size:
+        documents = None  # one document per row: not packed
+    else:
+        cu, longest = device_documents(starts)
+        documents = (cu, cu, longest, longest)
+    if memo is not None:
+        memo["positions"] = (*memo.get("positions", ()), (position_ids, documents))
     return documents
-
-

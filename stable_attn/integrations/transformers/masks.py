@@ -9,7 +9,7 @@ boolean 4D mask. Recognition reads the closures ``masking_utils`` builds (see th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,8 +17,6 @@ from transformers import masking_utils
 
 
 @dataclass(frozen=True)
-
-
 class StableAttnMask:
     """An attention mask as the fused kernel takes it: flags plus an optional key-padding mask.
 
@@ -31,7 +29,14 @@ class StableAttnMask:
     - ``cu_seqlens``: packed documents (then ``q_length == kv_length`` and nothing is padded): int32
       ``[n_docs + 1]`` offsets into the ``B * q_length`` tokens of the batch, rows flattened in order;
       ``causal`` and ``window`` then hold within each document, and no token sees another document.
-      ``max_seqlen`` is the longest document. None when the batch is not packed.
+      ``max_seqlen`` bounds the longest document. None when the batch is not packed. The mask builder
+      finds documents on the device with a static shape (:func:`device_documents`): ``B * q_length + 1``
+      offsets, the unused trailing ones equal to the token count, ``max_seqlen = q_length``.
+    - ``kv_used``: only the first ``kv_used`` keys can be seen by any query (a static cache's filled
+      prefix); the attention function slices the keys to them. None: all ``kv_length`` keys.
+    - ``read_positions``: whether the attention function may read packed documents from ``position_ids``
+      (False when the model got a 2D ``attention_mask``: then, as with sdpa, documents are not separated).
+    - ``memo``: per-forward scratch shared by the layers (the documents read from ``position_ids`` once).
     """
 
     causal: bool
@@ -41,6 +46,16 @@ class StableAttnMask:
     kv_length: int
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    kv_used: int | None = None
+    read_positions: bool = True
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def ndim(self) -> int:
+        """It stands in for a ``[B, 1, q_length, kv_length]`` mask: ``generate()`` builds the mask of a static
+        cache ahead of the forward (``create_masks_for_generate``) and the model's ``create_causal_mask`` then
+        reads its ``ndim`` and passes it back to the mask builder, which returns it as it is."""
+        return 4
 
     def __repr__(self) -> str:
         kpm = None if self.key_padding_mask is None else tuple(self.key_padding_mask.shape)
@@ -148,6 +163,36 @@ def packed_documents(position_ids: torch.Tensor, batch_size: int) -> tuple[torch
     return _documents(starts)
 
 
+def device_documents(starts: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens, max_seqlen)`` of the documents that begin where ``starts`` ``[B, N]`` is True, on the device.
+
+    Every row begins a document (one never spans two rows); rows are flattened in order. Static shapes
+    and tensor ops only (no host read, nothing data-dependent for ``torch.compile``): ``cu_seqlens`` has
+    ``B * N + 1`` int32 entries, the offsets of the documents followed by the token count repeated (empty
+    trailing sequences, which :func:`stable_attn.varlen.launch_extent` drops before the launch), and
+    ``max_seqlen`` is ``N``, the bound a row gives.
+    """
+    B, N = starts.shape
+    T = B * N
+    first = torch.zeros_like(starts)
+    first[:, 0] = True
+    flat = (starts | first).reshape(-1)
+    index = torch.arange(T, device=starts.device)
+    # document d's first token goes to slot d; every other token to a dump slot T + 1, cut off below
+    slot = torch.where(flat, flat.cumsum(0) - 1, T + 1)
+    cu = torch.full((T + 2,), T, dtype=torch.int64, device=starts.device).scatter(0, slot, index)
+    return cu[:T + 1].to(torch.int32), N
+
+
+def position_starts(position_ids: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """``[B, N]`` bool: where a document begins in ``position_ids`` ``[B|1, N]`` (the position does not grow by 1:
+    ``masking_utils.find_packed_sequence_indices``' rule), as tensor ops."""
+    position_ids = position_ids.expand(batch_size, -1)
+    starts = torch.ones(position_ids.shape, dtype=torch.bool, device=position_ids.device)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    return starts
+
+
 def _key_padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:
     if attention_mask is None:
         return None
@@ -156,19 +201,25 @@ def _key_padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset:
     if missing > 0:  # keys beyond the 2D mask (a static cache's empty slots) are padding, as in transformers
         mask = torch.nn.functional.pad(mask, (0, missing), value=False)
     kpm = mask[:, kv_offset:kv_offset + kv_length]
-    if bool(kpm.all()):  # the same host sync transformers' sdpa mask does to skip the mask
+    # Eager only: the host read transformers' sdpa mask does too, so that an all-ones mask gets the plain
+    # kernel (once per forward: the builder runs once, its result serves every layer). Traced code keeps the
+    # mask (the kernel's padding variant): no data-dependent branch.
+    if not torch.compiler.is_compiling() and bool(kpm.all()):
         return None
     return kpm.contiguous()
 
 
-def _query_positions(kwargs: dict) -> tuple[int, int | None]:
-    """``(q_length, q_offset)`` from either mask-builder signature; ``q_offset`` None if not a plain int.
+def _query_positions(kwargs: dict) -> tuple[int, int | torch.Tensor | None]:
+    """``(q_length, q_offset)`` from either mask-builder signature; ``q_offset`` an int, a 0-dim tensor (a static
+    cache's), or None (not a contiguous range).
 
     transformers >= 5.1x passes ``q_length``/``q_offset``; 5.0 passed ``cache_position`` (the queries'
     absolute positions), which the kernel's alignment can express only when it is a contiguous range.
     """
     if "q_length" in kwargs:
         q_offset = kwargs.get("q_offset", 0)
+        if isinstance(q_offset, torch.Tensor) and q_offset.numel() == 1:
+            return int(kwargs["q_length"]), q_offset.reshape(())
         ok = isinstance(q_offset, int) and not isinstance(q_offset, bool)
         return int(kwargs["q_length"]), q_offset if ok else None
     positions = kwargs.get("cache_position")
@@ -179,19 +230,119 @@ def _query_positions(kwargs: dict) -> tuple[int, int | None]:
     return positions.numel(), first if contiguous else None
 
 
-def _packed_mask(mask_function: Callable, batch_size: int, length: int, local_size: int | None,
-                 ) -> StableAttnMask | None:
-    """The :class:`StableAttnMask` of masking_utils' packed-sequence mask (no cache, no 2D mask), else None."""
-    packed = recognize_packed_mask_function(mask_function)
-    if packed is None:
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# the code of masking_utils.and_masks' closure (dynamo exposes a traced closure's __code__, not its cells)
+_AND_MASK_CODE = masking_utils.and_masks(masking_utils.causal_mask_function).__code__
+
+
+def _traced_pattern(mask_function: Callable, local_size: int | None, kwargs: dict) -> tuple[bool, int | None] | None:
+    """``(causal, window)`` of a masking_utils closure while tracing, from static information only.
+
+    Under ``torch.compile`` the closures' cells cannot be read (dynamo does not expose ``__closure__``), but
+    their code is known (``__code__``) and so is the call: ``create_causal_mask`` and
+    ``create_sliding_window_causal_mask`` compose ``and_masks`` of the causal pattern, the sliding window
+    (``local_size``, the config's ``sliding_window``) and the packed-sequence parts; custom ``and``/``or``
+    masks come with ``use_vmap``, bidirectional creators pass ``allow_is_bidirectional_skip``, chunked
+    attention a ``local_size`` that is the config's ``attention_chunk_size``. What this infers is then
+    checked against the mask function itself (:func:`_check_pattern`).
+    """
+    if getattr(mask_function, "__code__", None) is not _AND_MASK_CODE or "allow_is_bidirectional_skip" in kwargs:
         return None
-    causal, window, segment_ids = packed
-    if tuple(segment_ids.shape) != (batch_size, length) or (window is not None and local_size not in (None, window)):
+    if local_size is None:
+        return True, None
+    config = kwargs.get("config")
+    if _is_int(local_size) and local_size >= 1 and local_size == getattr(config, "sliding_window", None):
+        return True, local_size
+    return None
+
+
+def _evaluate(mask_function: Callable, batch_size: int, q_abs: torch.Tensor, kv_abs: torch.Tensor) -> torch.Tensor:
+    """``mask_function`` at the ``[1|B, N]`` pairs ``(q_abs, kv_abs)`` of every batch row: ``[B, N]`` bool."""
+    b = torch.arange(batch_size, device=q_abs.device)[:, None]
+    h = torch.zeros((1, 1), dtype=torch.long, device=q_abs.device)
+    return mask_function(b, h, q_abs, kv_abs).to(torch.bool).expand(batch_size, q_abs.shape[-1])
+
+
+def _check_pattern(mask_function: Callable, batch_size: int, q_length: int, kv_length: int, q_offset: int,
+                   kv_offset: int, window: int | None, starts: torch.Tensor | None, device: torch.device) -> None:
+    """Assert on the device (``torch._assert_async``: no host read) that ``mask_function`` agrees with causal
+    (+ ``window``) attention, bottom-right aligned, within the documents beginning at ``starts``, at the keys
+    where such masks differ from their neighbours: each query's own position, the next key, the first key
+    it sees and the one before. A transformers mask we mistook (a block-wise image overlay, a bidirectional
+    window) fails here loudly instead of being computed wrong.
+    """
+    i = torch.arange(q_length, device=device)[None, :].expand(batch_size, -1)
+    p = i + (kv_length - q_length)  # the query's key index (bottom-right)
+    lo = torch.zeros_like(p)
+    if starts is not None:
+        lo = torch.cummax(torch.where(starts, i, 0), dim=1).values
+    if window is not None:
+        lo = torch.maximum(lo, p - window + 1)
+
+    def at(j):
+        inside = (j >= 0) & (j < kv_length)
+        got = _evaluate(mask_function, batch_size, i + q_offset, j.clamp(0, kv_length - 1) + kv_offset)
+        return got, inside
+
+    ok = torch.ones_like(p, dtype=torch.bool)
+    for j, want in ((p, True), (p + 1, False), (lo, True), (lo - 1, False)):
+        got, inside = at(j)
+        ok &= ~inside | (got == want)
+    torch._assert_async(ok.all(), "stable_attn: transformers' mask is not the causal/window/packed pattern it was "
+                                  "recognized as; please report this with the model and transformers version")
+
+
+def _mask_starts(mask_function: Callable, batch_size: int, length: int, device: torch.device) -> torch.Tensor:
+    """``[B, N]``: where a token cannot see the token before it, i.e. where masking_utils' packed mask starts a
+    document (read from the mask function itself, on the device)."""
+    i = torch.arange(length, device=device)[None, :]
+    sees_previous = _evaluate(mask_function, batch_size, i, (i - 1).clamp(min=0))
+    starts = ~sees_previous
+    starts[:, 0] = True
+    return starts
+
+
+def _packed_mask(mask_function: Callable, batch_size: int, length: int, local_size: int | None, kwargs: dict,
+                 device: torch.device) -> StableAttnMask | None:
+    """The :class:`StableAttnMask` of masking_utils' packed-sequence mask (no cache, no 2D mask), else None.
+
+    Eager: recognized from the closures. Traced: inferred from static information (:func:`_traced_pattern`).
+    Either way the documents are read from the mask function on the device (:func:`_mask_starts`) and the
+    pattern is checked there (:func:`_check_pattern`).
+    """
+    if torch.compiler.is_compiling():
+        pattern = _traced_pattern(mask_function, local_size, kwargs)
+    else:
+        packed = recognize_packed_mask_function(mask_function)
+        pattern = None if packed is None else packed[:2]
+        if packed is not None and tuple(packed[2].shape) != (batch_size, length):
+            pattern = None
+    if pattern is None:
         return None
-    starts = torch.zeros(segment_ids.shape, dtype=torch.bool, device=segment_ids.device)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    documents = _documents(starts)
-    return StableAttnMask(causal, window, None, length, length, *(documents or ()))
+    causal, window = pattern
+    if window is not None and local_size not in (None, window):
+        return None
+    if window == 1:  # a token sees only itself: no document boundary to read, none needed
+        return StableAttnMask(causal, window, None, length, length)
+    starts = _mask_starts(mask_function, batch_size, length, device)
+    _check_pattern(mask_function, batch_size, length, length, 0, 0, window, starts, device)
+    cu, longest = device_documents(starts)
+    return StableAttnMask(causal, window, None, length, length, cu, longest)
+
+
+def _single_query_mask(batch_size: int, kv_length: int, kv_offset: Any, mask_function: Callable,
+                       attention_mask: torch.Tensor | None, kwargs: dict, use_vmap: bool, local_size) -> StableAttnMask:
+    """One query per row (decoding): whatever the pattern, its mask is a key mask. transformers' own
+    ``sdpa_mask`` builds it (``[B, 1, 1, kv_length]``, no skip, no host read) and the kernel takes it as a
+    key-padding mask, non-causal: a static cache's tensor offset, chunked or custom patterns included."""
+    mask = masking_utils.sdpa_mask(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset,
+                                   mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
+                                   use_vmap=use_vmap, **kwargs)
+    return StableAttnMask(False, None, mask.reshape(batch_size, kv_length).contiguous(), 1, kv_length,
+                          read_positions=False)
 
 
 def stable_attn_mask(
@@ -210,26 +361,64 @@ def stable_attn_mask(
     packed-sequence mask over them, with the documents' ``cu_seqlens``), else the boolean
     ``[B, 1, q_length, kv_length]`` mask of ``transformers.masking_utils.sdpa_mask`` (True = attend).
     Query positions come as ``q_length``/``q_offset`` (current transformers) or ``cache_position``
-    (transformers 5.0); everything else is passed to ``sdpa_mask`` unchanged.
+    (transformers 5.0); everything else is passed to ``sdpa_mask`` unchanged. Works the same eager and
+    under ``torch.compile(fullgraph=True)``: no closure is read while tracing and no Python branch depends
+    on tensor values (the one host read, eager only, drops an all-ones padding mask).
     """
+    if isinstance(attention_mask, StableAttnMask):  # built ahead of the forward (generate with a static cache)
+        return attention_mask
     q_length, q_offset = _query_positions(kwargs)
-    if (not use_vmap and attention_mask is None and q_offset == 0 and isinstance(kv_offset, int) and kv_offset == 0
-            and q_length == kv_length):
-        packed = _packed_mask(mask_function, batch_size, q_length, local_size)
+    device = kwargs.get("device", "cpu")
+    device = torch.device(device) if isinstance(device, str) else device
+    context = dict(kwargs)  # what the creator passed (before the skips are turned off for sdpa_mask below)
+    kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    read_positions = attention_mask is None
+    if (not use_vmap and attention_mask is None and _is_int(q_offset) and q_offset == 0 and _is_int(kv_offset)
+            and kv_offset == 0 and q_length == kv_length and mask_function is not masking_utils.causal_mask_function
+            and mask_function is not getattr(masking_utils, "bidirectional_mask_function", None)):
+        packed = _packed_mask(mask_function, batch_size, q_length, local_size, context, device)
         if packed is not None:
             return packed
-    pattern = None if use_vmap else recognize_mask_function(mask_function)
-    if pattern is not None and q_offset is not None and isinstance(kv_offset, int):
+    if use_vmap or q_offset is None:
+        pattern = None
+    elif torch.compiler.is_compiling() and mask_function not in (masking_utils.causal_mask_function,
+                                                                 getattr(masking_utils, "bidirectional_mask_function",
+                                                                         None)):
+        pattern = _traced_pattern(mask_function, local_size, context)
+    else:
+        pattern = recognize_mask_function(mask_function)
+    if pattern is not None and not _is_int(kv_offset):
+        pattern = None
+    if pattern is not None:
         causal, window = pattern
-        # the kernel aligns causal masks bottom-right; the mask builder's positions must agree with that
-        aligned = not causal or q_offset - kv_offset == kv_length - q_length
-        if aligned and (window is None or local_size in (None, window)):
-            return StableAttnMask(causal, window, _key_padding(attention_mask, kv_length, kv_offset),
-                                  q_length, int(kv_length))
-    kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        if window is not None and local_size not in (None, window):
+            pattern = None
+        elif causal:
+            # The kernel aligns causal masks bottom-right: query i sees keys j <= i + (kv_length - q_length).
+            # A static cache's keys end after the last query (empty slots no query sees): keep the first `used`.
+            # Its query offset is a tensor; eager, it is read (one host read per forward, the prefill's), traced
+            # it cannot be (the exact mask; decoding is served below as a key mask either way).
+            if isinstance(q_offset, torch.Tensor):
+                used = None if torch.compiler.is_compiling() or q_length == 1 else int(q_offset) + q_length - kv_offset
+            else:
+                used = q_offset + q_length - kv_offset
+            if used == kv_length:
+                pass
+            elif used is not None and q_length <= used < kv_length:
+                return StableAttnMask(causal, window, _key_padding(attention_mask, used, kv_offset), q_length,
+                                      int(kv_length), kv_used=used, read_positions=read_positions)
+            else:
+                pattern = None
+    if pattern is not None:
+        causal, window = pattern
+        if torch.compiler.is_compiling() and window is not None:  # inferred, not read: check it
+            _check_pattern(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, window, None, device)
+        return StableAttnMask(causal, window, _key_padding(attention_mask, kv_length, kv_offset),
+                              q_length, int(kv_length), read_positions=read_positions)
+    if q_length == 1:
+        return _single_query_mask(batch_size, kv_length, kv_offset, mask_function, attention_mask, kwargs, use_vmap,
+                                  local_size)
     return masking_utils.sdpa_mask(
         batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
         attention_mask=attention_mask, local_size=local_size, use_vmap=use_vmap, **kwargs,
     )
-
-

@@ -14,6 +14,9 @@ from stable_attn.stats import AttentionStats
 OPTION_DEFAULTS: dict[str, Any] = {name: DEFAULTS[name] for name in MODEL_OPTIONS}
 
 
+_MODEL_DEFAULTS: dict[str, Any] = model_options(None, where="defaults")
+
+
 def _who(module: nn.Module) -> str:
     config = getattr(module, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -26,6 +29,8 @@ def _options(module: nn.Module) -> dict[str, Any]:
         return own
     # config.stable_attn: a dict or None, checked and completed with the defaults
     from_config = getattr(getattr(module, "config", None), "stable_attn", None)
+    if from_config is None:  # a plain dict: traced code then reads no mapping proxy (options.DEFAULTS)
+        return _MODEL_DEFAULTS
     return model_options(from_config, where=f"{_who(module)}: config.stable_attn")
 
 

@@ -1,0 +1,106 @@
+"""Which path serves each attention layer, and saying so: never silently slow.
+
+:func:`record` is called by the attention function for every layer it serves. It decides what would serve
+the layer on a CUDA device -- the Triton kernels (dense or varlen) or the PyTorch path, and why -- and
+
+- warns, once per model and reason, when a layer on a CUDA device is served by the PyTorch path for a
+  reason other than being on the CPU (a materialized 4D mask, a problem too large for the kernels' offsets),
+  naming the model, the reason and what to change. The warning works under ``torch.compile(fullgraph=True)``:
+  :func:`warn_once` takes constant arguments and dynamo runs it while tracing (no graph break);
+- feeds :func:`stable_attn.explain` (eager runs only), which prints, per layer, the path and the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("stable_attn")
+
+_warned: set[str] = set()
+
+TRITON_DENSE = "fused kernel (stable_attn.attention)"
+TRITON_VARLEN = "fused kernel, packed documents (stable_attn.attention_varlen)"
+PYTORCH = "PyTorch path (stabilized, slower)"
+
+# The Triton kernels address one batch element's q/k/v/o with 32-bit offsets (_ops.resolve_backend).
+_MAX_PER_BATCH = 2**31
+
+
+@torch.compiler.assume_constant_result
+def warn_once(key: str, message: str) -> bool:
+    """Log ``message`` as a WARNING the first time ``key`` is seen (per process).
+
+    Under ``torch.compile`` dynamo calls it while tracing (``assume_constant_result``: its arguments are
+    constants), so a compiled model warns when it is compiled, without a graph break.
+    """
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+    return True
+
+
+_ADVICE = {
+    "4d-mask": "a materialized 4D attention mask: the pattern is not one the kernel takes as flags (causal, sliding "
+               "window, padding, packed documents); chunked, block-wise (image tokens) and custom mask functions, "
+               "a bidirectional sliding window, a static cache's prefill inside torch.compile and 4D masks passed "
+               "in end up here. To reach the kernel: pass a 2D attention_mask (or none) and the model's own causal "
+               "or sliding pattern; with a static cache, compile only decoding (transformers' default)",
+    "size": "more than 2^31 elements of q, k or v in one batch element (beyond the kernels' 32-bit offsets): "
+            "use a smaller batch element or shorter sequences",
+}
+
+
+def serving(query: torch.Tensor, key: torch.Tensor, backend: str, attn_mask: torch.Tensor | None,
+            varlen: bool) -> tuple[str, str | None]:
+    """``(path, reason)``: what serves a layer's call on a CUDA device, and why, if not the fused kernel."""
+    if backend == "torch":
+        return PYTORCH, "configured: backend='torch' (configure() or config.stable_attn)"
+    if attn_mask is not None:
+        return PYTORCH, "4d-mask"
+    per_batch = max(query[0].numel(), key[0].numel()) if not varlen else max(query.numel(), key.numel())
+    if per_batch >= _MAX_PER_BATCH:
+        return PYTORCH, "size"
+    return (TRITON_VARLEN if varlen else TRITON_DENSE), None
+
+
+_recording: list[dict[str, Any]] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[dict[str, Any]]]:
+    """Collect one entry per attention call served (eager code only) while the context is open."""
+    global _recording
+    previous, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = previous
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _model_key(module: nn.Module) -> str:
+    config = getattr(module, "config", None)
+    return f"{id(config) if config is not None else id(module)}"
+
+
+def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, backend: str, *,
+           attn_mask: torch.Tensor | None, varlen: bool, who: str) -> None:
+    """Note which path serves this call; warn once per model and reason when it is slow on a CUDA device."""
+    path, reason = serving(query, key, backend, attn_mask, varlen)
+    if _recording is not None and not torch.compiler.is_compiling():
+        _recording.append({"module": module, "path": path, "reason": _ADVICE.get(reason, reason),
+                           "device": query.device.type})
+    if reason in _ADVICE and _on_cuda(query):
+        warn_once(f"{_model_key(module)}:{reason}",
+                  f"stable_attn: {who} runs on the PyTorch path on {query.device} (stabilized, several times slower "
+                  f"than the fused kernel) because of {_ADVICE[reason]}. stable_attn.explain(model, batch) lists "
+                  "every layer's path.")
