@@ -35,6 +35,6 @@ def register() -> bool:
 register()
 
 __all__ = [
-    "AttentionStats", "attention", "attention_varlen", "explain", "flash_attn_func", "flash_attn_varlen_func", "patch_sdpa",
-    "register", "unpatch_sdpa", "__version__",
+    "AttentionStats", "attention", "attention_varlen", "explain", "flash_attn_func", "flash_attn_varlen_func",
+    "patch_sdpa", "register", "unpatch_sdpa", "__version__",
 ]

@@ -92,6 +92,9 @@ def stable_attn_attention_forward(
         if attention_mask.cu_seqlens is not None:
             cu, longest = attention_mask.cu_seqlens, attention_mask.max_seqlen
             documents = cu, cu, longest, longest
+            if attention_mask.doc_starts is not None:  # inferred while tracing: add the position_ids' documents
+                documents = _position_documents(kwargs.get("position_ids"), query.shape[0], query.shape[2], memo,
+                                                also=attention_mask.doc_starts) or documents
     elif attention_mask is None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         window = sliding_window
@@ -147,13 +150,14 @@ def _flash_kwargs_documents(kwargs: dict, who: str) -> tuple[torch.Tensor, torch
 
 
 def _position_documents(position_ids: Any, batch_size: int, length: int, memo: dict | None,
-                        ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+                        also: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
     """Documents read from ``position_ids`` (:func:`masks.position_starts`), once per forward: kept in the
     mask's ``memo``, which every layer of the forward shares (eager and traced alike).
 
     Traced: always the varlen op, with the documents found on the device (:func:`masks.device_documents`;
     an unpacked batch is one document per row), so nothing depends on the values. Eager: one host read
     decides whether the batch is packed at all, so that an unpacked batch stays on the dense op.
+    ``also``: document starts to add (the traced packed mask's, :class:`masks.StableAttnMask` ``doc_starts``).
     """
     # other layouts (e.g. multimodal RoPE's [3, B, N]) carry no document boundaries we know how to read
     if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
@@ -164,6 +168,8 @@ def _position_documents(position_ids: Any, batch_size: int, length: int, memo: d
             if seen is position_ids:
                 return documents
     starts = position_starts(position_ids, batch_size)
+    if also is not None:
+        starts = starts | also
     if not torch.compiler.is_compiling() and int(starts.sum()) == batch_size:
         documents = None  # one document per row: not packed
     else:

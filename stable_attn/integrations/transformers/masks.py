@@ -36,6 +36,10 @@ class StableAttnMask:
       prefix); the attention function slices the keys to them. None: all ``kv_length`` keys.
     - ``read_positions``: whether the attention function may read packed documents from ``position_ids``
       (False when the model got a 2D ``attention_mask``: then, as with sdpa, documents are not separated).
+    - ``doc_starts``: ``[B, q_length]`` bool, where the documents in ``cu_seqlens`` begin, when they were read
+      from a mask function whose pattern was inferred while tracing (a plain sliding-window mask with a
+      cache looks the same as a packed one then): the attention function adds the starts it reads from
+      ``position_ids``, so that compiled code separates the documents eager code separates.
     - ``memo``: per-forward scratch shared by the layers (the documents read from ``position_ids`` once).
     """
 
@@ -48,6 +52,7 @@ class StableAttnMask:
     max_seqlen: int = 0
     kv_used: int | None = None
     read_positions: bool = True
+    doc_starts: torch.Tensor | None = None
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -330,7 +335,8 @@ def _packed_mask(mask_function: Callable, batch_size: int, length: int, local_si
     starts = _mask_starts(mask_function, batch_size, length, device)
     _check_pattern(mask_function, batch_size, length, length, 0, 0, window, starts, device)
     cu, longest = device_documents(starts)
-    return StableAttnMask(causal, window, None, length, length, cu, longest)
+    return StableAttnMask(causal, window, None, length, length, cu, longest,
+                          doc_starts=starts if torch.compiler.is_compiling() else None)
 
 
 def _single_query_mask(batch_size: int, kv_length: int, kv_offset: Any, mask_function: Callable,
