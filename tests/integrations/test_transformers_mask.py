@@ -328,3 +328,29 @@ def test_import_stable_attn_alone_registers_with_transformers():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_traced_recognition_checks_what_it_infers():
+    """While tracing, closures cannot be read: the pattern is inferred from static information and checked
+    against the mask function on the device. A packed causal mask passes (documents read from the mask); a
+    block-wise overlay (image tokens bidirectional) that looks the same from outside fails loudly; a chunked
+    mask (its local_size is not the config's sliding window) is not taken for a window."""
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    packed = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, positions),
+                          mu.packed_sequence_mask_function(segments))
+    blocks = torch.tensor([[-1, 0, 0, 0, -1, -1, -1, -1]])
+    with_blocks = mu.and_masks(mu.or_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, positions),
+                                           mu.blockwise_overlay(blocks)), mu.packed_sequence_mask_function(segments))
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+        ours = st.stable_attn_mask(1, 8, mask_function=packed, q_length=8, q_offset=0)
+        assert isinstance(ours, st.StableAttnMask) and ours.doc_starts is not None
+        assert ours.cu_seqlens.tolist()[:4] == [0, 3, 5, 8] and set(ours.cu_seqlens.tolist()[3:]) == {8}
+        with pytest.raises(RuntimeError, match="not the causal/window/packed pattern"):
+            st.stable_attn_mask(1, 8, mask_function=with_blocks, q_length=8, q_offset=0)
+        chunked = mu.chunked_causal_mask_function(3, torch.zeros(1, dtype=torch.long))
+        config = LlamaConfig(sliding_window=None)
+        # a prefill after 2 cached tokens: not the packed path, and the chunk size is not taken for a window
+        got = st.stable_attn_mask(1, 10, mask_function=chunked, local_size=3, q_length=8, q_offset=2, config=config)
+        assert isinstance(got, torch.Tensor)
+        assert torch.equal(got, mu.sdpa_mask(1, 8, 10, q_offset=2, mask_function=chunked, allow_is_causal_skip=False))
