@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -33,6 +33,11 @@ from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
 
 __all__ = ["StableAttentionCallback"]
+
+if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
+    from typing_extensions import Unpack
+
+    from ..monitor.typed_options import MonitorOptions
 
 # What the callback shows of its engine, read-only: the run's outcome and state, and the arguments.
 _ENGINE_ATTRIBUTES = frozenset({
@@ -152,7 +157,7 @@ class StableAttentionCallback(Callback):
     The arguments (``Args:`` below) are :class:`~stable_attn.monitor.config.MonitorConfig`'s.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, **options: Unpack[MonitorOptions]) -> None:
         config = MonitorConfig.from_options(options, owner="StableAttentionCallback")
         self.engine = MonitorEngine.from_config(config, name=type(self).__name__)
 

@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -46,6 +46,11 @@ from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
 
 __all__ = ["StableAttentionTrainerCallback"]
+
+if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
+    from typing_extensions import Unpack
+
+    from ..monitor.typed_options import MonitorOptions
 
 log = logging.getLogger("stable_attn")
 
@@ -197,7 +202,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     :class:`~stable_attn.callbacks.StableAttentionCallback`.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, **options: Unpack[MonitorOptions]) -> None:
         config = MonitorConfig.from_options(options, owner=_NAME)
         self.engine = MonitorEngine.from_config(config, name=_NAME)
         self._args = config.saved()

@@ -79,3 +79,16 @@ def test_unknown_arguments_are_refused_as_a_constructor_would(owner):
         owner(foo=1)
     with pytest.raises(ValueError, match="on_spike='x' is not supported"):
         owner(on_spike="x")
+
+
+def test_typed_options_match_the_config():
+    """The TypedDict that static checkers read (``**options: Unpack[MonitorOptions]``) names every argument
+    of MonitorConfig, in order, with the same annotation."""
+    from dataclasses import fields
+
+    from stable_attn.monitor.config import MonitorConfig
+    from stable_attn.monitor.typed_options import MonitorOptions
+
+    want = [(f.name, str(f.type)) for f in fields(MonitorConfig) if f.init]
+    got = [(name, getattr(a, "__forward_arg__", a)) for name, a in MonitorOptions.__annotations__.items()]
+    assert got == want
