@@ -70,7 +70,7 @@ def row_top2(s2):
     """Largest and second-largest score of each row of a tile (two equal values for a tie).
 
     ``count(s2 >= t) >= 2`` iff ``second >= t``: the trigger and the saturation statistic become one
-    comparison per row instead of a count per element (the PyTorch twin is ``reference.row_top2``).
+    comparison per row instead of a count per element (the PyTorch twin is ``rules.row_top2``).
     """
     a, b = tl.split(tl.reshape(s2, [s2.shape[0], s2.shape[1] // 2, 2]))
     return tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, _top2_combine)
@@ -125,7 +125,7 @@ def shifted_offset(m2, beta, min_shift2, max_shift2):
 def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MODE: tl.constexpr):
     """The stabilization rule for one key block: ``(r_new, fire)`` per row (docs/ALGORITHM.md, forward 2-4).
 
-    The twin of ``reference.block_offset`` (same arguments, same bits; tests/kernels/test_rule_functions.py).
+    The twin of ``rules.block_offset`` (same arguments, same bits; tests/kernels/test_rule_functions.py).
     """
     if MODE == MODE_EXACT:
         r_cand = tl.maximum(r, m_blk)
