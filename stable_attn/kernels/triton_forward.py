@@ -363,6 +363,32 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kp
 
 
 @triton.jit
+def fwd_blocks(m_i, r_i, l_i, acc, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_n0,
+               offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
+               min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+               HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
+               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+               PREC: tl.constexpr, TMA: tl.constexpr):
+    """The blocks ``[lo, hi)`` of the partition in key order, one ``fwd_block`` each (``fwd_stretch`` of a
+    one-block key tile); returns the row state in ``fwd_block``'s order.
+
+    The row state comes in the order ``fwd_program`` defines it (``m_i, r_i, l_i, acc``): Triton carries a
+    loop's values in the order its scope defined them, and that order decides ptxas's register
+    assignment; it is the order of these loops when they stood in ``fwd_program`` (the SASS of every
+    one-block variant is unchanged by the move, benchmarks/kernel_resources.py).
+    """
+    for start_n in range(lo, hi, offs_n0.shape[0]):
+        acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
+            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+            window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+            MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+            UPCAST, PREC, TMA)
+    return acc, l_i, m_i, r_i, m2_i, fixed
+
+
+@triton.jit
 def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_t0,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
                 tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
@@ -370,23 +396,33 @@ def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs,
                 HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
                 PREC: tl.constexpr, TMA: tl.constexpr):
-    """The blocks ``[lo, hi)`` of the partition in key order, two per ``fwd_tile``; an odd last one alone
-    (``MASK`` stretches only: the unmasked stretch is cut to whole tiles)."""
+    """The blocks ``[lo, hi)`` of the partition in key order: one per ``fwd_block`` where the key tile is one
+    block (``offs_t0`` is ``offs_n0``: ``fwd_blocks``), else two per ``fwd_tile`` and an odd last one alone
+    (``MASK`` stretches only: the unmasked stretch is cut to whole tiles). ``k_ptrs`` and ``kpm_ptrs`` span
+    the key tile."""
     TILE_N: tl.constexpr = offs_t0.shape[0]
-    tiles_hi = lo + (hi - lo) // TILE_N * TILE_N
-    for start_n in range(lo, tiles_hi, TILE_N):
-        acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
-            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
-            offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-            tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, True, CAUSAL, WINDOW, SOFTCAP,
-            HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
-    if MASK:
-        if tiles_hi < hi:
+    if TILE_N == offs_n0.shape[0]:
+        acc, l_i, m_i, r_i, m2_i, fixed = fwd_blocks(
+            m_i, r_i, l_i, acc, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_n0,
+            offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
+            min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE,
+            STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+    else:
+        tiles_hi = lo + (hi - lo) // TILE_N * TILE_N
+        for start_n in range(lo, tiles_hi, TILE_N):
             acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
-                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi, offs_m,
+                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, False, CAUSAL,
-                WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, True, CAUSAL, WINDOW,
+                SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+        if MASK:
+            if tiles_hi < hi:
+                acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
+                    acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi, offs_m,
+                    offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk,
+                    pos_offset, window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, False,
+                    CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC,
+                    TMA)
     return acc, l_i, m_i, r_i, m2_i, fixed
 
 
@@ -457,7 +493,7 @@ def fwd_program(
     fixed = tl.zeros([BLOCK_M], tl.int32)
 
     lo, mid_lo, mid_hi, hi_al = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
-    if TILE_N > BLOCK_N:  # two blocks of the partition per key tile: the same three stretches
+    if TILE_N > BLOCK_N:  # two blocks of the partition per key tile: K and the padding mask span the tile
         offs_t0 = tl.arange(0, TILE_N)
         if TMA:
             kt_ptrs = K
@@ -467,49 +503,34 @@ def fwd_program(
         kpmt_ptrs = KPM + b64 * stride_kpmb + offs_t0
         # an odd block left over from the unmasked stretch is walked with the masked ones (same bits:
         # the mask hides no key of it)
-        pair_hi = mid_lo + (mid_hi - mid_lo) // TILE_N * TILE_N
-        if WINDOW:
-            acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
-                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo, offs_m,
-                offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-                True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-                UPCAST, PREC, TMA)
+        full_hi = mid_lo + (mid_hi - mid_lo) // TILE_N * TILE_N
+    else:
+        offs_t0 = offs_n0
+        kt_ptrs = k_ptrs
+        kpmt_ptrs = kpm_ptrs
+        full_hi = mid_hi
+    # the three stretches in key order. Three calls, not one in a tl.static_range loop over the bounds: the
+    # same PTX then, but one call site inlined twice with MASK (window edge and diagonal) places the debug
+    # labels elsewhere, and ptxas assigned other registers (sm_90 D = 64 off with window etc.)
+    if WINDOW:  # cut by the window's left edge (masked)
         acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
-            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, pair_hi, offs_m,
-            offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-            window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-            False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-            UPCAST, PREC, TMA)
-        acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
-            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, pair_hi, hi_al, offs_m,
+            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo, offs_m,
             offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC, TMA)
-    else:
-        if WINDOW:
-            for start_n in range(lo, mid_lo, BLOCK_N):
-                acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
-                    acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-                    offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                    window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-                    True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-                    UPCAST, PREC, TMA)
-        for start_n in range(mid_lo, mid_hi, BLOCK_N):
-            acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
-                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-                offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-                False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-                UPCAST, PREC, TMA)
-        for start_n in range(mid_hi, hi_al, BLOCK_N):
-            acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
-                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-                offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-                True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-                UPCAST, PREC, TMA)
+    acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(  # seen in full by every row (unmasked)
+        acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, full_hi, offs_m,
+        offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+        window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+        False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+        UPCAST, PREC, TMA)
+    acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(  # cut by the causal diagonal or the end of the keys (masked)
+        acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, full_hi, hi_al, offs_m,
+        offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+        window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+        True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+        UPCAST, PREC, TMA)
 
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         l_i = tl.max(l_i, 1)
