@@ -31,13 +31,13 @@ loading while every rounding point stays an explicit cast to the input dtype.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .._checks import interpreting
 from ..options import BLOCK_N, Options
 from ..stats import RowStats
 from . import rules
@@ -212,10 +212,6 @@ def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def _empty_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _capability(device: torch.device) -> int:
@@ -412,7 +408,7 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
     consts, compile_opts = launch_constants(
         "fwd", D, dtype, _capability(q.device), **_features(opts),
         kpm=(key_padding_mask is not None) if packed is None else None, mode=opts.mode, stats=with_stats,
-        block_n=block_n, forced_block_n=bool(opts.block_n), tma=tma_compatible(k, v), upcast=upcast, config=config)
+        block_n=block_n, forced_block_n=opts.key_block_given, tma=tma_compatible(k, v), upcast=upcast, config=config)
     block_n, tile_n = consts["BLOCK_N"], consts["TILE_N"]
 
     out = _empty_like(q)

@@ -6,9 +6,9 @@ the fp64 oracle (:mod:`stable_attn.kernels.naive`) and with what the case itself
 saturate, which blocks fire). On the Triton backend the same call also runs on the PyTorch path, and
 the two must take the same decision in every (row, key block) whose margin no summation order of
 ``q.k`` can overturn (every row on the tie inputs, which are exact in fp32: tests/kernels/margins.py)
-and agree within a few ulps: the kernels follow the reference's partition and decisions exactly. What only one backend has (tiling, launch
-configurations, ``lse``, arbitrary masks, memory bounds) is tested in ``test_triton_attention.py`` and
-``test_reference.py``.
+and agree within a few ulps: the kernels follow the reference's partition and decisions exactly. What
+only one backend has (tiling, launch configurations, ``lse``, arbitrary masks, memory bounds) is tested
+in ``test_triton_attention.py`` and ``test_reference.py``.
 """
 
 from __future__ import annotations
