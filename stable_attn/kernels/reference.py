@@ -274,7 +274,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             st.saturated[..., q0:q1] = (m2 >= m - sat_tol2) & seen  # -inf >= -inf must not count
             st.fixed_blocks[..., q0:q1] = fixed
             st.max_logit[..., q0:q1] = m / rules.LOG2E
-            st.first_key_prob[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])
+            st.sink_mass[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])
 
     lse2 = lse2.view(B, p.Hq, Nq)
     row_stats = st.view(B, p.Hq, Nq) if with_stats else None

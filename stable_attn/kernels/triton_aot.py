@@ -50,7 +50,7 @@ from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 SHARED_LIMIT = {80: 166912, 90: 232448}
 
 _PTR = {"KPM": "*u8", "Lse": "*fp32", "Delta": "*fp32", "StSat": "*i8", "StFixed": "*i32", "StMax": "*fp32",
-        "StP0": "*fp32", "CuQ": "*i32", "CuK": "*i32"}
+        "StSink": "*fp32", "CuQ": "*i32", "CuK": "*i32"}
 _INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q", "b_first"}
 KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
 _KERNELS = {"fwd": attn_fwd_kernel, "bwd_pre": attn_bwd_preprocess, "bwd_dkdv": attn_bwd_dkdv_kernel,

@@ -415,9 +415,9 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
     lse2 = _empty(rows, torch.float32, q.device)
     if with_stats:
         st = RowStats.empty(rows, q.device, alloc=_empty)
-        sat, fixed, max_logit, p0 = st.saturated.view(torch.int8), *st.tensors()[1:]
+        sat, fixed, max_logit, sink = st.saturated.view(torch.int8), *st.tensors()[1:]
     else:
-        sat = fixed = max_logit = p0 = lse2  # never touched: STATS is a compile-time False
+        sat = fixed = max_logit = sink = lse2  # never touched: STATS is a compile-time False
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
     sc = _scalars(opts, dtype)
     scalars = (sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, rules.sat_tolerance2(dtype), min_shift2,
@@ -431,14 +431,14 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
         kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
         for b_first, nb in _batches(B):
             attn_fwd_kernel[(n_m, Hq, nb)](
-                q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, p0,
+                q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, sink,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
                 Hq, Hq // Hkv, Nq, Nk, sc["window"], b_first, *scalars, **consts, **compile_opts,
             )
     elif min(n_m, Hq, B) > 0:
         attn_fwd_varlen_kernel[(n_m, Hq, B)](
-            q, k_in, v_in, out, lse2, sat, fixed, max_logit, p0, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
+            q, k_in, v_in, out, lse2, sat, fixed, max_logit, sink, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
             Hq, Hq // Hkv, sc["window"], q.shape[0], *scalars, **consts, **compile_opts,
         )
         rows = (1, *rows)  # the statistics as one batch element: what AttentionStats.update reads

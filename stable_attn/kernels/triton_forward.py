@@ -428,7 +428,7 @@ def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs,
 
 @triton.jit
 def fwd_program(
-    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
+    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
     Hq, G, Nq, Nk, window, q_start, k_start, total_q, b_first,
@@ -574,12 +574,12 @@ def fwd_program(
             kp0 = tl.load(KPM + b64 * stride_kpmb + key0) != 0
         s_first, _ = scores_tile(x0[:, None], None, offs_m, key0, kp0, qk_scale2, cap_scale, cap_log2e, Nk,
                                  pos_offset, window, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
-        tl.store(StP0 + row_ptr, tl.exp2(tl.max(s_first, 1) - lse), mask=row_ok)
+        tl.store(StSink + row_ptr, tl.exp2(tl.max(s_first, 1) - lse), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "b_first", "seed"])
 def attn_fwd_kernel(
-    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
+    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
     Hq, G, Nq, Nk, window, b_first,
@@ -592,7 +592,7 @@ def attn_fwd_kernel(
 ):
     """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V``
     are descriptors (blocks ``[1, 1, TILE_N, BLOCK_D]`` and ``[1, 1, BLOCK_N, BLOCK_D]``)."""
-    fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
+    fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
@@ -602,7 +602,7 @@ def attn_fwd_kernel(
 
 @triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
 def attn_fwd_varlen_kernel(
-    Q, K, V, Out, Lse, StSat, StFixed, StMax, StP0, CuQ, CuK,
+    Q, K, V, Out, Lse, StSat, StFixed, StMax, StSink, CuQ, CuK,
     stride_qh, stride_qn, stride_kh, stride_kn, stride_vh, stride_vn, stride_oh, stride_on,
     Hq, G, window, total_q,
     qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
@@ -623,7 +623,7 @@ def attn_fwd_varlen_kernel(
     q_start, k_start, Nq, Nk = varlen_bounds(CuQ, CuK, b)
     if tl.program_id(0) * BLOCK_M >= Nq:
         return
-    fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StP0,
+    fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StSink,
                 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh, stride_vn,
                 0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q, 0,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,

@@ -59,7 +59,7 @@ class RowCapture(stable_attn.AttentionStats):
 
     def update(self, rows: RowStats) -> None:
         self.last = RowStats(*(t.detach().cpu() for t in (rows.saturated, rows.fixed_blocks, rows.max_logit,
-                                                            rows.first_key_prob)))
+                                                            rows.sink_mass)))
         super().update(rows)
 
 
@@ -124,7 +124,7 @@ def run(backend, q, k, v, do=None, exact=None, grad_ulps=4, grad_floor=1e-6, **k
         assert torch.equal(res.rows.saturated[keep], ref.rows.saturated[keep]), "saturated differs"
         assert torch.equal(res.rows.fixed_blocks[keep], ref.rows.fixed_blocks[keep]), "fixed_blocks differs"
         torch.testing.assert_close(res.rows.max_logit, ref.rows.max_logit, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(res.rows.first_key_prob, ref.rows.first_key_prob, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(res.rows.sink_mass, ref.rows.sink_mass, rtol=1e-4, atol=1e-6)
         if exact is not None:
             o64, g64 = exact
             no_worse_than_reference(res.out, ref.out, o64, dtype, "out")
