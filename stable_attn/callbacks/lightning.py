@@ -166,6 +166,13 @@ class StableAttentionCallback(Callback):
 
     # ------------------------------------------------------------ start and end
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning's own check (equal state_key) runs only on the constructor's callbacks list
+        ours = [cb for cb in trainer.callbacks if isinstance(cb, StableAttentionCallback)]
+        if len(ours) > 1:
+            raise ValueError(
+                f"this lightning.Trainer has {len(ours)} StableAttentionCallbacks; use one per Trainer (it swaps the "
+                "attention, monitors and alerts for the whole run): remove the others from trainer.callbacks, and "
+                "give all the options to one")
         self.engine.setup(pl_module, _world(trainer), stage)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

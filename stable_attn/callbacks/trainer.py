@@ -150,6 +150,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         trainer = Trainer(model=model, args=args, train_dataset=data,
                           callbacks=[StableAttentionTrainerCallback(on_spike="skip")])
 
+    One per Trainer: ``train()`` with two of them raises ValueError before anything is swapped or wrapped.
+
     **Swap.** At ``on_train_begin`` the Trainer's model (every outermost ``PreTrainedModel`` inside it) is
     switched to ``attn_implementation="stable_attn"`` and gets per-layer statistics.
 
@@ -297,6 +299,14 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         trainer, checkpoint = _calling_trainer()
         if trainer is None:
             raise RuntimeError(f"{_NAME} found no transformers.Trainer running it; it works inside Trainer.train()")
+        ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StableAttentionTrainerCallback)]
+        if len(ours) > 1:
+            # before anything is patched or wrapped: each would wrap the Trainer, send every alert and
+            # load the same checkpoint entry (trainer_state.json keys callback states by class name)
+            raise ValueError(
+                f"this transformers.Trainer has {len(ours)} {_NAME}s; use one per Trainer (it swaps the attention, "
+                "monitors and alerts for the whole run): remove the others from callbacks= / add_callback(), and "
+                "give all the options to one")
         if getattr(trainer, "is_deepspeed_enabled", False):
             # accelerate runs DeepSpeed's engine.step() inside accelerator.backward(), before the Trainer's
             # on_pre_optimizer_step: no update (a NaN one included) could be dropped, whatever on_spike says.
