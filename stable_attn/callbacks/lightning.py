@@ -31,6 +31,7 @@ from ..monitor import names
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
+from ..monitor.resume_checks import check_resumed_snapshot, check_resumed_state
 
 __all__ = ["StableAttentionCallback"]
 
@@ -181,7 +182,9 @@ class StableAttentionCallback(Callback):
         self.engine.start(trainer.log_dir or trainer.default_root_dir, trainer.log_every_n_steps)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.engine.train_start(_trainables(trainer, pl_module))
+        trainables = _trainables(trainer, pl_module)
+        check_resumed_snapshot(self.engine, trainables)
+        self.engine.train_start(trainables)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning calls no teardown hook when fit() raises (KeyboardInterrupt included): end the run here.
@@ -237,7 +240,8 @@ class StableAttentionCallback(Callback):
         return self.engine.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.engine.load_state_dict(state_dict)
+        check_resumed_state(self.engine, state_dict, f"{type(self).__name__} state")
+        self.engine.load_state_dict(state_dict)  # the snapshot's fields are checked there (snapshot_from_state)
 
 
 MonitorConfig.document(StableAttentionCallback, log_every="the Trainer's ``log_every_n_steps``",
