@@ -45,8 +45,8 @@ def check_detector_state(state: Any, where: str, template: Mapping[str, Any]) ->
     """Raise ValueError naming ``where[key]`` unless each field of ``state`` has the type of the same field
     in ``template`` (a detector's own ``state_dict()``): ints are ints >= 0, floats finite numbers, flags
     bools, lists lists of finite numbers; a field the template holds as None (an estimate not made yet) is
-    None or a finite number (``last_kind``: None or a str); variances are None or >= 0. Keys the template lacks, and missing keys, are left
-    to the detector's ``load_state_dict`` (older versions)."""
+    None or a finite number (``last_kind``: None or a str); variances are None or >= 0. Keys the template
+    lacks, and missing keys, are left to the detector's ``load_state_dict`` (older versions)."""
     if not isinstance(state, Mapping):
         raise _refuse(where, state, "a dict from the detector's state_dict()")
     for key, value in state.items():

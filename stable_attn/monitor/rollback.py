@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Snapshot", "Trainables", "check_snapshot", "restore_snapshot", "snapshot_from_state", "snapshot_state", "take_snapshot"]
+__all__ = ["Snapshot", "Trainables", "check_snapshot", "restore_snapshot", "sigint_held", "snapshot_from_state",
+           "snapshot_state", "take_snapshot"]
 
 
 @dataclass

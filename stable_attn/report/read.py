@@ -177,8 +177,9 @@ def read_alerts(path: str | os.PathLike, problems: list[str] | None = None) -> t
 
     Blank lines are ignored; a line that is not a JSON object with a whole-number ``step`` (``"step":
     Infinity`` included) counts as bad and is skipped; ``problems``, when given, gets one line per bad
-    line (``line 7: 'step' is inf, not an integer >= 0``). :meth:`~stable_attn.monitor.Alert.to_json` writes non-finite floats as the strings
-    ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON); :meth:`~stable_attn.monitor.Alert.decode_fields`
+    line (``line 7: 'step' is inf, not an integer >= 0``).
+    :meth:`~stable_attn.monitor.Alert.to_json` writes non-finite floats as the strings ``"nan"``, ``"inf"``
+    and ``"-inf"`` (strict JSON); :meth:`~stable_attn.monitor.Alert.decode_fields`
     reads them back as floats, as it does the ``NaN``/``Infinity`` literals Python's ``json`` writes
     by default, so the :attr:`~stable_attn.monitor.Alert.FLOAT_FIELDS` are floats (or None) in what
     this returns. Other keys are kept as the line holds them, and a line may lack any key but ``step``.
