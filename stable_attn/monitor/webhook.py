@@ -164,8 +164,9 @@ class WebhookChannel(AlertChannel):
         max_queue: alerts waiting for delivery before new ones are dropped.
         headers: extra HTTP headers (e.g. ``{"Authorization": "Bearer ..."}``), sent to ``url``'s host
             only.
-        payload: maps an alert to the JSON body; default :meth:`Alert.to_dict`. For a Slack-style
-            incoming webhook use ``payload=lambda a: {"text": a.format()}``.
+        payload: maps an alert to the JSON body; default :meth:`Alert.to_dict`. It is given the alert as it
+            may leave the machine (:meth:`Alert.for_remote`: a stop's checkpoint by file name, not local path).
+            For a Slack-style incoming webhook use ``payload=lambda a: {"text": a.format()}``.
         max_failures: failures in a row after which the endpoint is paused.
         pause: seconds the endpoint is paused for.
     """
