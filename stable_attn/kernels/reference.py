@@ -263,7 +263,9 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             acc = acc * alpha.view(B, Hkv, G * cq, 1) + torch.matmul(p_cast, v_b)
             m, r = m_new, r_new
 
-        seen = m > neg_inf
+        # not ``m > -inf``: a NaN score (NaN in q or in a key the row sees) makes m NaN, and the row must
+        # come out NaN, as on the kernel and in SDPA, not as a row that sees no key (zeros, lse = +inf)
+        seen = m != neg_inf
         o = acc.view(B, Hkv, G, cq, D) / (l[..., None] * (1.0 - opts.dropout_p))
         # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor)
         o = torch.where(seen[..., None], o, torch.zeros_like(o))

@@ -280,6 +280,29 @@ def test_rows_that_see_no_key_are_neither_counted_nor_saturated(backend):
     assert res.stats.saturated_rows.tolist() == [0]
 
 
+def test_nan_in_a_key_makes_the_rows_that_see_it_nan_as_sdpa(backend):
+    """A NaN in a key gives the rows that see it NaN (output, lse-dependent gradients), as SDPA does; on the
+    PyTorch path they used to come out as rows that see no key (exact zeros, lse = +inf): a finite and wrong
+    answer. Rows that do not see the key (causal: the rows before it), and the other head, are unchanged."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v, do = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(4))
+    bad = k.clone()
+    bad[0, 0, 13, 5] = math.nan  # key 13 of head 0: seen by causal rows 13..23, in key block 0 (block_n 16)
+    got = attend(backend, q, bad, v, do, causal=True, block_n=16)
+    clean = attend(backend, q, k, v, do, causal=True, block_n=16)
+    leaves = [t.clone().requires_grad_() for t in (q, bad, v)]
+    want = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    want.backward(do)
+    assert got.out[0, 0, 13:].isnan().all()
+    assert torch.equal(got.out.isnan(), want.isnan())
+    assert torch.equal(got.out[0, 0, :13], clean.out[0, 0, :13]) and torch.equal(got.out[0, 1], clean.out[0, 1])
+    # gradients: NaN where SDPA's are, which includes the blind-key case both share: a row that does not see
+    # the key still multiplies its zero weight by the key's NaN in dq (0 * NaN), column 5 of rows 0..12
+    for name, a, b in zip(("dq", "dk", "dv"), got.grads, (t.grad for t in leaves), strict=True):
+        assert torch.equal(a.isnan(), b.isnan()), name
+    assert not got.grads[0][0, 1].isnan().any()
+
+
 # --------------------------------------------------------------------------------- window, softcap, GQA
 
 
