@@ -82,7 +82,14 @@ _GROSS_WINDOW = 5
 # spike makes, and counting flagged values keeps a noise that was underestimated from hiding itself),
 # and by the robust scale once it has enough samples. A fixed ratio alone ignores
 # the noise: at a loss of 0.07 nats batch noise exceeds 25% and 1.25x flagged 13-24 healthy steps of 200.
-_NOISE_WINDOW = 16
+_NOISE_WINDOW = 32
+# The jump and drift rules measure in the larger of the robust scale and this share of that window
+# noise: the robust scale learns from accepted values only, and on a noise it has not learnt (a loss
+# whose batches fall in two modes, a noise that widens fast) it would flag the ordinary half of the
+# batches for ever, each flag keeping the noise out that would have widened it. A median of the
+# differences over all values is not moved by the one or two differences of a real spike. The share
+# keeps the window's sampling error (about 25% on 31 differences) from blunting the bar on clean noise.
+_WINDOW_NOISE_SHARE = 0.75
 # With fewer differences than this the noise is their root mean square without the largest (a median
 # of a handful is unreliable; a steep descent only widens the bar), from this many on the centred MAD.
 _ROBUST_DIFFS = 8
@@ -473,7 +480,7 @@ class SpikeDetector:
             return None
 
         forecast = self._level + self._trend
-        sigma = self._sigma()
+        sigma = max(self._sigma(), _WINDOW_NOISE_SHARE * self._window_noise())
         # On autocorrelated noise the forecast sits inside the noise's slow wander, and a value can lie
         # sqrt(1 + rho) times further from it than the residual scale says while being ordinary:
         # the jump bar widens by that factor (1 on white noise).
@@ -678,7 +685,10 @@ class SpikeDetector:
         # ... and gross_z times the run's own noise: the ratio is a floor, the noise sets the bar on a
         # noisy metric (a low loss, a small batch), so the rule's false-alarm rate does not depend on
         # the loss's scale or noise level.
-        margin = max(margin, self.gross_z * self._gross_noise())
+        noise = self._window_noise()
+        if self._var is not None and self._residuals >= MIN_SCALE_SAMPLES:
+            noise = max(noise, self._sigma())
+        margin = max(margin, self.gross_z * noise)
         excess = x - reference if self.direction == "up" else abs(x - reference)
         if not excess > margin:
             return None
@@ -686,24 +696,20 @@ class SpikeDetector:
         score = (x - reference) / self._sigma() if self._var is not None else math.inf
         return self._spike(step, value, x, reference, margin, score, "gross")
 
-    def _gross_noise(self) -> float:
-        """The noise the gross rule allows for: the larger of a robust scale of the successive
-        differences of the recent accepted values (centred on their median, so a steady descent is not
-        noise) and the robust scale once it has enough samples; 0 while neither exists."""
-        noise = 0.0
+    def _window_noise(self) -> float:
+        """The run's measured noise, in the units the rules work in (log space: relative): a robust
+        scale of the successive differences of the last finite values, flagged ones too (centred on
+        their median, so a steady descent is not noise). In log space the larger of two readings: the
+        relative noise (differences of the logs) and the absolute noise (differences of the values)
+        over the current level, the median of the last 5: a batch noise of fixed size in nats (a few
+        hard tokens per batch) grows relative to a loss that falls, faster than a scale learnt from
+        the past follows. 0 before two values."""
         values = self._noise[-_NOISE_WINDOW - 1 : -1]  # the values before the one judged
-        diffs = [b - a for a, b in zip(values, values[1:])]
-        if len(diffs) >= _ROBUST_DIFFS:
-            centre = _median(diffs)
-            # 1.4826 * MAD is a Gaussian sigma; a difference of two values has sqrt(2) times theirs.
-            noise = 1.4826 * _median([abs(d - centre) for d in diffs]) / math.sqrt(2.0)
-        elif diffs:
-            # A handful: the root mean square without the largest difference (the first steps of a run
-            # fall fastest, and one wild difference must not blind the rule to a garbled batch).
-            kept = sorted(d * d for d in diffs)[: max(len(diffs) - 1, 1)]
-            noise = math.sqrt(sum(kept) / (2.0 * len(kept)))
-        if self._var is not None and self._residuals >= MIN_SCALE_SAMPLES:
-            noise = max(noise, self._sigma())
+        noise = _diff_scale(values)
+        if self.log_space and len(values) >= 2:
+            level = math.exp(_median(values[-_GROSS_WINDOW:]))
+            linear = [math.exp(min(v, 700.0)) for v in values]
+            noise = max(noise, _diff_scale(linear) / level)
         return noise
 
     def _after_accept(self) -> None:
@@ -816,3 +822,18 @@ def _median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _diff_scale(values: list[float]) -> float:
+    """A robust Gaussian sigma of ``values``' noise from their successive differences (0 before two values)."""
+    diffs = [b - a for a, b in zip(values, values[1:])]
+    if len(diffs) >= _ROBUST_DIFFS:
+        centre = _median(diffs)
+        # 1.4826 * MAD is a Gaussian sigma; a difference of two values has sqrt(2) times theirs.
+        return 1.4826 * _median([abs(d - centre) for d in diffs]) / math.sqrt(2.0)
+    if diffs:
+        # A handful: the root mean square without the largest difference (the first steps of a run
+        # fall fastest, and one wild difference must not blind the rule to a garbled batch).
+        kept = sorted(d * d for d in diffs)[: max(len(diffs) - 1, 1)]
+        return math.sqrt(sum(kept) / (2.0 * len(kept)))
+    return 0.0
