@@ -90,6 +90,7 @@ _NOISE_WINDOW = 32
 # differences over all values is not moved by the one or two differences of a real spike. The share
 # keeps the window's sampling error (about 25% on 31 differences) from blunting the bar on clean noise.
 _WINDOW_NOISE_SHARE = 0.75
+_FAST_WINDOW = 9
 # With fewer differences than this the noise is their root mean square without the largest (a median
 # of a handful is unreliable; a steep descent only widens the bar), from this many on the centred MAD.
 _ROBUST_DIFFS = 8
@@ -480,11 +481,15 @@ class SpikeDetector:
             return None
 
         forecast = self._level + self._trend
-        sigma = max(self._sigma(), _WINDOW_NOISE_SHARE * self._window_noise())
+        rel, absolute = self._window_noise()
+        sigma = max(self._sigma(), _WINDOW_NOISE_SHARE * rel)
         # On autocorrelated noise the forecast sits inside the noise's slow wander, and a value can lie
         # sqrt(1 + rho) times further from it than the residual scale says while being ordinary:
         # the jump bar widens by that factor (1 on white noise).
-        margin = self._margin(forecast, sigma * math.sqrt(1.0 + self._rho()))
+        widen = math.sqrt(1.0 + self._rho())
+        margin = max(self._margin(forecast, sigma * widen), self._abs_margin(self.z_threshold * widen, absolute))
+        # The drift sum measures rises in the local size of the noise, absolute noise included.
+        drift_sigma = max(sigma, _WINDOW_NOISE_SHARE * self._abs_margin(1.0, absolute))
         residual = x - forecast
         # A rise is measured from the forecast, but never from below the lowest recent value: after
         # a fast fall (a learning-rate drop) the trend runs on below a curve that has flattened, and
@@ -494,7 +499,8 @@ class SpikeDetector:
             event = self._gross(step, value, x)
             if event is not None:
                 return event
-            provisional = max(_PROVISIONAL_Z * self.z_threshold * sigma, margin)
+            provisional = max(_PROVISIONAL_Z * self.z_threshold * sigma, margin,
+                              self._abs_margin(_PROVISIONAL_Z * self.z_threshold * widen, absolute))
             if self._calm >= _CALM_UPDATES:
                 # The doubled bar allows for a forecast that still lags the steep descent; a forecast
                 # unbiased for _CALM_UPDATES updates in a row does not, so the calibrated bar applies
@@ -525,7 +531,7 @@ class SpikeDetector:
                 # A drift is a rise above where the metric is, not above where a falling trend would
                 # take it: at the end of a fast fall (a learning-rate drop, a plateau's sudden drop) the
                 # trend runs on below a curve that has flattened, and the gap filled this sum.
-                rise = (x - self._level - max(self._trend, 0.0)) / sigma
+                rise = (x - self._level - max(self._trend, 0.0)) / drift_sigma
                 self._cusum = max(0.0, self._cusum + min(rise, _DRIFT_CAP) / self._persistence() - self.drift_slack)
                 if self._cusum > self.drift_threshold:
                     # Restart the sum (standard CUSUM practice): a rise that goes on alerts again
@@ -685,10 +691,10 @@ class SpikeDetector:
         # ... and gross_z times the run's own noise: the ratio is a floor, the noise sets the bar on a
         # noisy metric (a low loss, a small batch), so the rule's false-alarm rate does not depend on
         # the loss's scale or noise level.
-        noise = self._window_noise()
+        noise, absolute = self._window_noise()
         if self._var is not None and self._residuals >= MIN_SCALE_SAMPLES:
             noise = max(noise, self._sigma())
-        margin = max(margin, self.gross_z * noise)
+        margin = max(margin, self.gross_z * noise, self._abs_margin(self.gross_z / _WINDOW_NOISE_SHARE, absolute))
         excess = x - reference if self.direction == "up" else abs(x - reference)
         if not excess > margin:
             return None
@@ -696,21 +702,30 @@ class SpikeDetector:
         score = (x - reference) / self._sigma() if self._var is not None else math.inf
         return self._spike(step, value, x, reference, margin, score, "gross")
 
-    def _window_noise(self) -> float:
-        """The run's measured noise, in the units the rules work in (log space: relative): a robust
-        scale of the successive differences of the last finite values, flagged ones too (centred on
-        their median, so a steady descent is not noise). In log space the larger of two readings: the
-        relative noise (differences of the logs) and the absolute noise (differences of the values)
-        over the current level, the median of the last 5: a batch noise of fixed size in nats (a few
-        hard tokens per batch) grows relative to a loss that falls, faster than a scale learnt from
-        the past follows. 0 before two values."""
+    def _window_noise(self) -> tuple[float, float]:
+        """The run's measured noise: a robust scale of the successive differences of the last finite
+        values, flagged ones too (centred on their median, so a steady descent is not noise), as
+        (relative, absolute). In log space relative is the scale of the logs' differences and absolute
+        that of the values' differences over the current level (the median of the last 5): a batch
+        noise of fixed size in nats (a few hard tokens per batch) grows relative to a loss that falls,
+        faster than a scale learnt from the past follows. In linear space absolute is 0 (the rules
+        there are in the metric's units already). Zeros before two values."""
         values = self._noise[-_NOISE_WINDOW - 1 : -1]  # the values before the one judged
-        noise = _diff_scale(values)
+        # The whole window, and its last _FAST_WINDOW values: a noise that widens shows in the short
+        # one within a few steps (a median of 32 needs half the window), and a median of 8 differences
+        # is still not moved by the two differences of one spike.
+        rel, absolute = max(_diff_scale(values), _diff_scale(values[-_FAST_WINDOW:])), 0.0
         if self.log_space and len(values) >= 2:
             level = math.exp(_median(values[-_GROSS_WINDOW:]))
             linear = [math.exp(min(v, 700.0)) for v in values]
-            noise = max(noise, _diff_scale(linear) / level)
-        return noise
+            absolute = max(_diff_scale(linear), _diff_scale(linear[-_FAST_WINDOW:])) / level
+        return rel, absolute
+
+    def _abs_margin(self, z: float, absolute: float) -> float:
+        """The log-space rise of ``z`` absolute-noise sigmas above the level: log(1 + z * noise / level)
+        (a rise of fixed size in the metric's units is a large log rise at a low level, a small one at
+        a high level; linearising it would make the bar explode at a low level)."""
+        return math.log1p(z * _WINDOW_NOISE_SHARE * absolute) if absolute > 0.0 else 0.0
 
     def _after_accept(self) -> None:
         """An accepted value: a short flagged episode just ended is held, and held values re-enter
