@@ -91,8 +91,8 @@ _NOISE_WINDOW = 32
 # keeps the window's sampling error (about 25% on 31 differences) from blunting the bar on clean noise.
 _WINDOW_NOISE_SHARE = 0.75
 _FAST_WINDOW = 9
-# With fewer differences than this the noise is their root mean square without the largest (a median
-# of a handful is unreliable; a steep descent only widens the bar), from this many on the centred MAD.
+# With fewer differences than this the noise is their root mean square (a median of a handful is
+# unreliable; a steep descent only widens the bar), from this many on the centred MAD.
 _ROBUST_DIFFS = 8
 # Re-entry: the values of a short flagged episode (at most _REENTRY_RUN updates) that is followed by
 # _REENTRY_AFTER accepted values in a row (no sustained change) re-enter the baseline: each one moves
@@ -847,8 +847,7 @@ def _diff_scale(values: list[float]) -> float:
         # 1.4826 * MAD is a Gaussian sigma; a difference of two values has sqrt(2) times theirs.
         return 1.4826 * _median([abs(d - centre) for d in diffs]) / math.sqrt(2.0)
     if diffs:
-        # A handful: the root mean square without the largest difference (the first steps of a run
-        # fall fastest, and one wild difference must not blind the rule to a garbled batch).
-        kept = sorted(d * d for d in diffs)[: max(len(diffs) - 1, 1)]
-        return math.sqrt(sum(kept) / (2.0 * len(kept)))
+        # A handful: their root mean square (a median of a few is unreliable, and dropping the largest
+        # read a noisy run's noise low enough to flag its 4th value; a steep descent only widens the bar).
+        return math.sqrt(sum(d * d for d in diffs) / (2.0 * len(diffs)))
     return 0.0
