@@ -24,7 +24,9 @@ measurements behind every number):
 - ``"nonfinite"`` (both detectors): NaN or +inf, from the first update on.
 - ``"gross"`` (:class:`SpikeDetector`, :attr:`SpikeDetector.phase` ``"gross"``): from the 4th finite
   update until the detector is calibrated: the value exceeds 1.25x (gradient norm: 5x) the median of
-  the last 5 accepted values. From the 21st update the noise scale also counts: a rise of twice the
+  the last 5 accepted values and ``gross_z`` (6; gradient norm: 4) sigmas of the run's measured noise
+  (the successive differences of the last 32 finite values, flagged ones included, read as relative
+  and as absolute noise; docs/DETECTORS.md, "The run's own noise"). From the 21st update the noise scale also counts: a rise of twice the
   calibrated bar (12 robust sigmas) is a ``"jump"`` already, and a rise of the calibrated bar itself
   once the forecast has been unbiased for 20 updates in a row.
 - ``"jump"`` and ``"drift"`` (:class:`SpikeDetector`, phase ``"calibrated"``): after ``warmup=100``
@@ -377,7 +379,8 @@ class SpikeDetector:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict` (e.g. on resume; a version-1 state, saved
         before the gross rule existed, loads with an empty gross-rule window; a version-2 one with
-        its moments counted as many samples as its scale)."""
+        its moments counted as many samples as its scale; a version-3 one with nothing held for
+        re-entry, no flag marks, and its gross-rule window as the noise window)."""
         if isinstance(state, Mapping) and state.get("type") == "SpikeDetector":
             if state.get("version") == 1:
                 state = {**state, "version": 2, "window": [], "rmean": 0.0, "rvar": None, "rcov": 0.0}
