@@ -21,6 +21,8 @@ DEFAULTS = {
     "early_warning_warmup": None, "rollback_every": 100, "on_alert": None, "webhook_url": None,
     "webhook_timeout": 2.0, "webhook_headers": None, "alerts_file": names.ALERTS_FILE, "layer_window": 10,
     "not_training_after": 10, "not_training_stop_after": 100,
+    # issue 21: the cap and cool-down of spike actions, added last
+    "spike_action_cap": 10, "spike_action_cooldown": 20,
 }
 UNSAVED = ("loss_detector", "grad_norm_detector", "on_alert", "webhook_url", "webhook_headers")
 
