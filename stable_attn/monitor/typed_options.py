@@ -42,3 +42,5 @@ class MonitorOptions(TypedDict, total=False):
     layer_window: int
     not_training_after: int
     not_training_stop_after: int | None
+    spike_action_cap: int | None
+    spike_action_cooldown: int
