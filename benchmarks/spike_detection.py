@@ -170,12 +170,29 @@ def heldout_noise(
     return sigma, white, 0.0
 
 
+def scale_curve_noise(rng: np.random.Generator, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Issue 21's held-out kind (never tuned on): a held-out curve rescaled to end at 0.001-10 nats
+    (log-uniform), white noise of 1-50% of the loss (log-uniform; relative to the curve in half the
+    traces, of fixed size in nats, i.e. absolute, in the other half) whose size drifts by +-50% over
+    200-800 steps."""
+    curve = heldout_curve(rng, t)
+    curve = curve * float(np.exp(rng.uniform(np.log(1e-3), np.log(10.0)))) / curve[-1]
+    cv = float(np.exp(rng.uniform(np.log(0.01), np.log(0.5))))
+    base = curve if rng.random() < 0.5 else np.full_like(curve, curve[-1])
+    drift = 1.0 + 0.5 * np.sin(2 * np.pi * t / rng.uniform(200.0, 800.0) + rng.uniform(0, 6.3))
+    return curve, cv * base * drift, rng.standard_normal(len(t))
+
+
 def make_trace(seed: int, steps: int, family: str) -> Trace:
-    rng = np.random.default_rng(seed if family == "tuning" else 1_000_003 + seed)
+    rng = np.random.default_rng(seed if family == "tuning" else (1_000_003 if family == "heldout" else 2_000_029) + seed)
     t = np.arange(steps, dtype=np.float64)
     heldout = family == "heldout"
-    curve = heldout_curve(rng, t) if heldout else tuning_curve(rng, t)
-    sigma, noise, phi = heldout_noise(rng, t, curve) if heldout else tuning_noise(rng, t, curve)
+    if family == "scale":
+        curve, sigma, noise = scale_curve_noise(rng, t)
+        phi = 0.0
+    else:
+        curve = heldout_curve(rng, t) if heldout else tuning_curve(rng, t)
+        sigma, noise, phi = heldout_noise(rng, t, curve) if heldout else tuning_noise(rng, t, curve)
     if not heldout and rng.random() < 0.3:
         at = rng.uniform(0.3, 0.8) * steps
         curve = curve + rng.uniform(3.0, 10.0) * sigma * np.clip((t - at) / rng.uniform(300.0, 800.0), 0.0, 1.0)
@@ -186,15 +203,17 @@ def make_trace(seed: int, steps: int, family: str) -> Trace:
     if heldout:  # clusters: a run of hard batches (one hard source spread over consecutive batches)
         for start in np.nonzero(rng.random(steps) < 0.002)[0]:
             hard[start : start + int(rng.integers(2, 9))] = True
-    noise[hard] = rng.uniform(2.0, 4.0, hard.sum())
+    noise[hard] = 3.0 if family == "scale" else rng.uniform(2.0, 4.0, hard.sum())  # scale: benign 3-sigma outliers
     grey = (rng.random(steps) < 0.001) & ~hard
     noise[grey] = rng.uniform(4.0, 8.0, grey.sum())
     values = curve + sigma * noise
+    if family == "scale":  # a loss is never negative: noise of up to 50% folds at zero
+        values = np.abs(values) + 1e-6 * curve
 
     events: list[Event] = []
     region = np.zeros(steps, dtype=bool)
-    gap = 150 if heldout else 250
-    pos = (20 + int(rng.integers(0, 200))) if heldout else (300 + int(rng.integers(0, 300)))
+    gap = 250 if family == "tuning" else 150
+    pos = (300 + int(rng.integers(0, 300))) if family == "tuning" else (20 + int(rng.integers(0, 200)))
     explode = rng.random() < 0.5
     explosion_start = int(rng.uniform(0.5, 0.95) * steps) if explode else steps
     while pos < explosion_start - gap:
@@ -231,11 +250,12 @@ def make_trace(seed: int, steps: int, family: str) -> Trace:
         s0 = sigma[explosion_start]
         n = np.arange(steps - explosion_start)
         dev = 0.5 * np.exp(np.minimum(n * np.log(growth), 600.0))  # in sigmas, starts at half a sigma
-        dev_abs = np.minimum(dev * s0, UNIGRAM_LOSS - curve[explosion_start:])
+        ceiling = max(UNIGRAM_LOSS, 2.0 * float(curve.max()))  # the scale family's losses may end at 10 nats
+        dev_abs = np.minimum(dev * s0, ceiling - curve[explosion_start:])
         values[explosion_start:] = curve[explosion_start:] + dev_abs + sigma[explosion_start:] * rng.standard_normal(
             len(n)
         )
-        capped = np.nonzero(dev * s0 >= UNIGRAM_LOSS - curve[explosion_start:])[0]
+        capped = np.nonzero(dev * s0 >= ceiling - curve[explosion_start:])[0]
         if len(capped) and rng.random() < 0.5:  # the run ends in NaN a few steps after saturating
             values[explosion_start + capped[0] + int(rng.integers(1, 20)) :] = math.nan
         over = np.nonzero(dev >= MIN_SPIKE_SIGMA)[0]
@@ -443,6 +463,8 @@ def main() -> None:
     for start in FRESH_SEEDS:
         fresh = [make_trace(start + seed, args.steps, "heldout") for seed in range(n_held)]
         families.append((f"fresh held-out (seeds {start}+)", fresh))
+    # issue 21: loss scale 0.001-10 nats, noise 1-50% (relative or absolute) drifting +-50%, 3-sigma outliers
+    families.append(("scale/noise held-out (issue 21)", [make_trace(seed, args.steps, "scale") for seed in range(n_held)]))
     k, tried = tune_mad_k(tuning)
 
     summary: dict[str, dict[str, dict[str, float]]] = {}

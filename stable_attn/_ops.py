@@ -13,6 +13,7 @@ collected); the backward returns ``dq, dk, dv``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +48,9 @@ def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch
             log_once("attn_mask", "stable_attn: an arbitrary attn_mask is served by the PyTorch path "
                      "(stabilized, slower than the Triton kernel)", logging.WARNING)
         return "torch"
-    per_batch = max(q[0].numel(), 0 if k is None else k[0].numel())
+    if q.shape[0] == 0:
+        return "torch"  # an empty batch: nothing to launch; the PyTorch path returns the empty tensors
+    per_batch = max(math.prod(q.shape[1:]), 0 if k is None else math.prod(k.shape[1:]))
     if per_batch >= _TRITON_MAX_ELEMENTS_PER_BATCH and (backend == "triton" or q.is_cuda):
         log_once("int32", f"stable_attn: {per_batch} elements per batch element exceed the Triton kernels' "
                  "32-bit offsets; served by the PyTorch path (stabilized, slower)", logging.WARNING)
@@ -152,6 +155,6 @@ def run(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: tupl
     """Call a forward op of :func:`define` on ``backend`` and fold its statistics into ``stats``."""
     collect = stats is not None and stats.enabled
     outs = op(q, k, v, *inputs, seed, collect, *opts.replace(backend=backend).op_args())
-    if collect:
+    if collect and outs[2].numel() > 0:  # an empty batch has no rows to fold in
         stats.update(RowStats(*outs[2:]))
     return outs[0]

@@ -72,7 +72,10 @@ def attention(
             ``j <= i + Nk - Nq``), as FlashAttention >= 2.1 and KV-cache decoding.
         scale: score scale, default ``1/sqrt(D)``.
         key_padding_mask: ``[B, Nk]`` bool, True = attend. A row that sees no key outputs zeros
-            and gets zero gradients.
+            and gets zero gradients. A NaN in q, or in a key or value a row sees, makes that row NaN (as
+            in SDPA); as in SDPA, a NaN in a key or value the row does not see but that shares a key
+            block with ones it sees can also reach it (a zero weight times NaN), in the output through
+            ``v`` and in ``dq`` through ``k``.
         attn_mask: arbitrary bool (True = attend) or additive float mask broadcastable to
             ``[B, Hq, Nq, Nk]``; served by the PyTorch path.
         window: left sliding window ``W``: the query at position ``p = i + Nk - Nq`` sees keys

@@ -35,9 +35,16 @@ def _report_run(args: argparse.Namespace) -> int:
     from stable_attn.report import build_report, format_summary, load_run, summarize
 
     path = build_report(args.run_dir, args.out)
-    print(format_summary(summarize(load_run(args.run_dir))))
+    run = load_run(args.run_dir)
+    for line in run.skipped_alert_lines:
+        print(f"stable-attn report: warning: {_printable(line)}", file=sys.stderr)
+    print(format_summary(summarize(run)))
     print(f"report: {path}")
     return 0
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _probe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stable-attn`` console script; returns the exit status.
 
-    Expected failures (a missing run directory, unreadable input) print one line to stderr and
-    return 1 instead of a traceback.
+    Expected failures (a missing run directory, unreadable input, an output folder that is read-only
+    or full) print one line to stderr and return 1 instead of a traceback.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -90,8 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[args.command].run(args)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"stable-attn {args.command}: error: {err}", file=sys.stderr)
+    except (OSError, ValueError) as err:  # a missing run directory, unreadable input, an unwritable output folder
+        text = str(err)
+        if isinstance(err, OSError) and err.strerror:  # without "[Errno 13]", with the file if the text lacks it
+            name = err.filename
+            text = err.strerror if name is None or str(name) in err.strerror else f"{err.strerror}: {name}"
+        print(f"stable-attn {args.command}: error: {_printable(text)}", file=sys.stderr)
         return 1
 
 

@@ -33,7 +33,7 @@ class RowStats:
       (their ``P-bar`` would round to 1.0 against the true max; independent of block size);
     - ``fixed_blocks``: int32, key blocks of this row where the stabilization shifted the offset;
     - ``max_logit``: float32, the row's max scaled score (``-inf`` when no key is visible);
-    - ``first_key_prob``: float32, softmax probability on key 0 (0 when key 0 is masked).
+    - ``sink_mass``: float32, softmax probability on key 0 (0 when key 0 is masked).
 
     The fields' order is the order of the ops' statistics outputs (:data:`SCHEMA`) and of the
     constructor's arguments; :data:`DTYPES` holds their dtypes. Everything that allocates or passes the
@@ -43,7 +43,7 @@ class RowStats:
     saturated: torch.Tensor = _stat(torch.bool, False)
     fixed_blocks: torch.Tensor = _stat(torch.int32, 0)
     max_logit: torch.Tensor = _stat(torch.float32, -math.inf)
-    first_key_prob: torch.Tensor = _stat(torch.float32, 0.0)
+    sink_mass: torch.Tensor = _stat(torch.float32, 0.0)
 
     FIELDS: ClassVar[tuple[str, ...]]
     DTYPES: ClassVar[Mapping[str, torch.dtype]]
@@ -72,6 +72,11 @@ class RowStats:
         no probability on key 0."""
         return cls(*(torch.full(rows, f.metadata["unseen"], dtype=f.metadata["dtype"], device=device)
                      for f in fields(cls)))
+
+    @property
+    def first_key_prob(self) -> torch.Tensor:
+        """Deprecated name of :attr:`sink_mass` (CHANGELOG.md)."""
+        return self.sink_mass
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The four tensors in field order (the ops' statistics outputs; ``RowStats(*t)`` inverts it)."""
@@ -118,7 +123,7 @@ class AttentionStats:
         self.saturated_rows: torch.Tensor | None = None
         self.fixed_blocks: torch.Tensor | None = None
         self.max_logit: torch.Tensor | None = None
-        self._first_key_prob_sum: torch.Tensor | None = None
+        self._sink_mass_sum: torch.Tensor | None = None
         # a tensor bumped in place: a Python int would make torch.compile recompile on every call
         self.calls = torch.zeros((), dtype=torch.int64)
 
@@ -136,7 +141,7 @@ class AttentionStats:
         saturated = sat.sum(dim=(0, 2), dtype=torch.int64)
         fixed = row_stats.fixed_blocks.sum(dim=(0, 2), dtype=torch.int64)
         max_logit = row_stats.max_logit.float().amax(dim=(0, 2))
-        prob_sum = row_stats.first_key_prob.float().sum(dim=(0, 2))
+        prob_sum = row_stats.sink_mass.float().sum(dim=(0, 2))
         if self.rows is None or self.rows.shape != rows.shape:
             if self.rows is not None:
                 raise ValueError(
@@ -144,13 +149,13 @@ class AttentionStats:
                     f"{heads}; use one AttentionStats per attention layer or call reset()"
                 )
             self.rows, self.saturated_rows, self.fixed_blocks = rows, saturated, fixed
-            self.max_logit, self._first_key_prob_sum = max_logit, prob_sum
+            self.max_logit, self._sink_mass_sum = max_logit, prob_sum
         else:
             self.rows += rows
             self.saturated_rows += saturated
             self.fixed_blocks += fixed
             torch.maximum(self.max_logit, max_logit, out=self.max_logit)
-            self._first_key_prob_sum += prob_sum
+            self._sink_mass_sum += prob_sum
         self.calls += 1  # in place (tensor)
 
     @property
@@ -158,7 +163,7 @@ class AttentionStats:
         """Mean softmax probability on key 0, per head."""
         if self.rows is None:
             return None
-        return self._first_key_prob_sum / self.rows.clamp(min=1)
+        return self._sink_mass_sum / self.rows.clamp(min=1)
 
     @property
     def saturation(self) -> torch.Tensor | None:
@@ -183,7 +188,7 @@ class AttentionStats:
             "saturation": (self.saturated_rows.sum().double() / rows).item(),
             "fixed_rate": (self.fixed_blocks.sum().double() / rows).item(),
             "max_logit": self.max_logit.max().item(),
-            "sink_mass": (self._first_key_prob_sum.sum().double() / rows).item(),
+            "sink_mass": (self._sink_mass_sum.sum().double() / rows).item(),
         }
 
     def state_dict(self) -> dict:
@@ -192,7 +197,7 @@ class AttentionStats:
             "saturated_rows": self.saturated_rows,
             "fixed_blocks": self.fixed_blocks,
             "max_logit": self.max_logit,
-            "first_key_prob_sum": self._first_key_prob_sum,
+            "sink_mass_sum": self._sink_mass_sum,
             "calls": self.calls,
         }
 
@@ -201,7 +206,8 @@ class AttentionStats:
         self.saturated_rows = state["saturated_rows"]
         self.fixed_blocks = state["fixed_blocks"]
         self.max_logit = state["max_logit"]
-        self._first_key_prob_sum = state["first_key_prob_sum"]
+        # "first_key_prob_sum": the key's name before the statistic was called sink_mass everywhere
+        self._sink_mass_sum = state["sink_mass_sum"] if "sink_mass_sum" in state else state["first_key_prob_sum"]
         self.calls = state["calls"]
 
     def __repr__(self) -> str:

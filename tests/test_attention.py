@@ -154,3 +154,17 @@ def test_problems_too_large_for_32_bit_kernel_offsets_go_to_the_pytorch_path(mon
     assert resolve_backend("triton", big, False, small) == "torch"
     assert resolve_backend("triton", small, False, big) == "torch"
     assert resolve_backend("triton", small, False, small) == "triton"
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_an_empty_batch_gives_empty_outputs_and_gradients(backend, monkeypatch):
+    """Batch size 0 returns empty tensors as SDPA does (it raised IndexError), with or without statistics."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = (torch.randn(0, 4, 8, 16, requires_grad=True) for _ in range(3))
+    st = stable_attn.AttentionStats()
+    out = stable_attn.attention(q, k[:, :2], v[:, :2], causal=True, stats=st, backend=backend,
+                                key_padding_mask=torch.ones(0, 8, dtype=torch.bool))
+    assert out.shape == (0, 4, 8, 16) and out.dtype == q.dtype
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert st.empty  # no rows were seen

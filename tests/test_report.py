@@ -281,3 +281,44 @@ def test_layer_names_of_several_models(tmp_path: Path) -> None:
     assert float(table_row(md, "model.layer10")[1]) == pytest.approx(0.03)
     assert float(table_row(md, "encoder.layer1")[4]) == pytest.approx(8.0)
     assert (tmp_path / "saturation_heatmap.png").is_file() and (tmp_path / "max_logit.png").is_file()
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_cli_report_to_an_unwritable_folder_is_one_error_line(tmp_path: Path, capsys, monkeypatch, fault) -> None:
+    """A read-only output folder (report.md refused) or a full one (a PNG cut short) used to print a traceback."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    run = tmp_path / "run"
+    write_run(run, seed=5)
+    out = tmp_path / "out"
+    if fault == "read-only":
+        def refuse(self, *args, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        monkeypatch.setattr(Path, "write_text", refuse)
+    else:
+        def full(self, *args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(Figure, "savefig", full)
+    assert main(["report", str(run), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    why = "Permission denied" if fault == "read-only" else "No space left on device"
+    assert err == [f"stable-attn report: error: cannot write the report to {out}: {why}"], err
+
+
+def test_cli_report_skips_a_bad_alert_line_with_one_line_saying_so(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    write_run(run, seed=6)
+    lines = [json.dumps(alert(SPIKE_STEP, "spike", 8.0)), '{"step": Infinity, "kind": "spike", "value": 1.0}',
+             '{"step": 2.5, "kind": "spike"}', json.dumps(alert(WARNING_STEP, "early_warning", 0.4))]
+    (run / "alerts.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["report", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "stable-attn report: warning: alerts.jsonl line 2: 'step' is inf, not an integer >= 0; skipped",
+        "stable-attn report: warning: alerts.jsonl line 3: 'step' is 2.5, not an integer >= 0; skipped",
+    ]
+    alerts, bad = read_alerts(run / "alerts.jsonl")
+    assert [a["step"] for a in alerts] == [SPIKE_STEP, WARNING_STEP] and bad == 2
+    assert "| 37 | spike |" in (run / "report.md").read_text()

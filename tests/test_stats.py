@@ -10,7 +10,7 @@ from stable_attn.stats import RowStats
 
 
 def test_fields_order_dtypes_and_schema():
-    assert RowStats.FIELDS == ("saturated", "fixed_blocks", "max_logit", "first_key_prob")
+    assert RowStats.FIELDS == ("saturated", "fixed_blocks", "max_logit", "sink_mass")
     assert tuple(RowStats.DTYPES.values()) == (torch.bool, torch.int32, torch.float32, torch.float32)
     assert RowStats.SCHEMA == "Tensor, Tensor, Tensor, Tensor"
     rs = RowStats.empty((2, 3, 4), torch.device("cpu"))
@@ -24,7 +24,7 @@ def test_constructors():
         assert [t.dtype for t in rs.tensors()] == list(RowStats.DTYPES.values())
         assert all(t.shape == shape for t in rs.tensors())
     unseen = RowStats.unseen((2, 5), q.device)
-    assert not unseen.saturated.any() and not unseen.fixed_blocks.any() and not unseen.first_key_prob.any()
+    assert not unseen.saturated.any() and not unseen.fixed_blocks.any() and not unseen.sink_mass.any()
     assert (unseen.max_logit == -math.inf).all()
 
 
@@ -47,4 +47,4 @@ def test_view_and_write():
     rs.write((..., slice(1, 4)), part)
     assert rs.saturated[0, 0].tolist() == [False, True, True, True, False, False]
     assert rs.fixed_blocks[0, 1, 1:4].tolist() == [4, 4, 4] and rs.max_logit[0, 0, 0] == -math.inf
-    assert rs.view(2, 6).first_key_prob.shape == (2, 6)
+    assert rs.view(2, 6).sink_mass.shape == (2, 6)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -31,8 +31,14 @@ from ..monitor import names
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
+from ..monitor.resume_checks import check_resumed_snapshot, check_resumed_state
 
 __all__ = ["StableAttentionCallback"]
+
+if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
+    from typing_extensions import Unpack
+
+    from ..monitor.typed_options import MonitorOptions
 
 # What the callback shows of its engine, read-only: the run's outcome and state, and the arguments.
 _ENGINE_ATTRIBUTES = frozenset({
@@ -152,7 +158,7 @@ class StableAttentionCallback(Callback):
     The arguments (``Args:`` below) are :class:`~stable_attn.monitor.config.MonitorConfig`'s.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, **options: Unpack[MonitorOptions]) -> None:
         config = MonitorConfig.from_options(options, owner="StableAttentionCallback")
         self.engine = MonitorEngine.from_config(config, name=type(self).__name__)
 
@@ -166,6 +172,13 @@ class StableAttentionCallback(Callback):
 
     # ------------------------------------------------------------ start and end
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning's own check (equal state_key) runs only on the constructor's callbacks list
+        ours = [cb for cb in trainer.callbacks if isinstance(cb, StableAttentionCallback)]
+        if len(ours) > 1:
+            raise ValueError(
+                f"this lightning.Trainer has {len(ours)} StableAttentionCallbacks; use one per Trainer (it swaps the "
+                "attention, monitors and alerts for the whole run): remove the others from trainer.callbacks, and "
+                "give all the options to one")
         self.engine.setup(pl_module, _world(trainer), stage)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -174,7 +187,9 @@ class StableAttentionCallback(Callback):
         self.engine.start(trainer.log_dir or trainer.default_root_dir, trainer.log_every_n_steps)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.engine.train_start(_trainables(trainer, pl_module))
+        trainables = _trainables(trainer, pl_module)
+        check_resumed_snapshot(self.engine, trainables)
+        self.engine.train_start(trainables)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning calls no teardown hook when fit() raises (KeyboardInterrupt included): end the run here.
@@ -230,7 +245,8 @@ class StableAttentionCallback(Callback):
         return self.engine.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.engine.load_state_dict(state_dict)
+        check_resumed_state(self.engine, state_dict, f"{type(self).__name__} state")
+        self.engine.load_state_dict(state_dict)  # the snapshot's fields are checked there (snapshot_from_state)
 
 
 MonitorConfig.document(StableAttentionCallback, log_every="the Trainer's ``log_every_n_steps``",

@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -44,8 +44,14 @@ from ..monitor import names
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
+from ..monitor.resume_checks import check_resumed_snapshot, check_resumed_state
 
 __all__ = ["StableAttentionTrainerCallback"]
+
+if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
+    from typing_extensions import Unpack
+
+    from ..monitor.typed_options import MonitorOptions
 
 log = logging.getLogger("stable_attn")
 
@@ -150,6 +156,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         trainer = Trainer(model=model, args=args, train_dataset=data,
                           callbacks=[StableAttentionTrainerCallback(on_spike="skip")])
 
+    One per Trainer: ``train()`` with two of them raises ValueError before anything is swapped or wrapped.
+
     **Swap.** At ``on_train_begin`` the Trainer's model (every outermost ``PreTrainedModel`` inside it) is
     switched to ``attn_implementation="stable_attn"`` and gets per-layer statistics.
 
@@ -197,7 +205,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     :class:`~stable_attn.callbacks.StableAttentionCallback`.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, **options: Unpack[MonitorOptions]) -> None:
         config = MonitorConfig.from_options(options, owner=_NAME)
         self.engine = MonitorEngine.from_config(config, name=_NAME)
         self._args = config.saved()
@@ -277,10 +285,11 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
                 f"trainer_state.json, which does not hold its arguments {saved['unsaved_args']}; resume with "
                 f"restore_callback_states_from_checkpoint=False: {_NAME} restores its own state either way")
         engine = dict(saved["engine"])
+        check_resumed_state(self.engine, engine, f"{_NAME} state in trainer_state.json")
         snapshot = os.path.join(checkpoint, SNAPSHOT_FILE) if checkpoint is not None else None
         if snapshot is not None and self.engine.config.rolls_back and os.path.isfile(snapshot):
             engine["rollback_snapshot"] = torch.load(snapshot, map_location=args.device, weights_only=True)
-        self.engine.load_state_dict(engine)
+        self.engine.load_state_dict(engine)  # the snapshot's fields are checked there (snapshot_from_state)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Only a single-process engine keeps its snapshot in its state (one rank's snapshot is not another's).
@@ -297,6 +306,14 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         trainer, checkpoint = _calling_trainer()
         if trainer is None:
             raise RuntimeError(f"{_NAME} found no transformers.Trainer running it; it works inside Trainer.train()")
+        ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StableAttentionTrainerCallback)]
+        if len(ours) > 1:
+            # before anything is patched or wrapped: each would wrap the Trainer, send every alert and
+            # load the same checkpoint entry (trainer_state.json keys callback states by class name)
+            raise ValueError(
+                f"this transformers.Trainer has {len(ours)} {_NAME}s; use one per Trainer (it swaps the attention, "
+                "monitors and alerts for the whole run): remove the others from callbacks= / add_callback(), and "
+                "give all the options to one")
         if getattr(trainer, "is_deepspeed_enabled", False):
             # accelerate runs DeepSpeed's engine.step() inside accelerator.backward(), before the Trainer's
             # on_pre_optimizer_step: no update (a NaN one included) could be dropped, whatever on_spike says.
@@ -316,7 +333,9 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             output_dir = args.output_dir or "."
             stop_path = lambda step: os.path.join(output_dir, names.trainer_checkpoint(step))  # the Trainer's save
             self.engine.start(output_dir, self._every, stop_path)
-            self.engine.train_start(self._trainables(state, model, optimizer, lr_scheduler))
+            trainables = self._trainables(state, model, optimizer, lr_scheduler)
+            check_resumed_snapshot(self.engine, trainables)
+            self.engine.train_start(trainables)
         except BaseException:
             # Unwrap the Trainer and put back what setup patched: a later train() must not wrap the wrappers.
             self._end("after the start of train() failed")

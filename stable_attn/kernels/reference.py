@@ -25,6 +25,10 @@ from ..stats import RowStats
 from . import rules
 from .philox import keep_mask
 
+# the rule's functions live in rules.py; called by these names below, so that tests can record the calls by
+# patching reference.block_offset
+from .rules import block_offset, row_top2
+
 TILE_ELEMENTS = 1 << 17  # fp32 elements in one score tile (512 KiB)
 _DEFAULT_OPTIONS = Options()
 
@@ -133,18 +137,6 @@ class _Problem:
         return keep_mask(self.opts.seed, offset, self.opts.dropout_p)
 
 
-def row_top2(s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Largest and second-largest score of each row of a block (two equal values for a tie).
-
-    ``count(s2 >= t) >= 2`` iff ``second >= t``: every tie test of the algorithm is one comparison
-    per row with these two numbers (the Triton twin is ``triton_forward.row_top2``).
-    """
-    if s2.shape[-1] < 2:
-        return s2[..., 0], torch.full_like(s2[..., 0], -math.inf)
-    top = torch.topk(s2, 2, dim=-1).values
-    return top[..., 0], top[..., 1]
-
-
 # fp64 bits below an fp32 significand's last bit: 10...0 where the fp64 value is an fp32 rounding midpoint
 _BELOW_F32 = (1 << 29) - 1
 _F32_MIDPOINT = 1 << 28
@@ -194,32 +186,6 @@ def _fma_f32_round_to_odd(a: torch.Tensor, b64: torch.Tensor, c: torch.Tensor) -
     inexact_even = (err != 0) & ((s.view(torch.int64) & 1) == 0) & torch.isfinite(s)
     s = torch.where(inexact_even, torch.nextafter(s, err * math.inf), s)  # toward the error's sign
     return s.float()
-
-
-def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, mode):
-    """The stabilization rule for one key block: ``(r_new, fire)`` per row (docs/ALGORITHM.md, forward 2-4).
-
-    ``r`` is the offset so far, ``m_new`` the running max including this block, ``m_blk`` and
-    ``m2_blk`` the block's largest and second-largest score. The Triton kernel calls its twin
-    ``triton_forward.block_offset`` with the same arguments; tests/kernels/test_rule_functions.py checks that
-    both give the same bits.
-    """
-    if mode == rules.MODE_EXACT:
-        r_cand = torch.maximum(r, m_blk)
-        # P-bar would round to exactly 1.0 at two or more keys of this block: shift the offset. A block
-        # without a key (m2_blk = -inf) cannot fire: r >= -FP32_MAX, so r_cand - tie2 is finite
-        fire = m2_blk >= r_cand - tie2
-        r_new = torch.where(fire, rules.shifted_offset(m_new, beta, min_shift2, max_shift2), r_cand)
-    elif mode == rules.MODE_PAPER:
-        fire = (m2_blk >= m_blk - tie2) & (m_blk > -math.inf)
-        m_adj = torch.where(fire & (m_blk > 0), beta * m_blk,
-                            torch.where(fire & (m_blk < 0), torch.zeros_like(m_blk), m_blk))
-        fire = fire & (m_blk != 0)
-        r_new = torch.maximum(r, m_adj)
-    else:
-        fire = torch.zeros_like(m_blk, dtype=torch.bool)
-        r_new = torch.maximum(r, m_blk)
-    return r_new, fire
 
 
 def _grouped(x: torch.Tensor, p: _Problem) -> torch.Tensor:
@@ -297,7 +263,9 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             acc = acc * alpha.view(B, Hkv, G * cq, 1) + torch.matmul(p_cast, v_b)
             m, r = m_new, r_new
 
-        seen = m > neg_inf
+        # not ``m > -inf``: a NaN score (NaN in q or in a key the row sees) makes m NaN, and the row must
+        # come out NaN, as on the kernel and in SDPA, not as a row that sees no key (zeros, lse = +inf)
+        seen = m != neg_inf
         o = acc.view(B, Hkv, G, cq, D) / (l[..., None] * (1.0 - opts.dropout_p))
         # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor)
         o = torch.where(seen[..., None], o, torch.zeros_like(o))
@@ -308,7 +276,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             st.saturated[..., q0:q1] = (m2 >= m - sat_tol2) & seen  # -inf >= -inf must not count
             st.fixed_blocks[..., q0:q1] = fixed
             st.max_logit[..., q0:q1] = m / rules.LOG2E
-            st.first_key_prob[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])
+            st.sink_mass[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])
 
     lse2 = lse2.view(B, p.Hq, Nq)
     row_stats = st.view(B, p.Hq, Nq) if with_stats else None

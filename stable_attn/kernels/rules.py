@@ -1,4 +1,5 @@
-"""The constants of the stabilization rule, in one place.
+"""The constants of the stabilization rule and its PyTorch functions (``shifted_offset``, ``block_offset``,
+``row_top2``: the twins of ``triton_forward``'s), in one place.
 
 The PyTorch reference (``reference.py``) and the Triton kernels (``triton_forward.py``, ``triton_backward.py``) both
 implement docs/ALGORITHM.md with these numbers. Everything here is in *base-2 units*: the kernels
@@ -92,3 +93,41 @@ def shifted_offset(m2: torch.Tensor, beta: float, min_shift2: float, max_shift2:
     beta_m1 = float(torch.tensor(beta, dtype=torch.float32)) - 1.0  # exact in double; rounds to fp32 below
     paper_shift = torch.where(m2 > 0, torch.tensor(beta_m1, dtype=torch.float32) * m2, -m2)
     return m2 + paper_shift.clamp(min=min_shift2, max=max_shift2)
+
+
+def row_top2(s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest and second-largest score of each row of a block (two equal values for a tie).
+
+    ``count(s2 >= t) >= 2`` iff ``second >= t``: every tie test of the algorithm is one comparison
+    per row with these two numbers (the Triton twin is ``triton_forward.row_top2``).
+    """
+    if s2.shape[-1] < 2:
+        return s2[..., 0], torch.full_like(s2[..., 0], -math.inf)
+    top = torch.topk(s2, 2, dim=-1).values
+    return top[..., 0], top[..., 1]
+
+
+def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, mode):
+    """The stabilization rule for one key block: ``(r_new, fire)`` per row (docs/ALGORITHM.md, forward 2-4).
+
+    ``r`` is the offset so far, ``m_new`` the running max including this block, ``m_blk`` and
+    ``m2_blk`` the block's largest and second-largest score. The Triton kernel calls its twin
+    ``triton_forward.block_offset`` with the same arguments; tests/kernels/test_rule_functions.py checks that
+    both give the same bits.
+    """
+    if mode == MODE_EXACT:
+        r_cand = torch.maximum(r, m_blk)
+        # P-bar would round to exactly 1.0 at two or more keys of this block: shift the offset. A block
+        # without a key (m2_blk = -inf) cannot fire: r >= -FP32_MAX, so r_cand - tie2 is finite
+        fire = m2_blk >= r_cand - tie2
+        r_new = torch.where(fire, shifted_offset(m_new, beta, min_shift2, max_shift2), r_cand)
+    elif mode == MODE_PAPER:
+        fire = (m2_blk >= m_blk - tie2) & (m_blk > -math.inf)
+        m_adj = torch.where(fire & (m_blk > 0), beta * m_blk,
+                            torch.where(fire & (m_blk < 0), torch.zeros_like(m_blk), m_blk))
+        fire = fire & (m_blk != 0)
+        r_new = torch.maximum(r, m_adj)
+    else:
+        fire = torch.zeros_like(m_blk, dtype=torch.bool)
+        r_new = torch.maximum(r, m_blk)
+    return r_new, fire

@@ -35,7 +35,7 @@ from triton.compiler import ASTSource
 
 from ..options import BLOCK_N, MODE_NAMES
 from . import rules
-from .triton_attention import _TL_DTYPE, FWD_COMPILE_OPTIONS, bwd_config, fwd_config, head_block
+from .triton_attention import head_block, launch_constants
 from .triton_backward import (
     attn_bwd_dkdv_kernel,
     attn_bwd_dkdv_varlen_kernel,
@@ -50,7 +50,7 @@ from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 SHARED_LIMIT = {80: 166912, 90: 232448}
 
 _PTR = {"KPM": "*u8", "Lse": "*fp32", "Delta": "*fp32", "StSat": "*i8", "StFixed": "*i32", "StMax": "*fp32",
-        "StP0": "*fp32", "CuQ": "*i32", "CuK": "*i32"}
+        "StSink": "*fp32", "CuQ": "*i32", "CuK": "*i32"}
 _INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q", "b_first"}
 KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
 _KERNELS = {"fwd": attn_fwd_kernel, "bwd_pre": attn_bwd_preprocess, "bwd_dkdv": attn_bwd_dkdv_kernel,
@@ -134,28 +134,13 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
 
 
 def _constants(v: Variant) -> tuple[dict, dict]:
-    """The compile-time constants and compile options of a variant, as the launchers pass them."""
-    block_d = head_block(v.head_dim)
+    """The compile-time constants and compile options of a variant: the launchers' own
+    (``triton_attention.launch_constants``), for TMA-compatible strides on a GPU (no interpreter)."""
+    if v.kind == "bwd_pre":
+        return dict(HEAD_D=v.head_dim, BLOCK_D=head_block(v.head_dim), BLOCK_M=64), dict(num_warps=4, num_stages=1)
     f = v.features
-    common = dict(CAUSAL=v.causal, WINDOW=f, SOFTCAP=f, DROPOUT=f, HEAD_D=v.head_dim, BLOCK_D=block_d,
-                  DTYPE=_TL_DTYPE[v.dtype], UPCAST=False, PREC="ieee" if v.dtype == torch.float32 else "tf32")
-    if not v.varlen:  # the varlen kernels take no padding mask
-        common["HAS_KPM"] = f
-    if v.kind == "fwd":
-        cfg = fwd_config(block_d, v.block_n, v.dtype, v.cc, mode=v.mode, stats=v.stats, plain=not f)
-        consts = dict(common, MODE=v.mode, STATS=v.stats, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n or v.block_n,
-                      TILE_N=cfg.tile_n or cfg.block_n or v.block_n, TMA=cfg.tma)
-        opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
-    elif v.kind == "bwd_pre":
-        consts = dict(HEAD_D=v.head_dim, BLOCK_D=block_d, BLOCK_M=64)
-        opts = dict(num_warps=4, num_stages=1)
-    else:
-        c = bwd_config(block_d, v.dtype, v.cc, heavy=f)
-        m, n, warps, stages = (c.m1, c.n1, c.warps1, c.stages1) if v.kind == "bwd_dkdv" else (c.m2, c.n2, c.warps2,
-                                                                                               c.stages2)
-        consts = dict(common, BLOCK_M=m, BLOCK_N=n, TMA=c.tma)
-        opts = dict(num_warps=warps, num_stages=stages)
-    return consts, opts
+    return launch_constants(v.kind, v.head_dim, v.dtype, v.cc, causal=v.causal, window=f, softcap=f, dropout=f,
+                            kpm=None if v.varlen else f, mode=v.mode, stats=v.stats, block_n=v.block_n)
 
 
 def compile_variant(v: Variant):

@@ -7,12 +7,14 @@ take ``options.Options`` and return exactly what ``reference.attention_forward``
 ``triton_backward.py`` (no autograd anywhere on this path).
 
 Block sizes. The forward's key block ``BLOCK_N`` *is* the partition the stabilization rule sees, so
-it is never tuned: ``opts.block_n`` or ``options.BLOCK_N`` (64), except where no rule sees it
+it is never tuned: ``opts.key_block`` (``opts.block_n`` or ``options.BLOCK_N``, 64), except where no rule sees it
 (stabilize off without statistics, :func:`fwd_config`'s ``free_keys``); a K tile may hold two of its
 blocks (``FwdConfig.tile_n``), the rule still deciding per block. Everything else (query block,
 warps, pipeline stages, and all backward tiles, which make no per-block decision) comes from the
 small table in :func:`fwd_config` / :func:`bwd_config`, chosen by head dim and GPU generation so the
-kernels fit in shared memory and do not spill (see benchmarks/kernel_resources.py).
+kernels fit in shared memory and do not spill (see benchmarks/kernel_resources.py). Every compile-time
+constant of a launch comes from :func:`launch_constants`, which ``triton_aot`` (and so
+benchmarks/kernel_resources.py) compiles with too.
 
 Grid limits. CUDA allows at most 65535 programs in a grid's second and third dimensions (the heads
 and the batch or the sequences). A dense batch beyond that runs in several launches whose programs
@@ -29,13 +31,13 @@ loading while every rounding point stays an explicit cast to the input dtype.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .._checks import interpreting
 from ..options import BLOCK_N, Options
 from ..stats import RowStats
 from . import rules
@@ -127,8 +129,8 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode:
     the next iteration's score product would overwrite while its P-bar V is still pending; one fence
     and barrier group per V tile; sm_90 exact 667 -> 627 loop SASS, R 1.30 -> 1.22). Three stages:
     with two, exact + stats spills (non-causal, 16 bytes). Stabilize off with statistics keeps one
-    block per tile (the two-block tile spills). The launcher and ``triton_aot`` both call this, so they
-    cannot disagree.
+    block per tile (the two-block tile spills). The launchers and ``triton_aot`` both reach it through
+    :func:`launch_constants`, so they cannot disagree.
     """
     free_keys = mode == rules.MODE_OFF and not stats and not forced_block_n and plain
     rule_plain = mode != rules.MODE_OFF and plain
@@ -212,10 +214,6 @@ def _empty_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _capability(device: torch.device) -> int:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -251,6 +249,51 @@ def _scalars(opts: Options, dtype: torch.dtype) -> dict:
         drop_p=opts.dropout_p,
         keep_scale=opts.keep_scale,
     )
+
+
+def _features(opts: Options) -> dict:
+    """The optional features of ``opts`` as :func:`launch_constants` takes them."""
+    return dict(causal=opts.causal, window=opts.window is not None, softcap=opts.softcap is not None,
+                dropout=opts.dropout_p > 0)
+
+
+def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, causal: bool, window: bool,
+                     softcap: bool, dropout: bool, kpm: bool | None, mode: int = rules.MODE_EXACT,
+                     stats: bool = False, block_n: int = BLOCK_N, forced_block_n: bool = False, tma: bool = True,
+                     upcast: bool = False, config: FwdConfig | BwdConfig | None = None) -> tuple[dict, dict]:
+    """``(constexprs, compile options)`` of the kernel ``kind`` (``"fwd"``, ``"bwd_dkdv"`` or ``"bwd_dq"``, dense
+    or varlen): what the launchers below pass and what ``triton_aot`` compiles (benchmarks/kernel_resources.py
+    measures it), derived in this one place so that the two cannot disagree.
+
+    ``window``, ``softcap``, ``dropout``: whether each feature is on; ``kpm``: whether a key padding mask
+    is (dense kernels), ``None`` for the varlen kernels, which take none. ``block_n``: the key partition
+    (``Options.key_block``), ``forced_block_n`` when the user set it; ``tma``: the strides TMA accepts;
+    ``upcast``: the interpreter's fp32 operands. ``config`` overrides the tiling (tests); the forward's
+    is checked here (its ``tile_n``: one or two blocks of the partition).
+    """
+    block_d = head_block(head_dim)
+    consts = dict(CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, DROPOUT=dropout, HEAD_D=head_dim, BLOCK_D=block_d,
+                  DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast))
+    if kpm is not None:
+        consts["HAS_KPM"] = kpm
+    if kind == "fwd":
+        plain = not (window or softcap or dropout or kpm)
+        cfg = config or fwd_config(block_d, block_n, dtype, cc, mode=mode, stats=stats, plain=plain,
+                                   forced_block_n=forced_block_n, tma=tma)
+        block_n = cfg.block_n or block_n
+        tile_n = cfg.tile_n or block_n
+        if tile_n not in (block_n, 2 * block_n):
+            raise ValueError(f"config.tile_n={cfg.tile_n} with key blocks of {block_n}: accepted are None, {block_n} "
+                             f"and {2 * block_n} (one or two blocks of the partition per key tile)")
+        consts.update(MODE=mode, STATS=stats, BLOCK_M=cfg.block_m, BLOCK_N=block_n, TILE_N=tile_n, TMA=cfg.tma)
+        return consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
+    if kind not in ("bwd_dkdv", "bwd_dq"):
+        raise ValueError(f"kind={kind!r}: one of 'fwd', 'bwd_dkdv', 'bwd_dq'")
+    c = config or bwd_config(block_d, dtype, cc, tma, heavy=dropout or softcap)
+    m, n, warps, stages = (c.m1, c.n1, c.warps1, c.stages1) if kind == "bwd_dkdv" else (c.m2, c.n2, c.warps2,
+                                                                                         c.stages2)
+    consts.update(BLOCK_M=m, BLOCK_N=n, TMA=c.tma)
+    return consts, dict(num_warps=warps, num_stages=stages)
 
 
 @dataclass(frozen=True)
@@ -356,57 +399,47 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
     _check_heads(Hq)
     dtype = q.dtype
     upcast = interpreting()
-    block_n = opts.block_n or BLOCK_N
+    block_n = opts.key_block
     block_d = head_block(D)
     if 2 * block_n * block_d * q.element_size() > _MAX_KV_TILE_BYTES:
         raise ValueError(f"block_n={block_n} with head dim {D} ({dtype}) needs K and V tiles of "
                          f"{2 * block_n * block_d * q.element_size()} bytes, more than the {_MAX_KV_TILE_BYTES} "
                          f"bytes of shared memory the kernel may use; use a smaller block_n (64 is the default)")
-    plain = (opts.window is None and opts.softcap is None and opts.dropout_p == 0 and key_padding_mask is None)
-    cfg = config or fwd_config(block_d, block_n, dtype, _capability(q.device), mode=opts.mode, stats=with_stats,
-                               plain=plain, forced_block_n=bool(opts.block_n), tma=tma_compatible(k, v))
-    block_n = cfg.block_n or block_n
-    tile_n = cfg.tile_n or block_n
-    if tile_n not in (block_n, 2 * block_n):
-        raise ValueError(f"config.tile_n={cfg.tile_n} with key blocks of {block_n}: accepted are None, {block_n} "
-                         f"and {2 * block_n} (one or two blocks of the partition per key tile)")
+    consts, compile_opts = launch_constants(
+        "fwd", D, dtype, _capability(q.device), **_features(opts),
+        kpm=(key_padding_mask is not None) if packed is None else None, mode=opts.mode, stats=with_stats,
+        block_n=block_n, forced_block_n=opts.key_block_given, tma=tma_compatible(k, v), upcast=upcast, config=config)
+    block_n, tile_n = consts["BLOCK_N"], consts["TILE_N"]
 
     out = _empty_like(q)
     lse2 = _empty(rows, torch.float32, q.device)
     if with_stats:
         st = RowStats.empty(rows, q.device, alloc=_empty)
-        sat, fixed, max_logit, p0 = st.saturated.view(torch.int8), *st.tensors()[1:]
+        sat, fixed, max_logit, sink = st.saturated.view(torch.int8), *st.tensors()[1:]
     else:
-        sat = fixed = max_logit = p0 = lse2  # never touched: STATS is a compile-time False
+        sat = fixed = max_logit = sink = lse2  # never touched: STATS is a compile-time False
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
     sc = _scalars(opts, dtype)
     scalars = (sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, rules.sat_tolerance2(dtype), min_shift2,
                max_shift2, opts.beta, sc["seed"], sc["drop_p"], 1.0 - opts.dropout_p)
-    consts = dict(
-        CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None, MODE=opts.mode,
-        STATS=with_stats, DROPOUT=opts.dropout_p > 0, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
-        BLOCK_N=block_n, TILE_N=tile_n, DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast),
-        TMA=cfg.tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS,
-    )
-    n_m = triton.cdiv(Nq, cfg.block_m)
-    # with cfg.tma K and V go in as descriptors (the kernels read the pointers otherwise)
+    n_m = triton.cdiv(Nq, consts["BLOCK_M"])
+    # with TMA K and V go in as descriptors (the kernels read the pointers otherwise)
     describe = _descriptor if packed is None else _packed_descriptor
-    k_in, v_in = (describe(k, tile_n, block_d), describe(v, block_n, block_d)) if cfg.tma else (k, v)
+    k_in, v_in = (describe(k, tile_n, block_d), describe(v, block_n, block_d)) if consts["TMA"] else (k, v)
     if packed is None:
         kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
         kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
         for b_first, nb in _batches(B):
             attn_fwd_kernel[(n_m, Hq, nb)](
-                q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, p0,
+                q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, sink,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
-                Hq, Hq // Hkv, Nq, Nk, sc["window"], b_first, *scalars, HAS_KPM=key_padding_mask is not None,
-                **consts,
+                Hq, Hq // Hkv, Nq, Nk, sc["window"], b_first, *scalars, **consts, **compile_opts,
             )
     elif min(n_m, Hq, B) > 0:
         attn_fwd_varlen_kernel[(n_m, Hq, B)](
-            q, k_in, v_in, out, lse2, sat, fixed, max_logit, p0, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
-            Hq, Hq // Hkv, sc["window"], q.shape[0], *scalars, **consts,
+            q, k_in, v_in, out, lse2, sat, fixed, max_logit, sink, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
+            Hq, Hq // Hkv, sc["window"], q.shape[0], *scalars, **consts, **compile_opts,
         )
         rows = (1, *rows)  # the statistics as one batch element: what AttentionStats.update reads
     row_stats = st.view(rows) if with_stats else None
@@ -453,24 +486,20 @@ def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: _P
     dtype = q.dtype
     upcast = interpreting()
     block_d = head_block(D)
-    cfg = config or bwd_config(block_d, dtype, _capability(q.device), tma_compatible(q, k, v, do),
-                               heavy=opts.dropout_p > 0 or opts.softcap is not None)
+    kernel = dict(head_dim=D, dtype=dtype, cc=_capability(q.device), **_features(opts),
+                  kpm=(key_padding_mask is not None) if packed is None else None, tma=tma_compatible(q, k, v, do),
+                  upcast=upcast, config=config)
+    # each gradient kernel's constexprs and compile options, in one dict (one BwdConfig for both)
+    dkdv_args, dq_args = ({**c, **o} for c, o in (launch_constants(kind, **kernel) for kind in ("bwd_dkdv", "bwd_dq")))
 
     delta = _empty(lse2.shape, torch.float32, q.device)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     sc = _scalars(opts, dtype)
-    common = dict(
-        CAUSAL=opts.causal, WINDOW=opts.window is not None, SOFTCAP=opts.softcap is not None,
-        DROPOUT=opts.dropout_p > 0, HEAD_D=D, BLOCK_D=block_d, DTYPE=_TL_DTYPE[dtype], UPCAST=upcast,
-        PREC=_precision(dtype, upcast),
-    )
     scalars = (sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], opts.scale, sc["seed"], sc["drop_p"],
                sc["keep_scale"])
-    dkdv_tiles = dict(BLOCK_M=cfg.m1, BLOCK_N=cfg.n1, num_warps=cfg.warps1, num_stages=cfg.stages1)
-    dq_tiles = dict(BLOCK_M=cfg.m2, BLOCK_N=cfg.n2, num_warps=cfg.warps2, num_stages=cfg.stages2)
     if packed is not None:
         return _backward_varlen(do, q, k, v, out, lse2, delta, dq, dk, dv, packed, Hq, G, sc["window"], scalars,
-                                common, dkdv_tiles, dq_tiles, cfg)
+                                block_d, dkdv_args, dq_args)
 
     for b_first, nb in _batches(B):
         attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, nb)](
@@ -479,49 +508,49 @@ def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: _P
         )
     kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
     kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
-    common["HAS_KPM"] = key_padding_mask is not None
     lengths = (kpm_stride, Hq, G, Nq, Nk, sc["window"])  # then b_first
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-    # with cfg.tma the streamed operands go in as descriptors (the kernels read the pointers otherwise)
-    q_in, do_in = (_descriptor(q, cfg.m1, block_d), _descriptor(do, cfg.m1, block_d)) if cfg.tma else (q, do)
-    k_in, v_in = (_descriptor(k, cfg.n2, block_d), _descriptor(v, cfg.n2, block_d)) if cfg.tma else (k, v)
+    # with TMA the streamed operands go in as descriptors (the kernels read the pointers otherwise)
+    m1, n2 = dkdv_args["BLOCK_M"], dq_args["BLOCK_N"]
+    q_in, do_in = (_descriptor(q, m1, block_d), _descriptor(do, m1, block_d)) if dkdv_args["TMA"] else (q, do)
+    k_in, v_in = (_descriptor(k, n2, block_d), _descriptor(v, n2, block_d)) if dq_args["TMA"] else (k, v)
     for b_first, nb in _batches(B):
-        attn_bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.n1), Hkv, nb)](
+        attn_bwd_dkdv_kernel[(triton.cdiv(Nk, dkdv_args["BLOCK_N"]), Hkv, nb)](
             q_in, k, v, kpm, do_in, lse2, delta, dk, dv, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *lengths, b_first,
-            *scalars, TMA=cfg.tma, **dkdv_tiles, **common,
+            *scalars, **dkdv_args,
         )
-        attn_bwd_dq_kernel[(triton.cdiv(Nq, cfg.m2), Hq, nb)](
+        attn_bwd_dq_kernel[(triton.cdiv(Nq, dq_args["BLOCK_M"]), Hq, nb)](
             q, k_in, v_in, kpm, do, lse2, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2),
-            *lengths, b_first, *scalars, TMA=cfg.tma, **dq_tiles, **common,
+            *lengths, b_first, *scalars, **dq_args,
         )
     return dq, dk, dv
 
 
-def _backward_varlen(do, q, k, v, out, lse2, delta, dq, dk, dv, packed: _Packed, Hq, G, window, scalars, common,
-                     dkdv_tiles, dq_tiles, cfg):
-    """The three varlen launches, each over (block of the longest sequence, head, sequence)."""
+def _backward_varlen(do, q, k, v, out, lse2, delta, dq, dk, dv, packed: _Packed, Hq, G, window, scalars, block_d,
+                     dkdv_args, dq_args):
+    """The three varlen launches, each over (block of the longest sequence, head, sequence); ``dkdv_args`` and
+    ``dq_args``: the gradient kernels' :func:`launch_constants`, constexprs and compile options in one dict."""
     B, total_q = packed.batch, q.shape[0]
     if min(B, Hq, packed.max_q) > 0:
         attn_bwd_preprocess_varlen[(triton.cdiv(packed.max_q, 64), Hq, B)](
-            out, do, delta, packed.cu_q, *_hn_strides(out, do), Hq, total_q, HEAD_D=common["HEAD_D"],
-            BLOCK_D=common["BLOCK_D"], BLOCK_M=64,
+            out, do, delta, packed.cu_q, *_hn_strides(out, do), Hq, total_q, HEAD_D=dkdv_args["HEAD_D"],
+            BLOCK_D=block_d, BLOCK_M=64,
         )
     rest = (Hq, G, window, total_q, *scalars)
-    # with cfg.tma the streamed operands go in as descriptors over the packed tensors
-    q_in, do_in = (_packed_descriptor(q, cfg.m1, common["BLOCK_D"]), _packed_descriptor(do, cfg.m1, common["BLOCK_D"])
-                   ) if cfg.tma else (q, do)
-    k_in, v_in = (_packed_descriptor(k, cfg.n2, common["BLOCK_D"]), _packed_descriptor(v, cfg.n2, common["BLOCK_D"])
-                  ) if cfg.tma else (k, v)
+    m1, n2 = dkdv_args["BLOCK_M"], dq_args["BLOCK_N"]
+    # with TMA the streamed operands go in as descriptors over the packed tensors
+    q_in, do_in = (_packed_descriptor(q, m1, block_d), _packed_descriptor(do, m1, block_d)) if dkdv_args["TMA"] else (q, do)
+    k_in, v_in = (_packed_descriptor(k, n2, block_d), _packed_descriptor(v, n2, block_d)) if dq_args["TMA"] else (k, v)
     if min(B, packed.max_k) > 0:  # keys no query sees get zeros here
-        attn_bwd_dkdv_varlen_kernel[(triton.cdiv(packed.max_k, cfg.n1), k.shape[1], B)](
+        attn_bwd_dkdv_varlen_kernel[(triton.cdiv(packed.max_k, dkdv_args["BLOCK_N"]), k.shape[1], B)](
             q_in, k, v, do_in, lse2, delta, dk, dv, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, do, dk, dv),
-            *rest, TMA=cfg.tma, **dkdv_tiles, **common,
+            *rest, **dkdv_args,
         )
     if min(B, Hq, packed.max_q) > 0:
-        attn_bwd_dq_varlen_kernel[(triton.cdiv(packed.max_q, cfg.m2), Hq, B)](
+        attn_bwd_dq_varlen_kernel[(triton.cdiv(packed.max_q, dq_args["BLOCK_M"]), Hq, B)](
             q, k_in, v_in, do, lse2, delta, dq, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, do, dq), *rest,
-            TMA=cfg.tma, **dq_tiles, **common,
+            **dq_args,
         )
     return dq, dk, dv

@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import TMA_PACKED, key_range, load_tile, round_to, scores_tile, tanh_f32, varlen_bounds
+from .triton_tiles import TMA_PACKED, key_range, load_tile, round_to, scores_tile, tanh_f32, varlen_bounds
 
 
 @triton.jit

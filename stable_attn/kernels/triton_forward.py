@@ -13,7 +13,7 @@ holds two blocks: one score product for both, then the rule, ``P-bar`` and ``P-b
 
 Compile-time flags select every variant (mode, causal, window, softcap, dropout, padding mask,
 statistics), so a variant pays only for what it uses. ``TMA``: K and V arrive through tensor
-descriptors (``load_tile``, shared with the backward); the launcher takes them for the 128-key tile
+descriptors (``triton_tiles.load_tile``, shared with the backward); the launcher takes them for the 128-key tile
 of stabilize off on sm_90, where no rule sees the partition (``triton_attention.fwd_config``).
 ``UPCAST`` is set only under ``TRITON_INTERPRET=1``: the interpreter cannot do bf16 arithmetic or
 bf16 ``tl.dot``, so operands are widened to fp32 right after loading, and every rounding point stays
@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from . import rules
+from .triton_tiles import TMA_PACKED, key_range, load_tile, round_to, scores_tile, varlen_bounds
 
 # A jit function reads only globals that are tl.constexpr instances.
 MODE_OFF = tl.constexpr(rules.MODE_OFF)
@@ -48,7 +49,6 @@ MODE_PAPER = tl.constexpr(rules.MODE_PAPER)
 PAPER_ROW_SUM_FLOOR = tl.constexpr(rules.PAPER_ROW_SUM_FLOOR)
 FP32_MAX = tl.constexpr(rules.FP32_MAX)
 LOG2E = tl.constexpr(rules.LOG2E)
-TWO_LOG2E = tl.constexpr(2.0 * rules.LOG2E)
 L_COLS = tl.constexpr(8)  # columns of the tensor-core row sum: wgmma's smallest N
 
 
@@ -61,123 +61,6 @@ def tensor_core_row_sum(block_d, dropout):
 
 
 @triton.jit
-def tanh_f32(y):
-    """tanh from one exp2, identical on the interpreter and the GPU (libdevice is GPU-only)."""
-    e = tl.exp2(-(tl.abs(y) * TWO_LOG2E))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(y < 0, -t, t)
-
-
-@triton.jit
-def round_to(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """``x`` (fp32) rounded to nearest-even in ``DTYPE``: the rounding points of the algorithm.
-
-    On the GPU this is the hardware conversion. Under the interpreter the result stays fp32 (it
-    cannot compute in bf16), and bf16 is rounded here with integer arithmetic, because the
-    interpreter's own fp32 -> bf16 cast truncates instead of rounding to nearest-even.
-    """
-    if UPCAST:
-        if DTYPE == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-            y = bits.to(tl.float32, bitcast=True)
-        else:
-            y = x.to(DTYPE).to(tl.float32)
-    else:
-        y = x.to(DTYPE)
-    return y
-
-
-# ``TMA`` of the varlen programs: 3D descriptors over packed ``[total, H, D]`` (the dense kernels pass
-# True for 4D descriptors over ``[B, H, N, D]``, False for pointers)
-TMA_PACKED = tl.constexpr(2)
-
-
-@triton.jit
-def load_tile(desc, ptrs, b, h, start, stride, offs_r0, offs_d, n_rows, ROWS: tl.constexpr, HEAD_D: tl.constexpr,
-              BLOCK_D: tl.constexpr, TMA: tl.constexpr):
-    """Rows ``[start, start + ROWS)`` of one (batch, head) of a ``[B, H, N, D]`` tensor, zero past ``N``
-    and past ``HEAD_D``: through the tensor descriptor ``desc`` (``TMA``) or the pointers ``ptrs``.
-
-    ``TMA == TMA_PACKED``: rows ``b + start ...`` of a packed ``[total, H, D]`` tensor (``b`` is the
-    sequence's first row); rows past the sequence are the next sequence's, zero only past ``total``.
-    """
-    if TMA:
-        if TMA == TMA_PACKED:
-            x = desc.load([b + start, h, 0]).reshape(ROWS, BLOCK_D)
-        else:
-            x = desc.load([b, h, start, 0]).reshape(ROWS, BLOCK_D)
-    else:
-        mask = (start + offs_r0)[:, None] < n_rows
-        if HEAD_D != BLOCK_D:
-            mask = mask & (offs_d[None, :] < HEAD_D)
-        x = tl.load(ptrs + start * stride, mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
-def scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                HAS_KPM: tl.constexpr, PREC: tl.constexpr):
-    """Base-2 scores ``[BLOCK_M, BLOCK_N]`` of a tile (fp32, invisible entries ``-inf``) and tanh or None.
-
-    ``kp`` is the key padding mask of the block (bool ``[BLOCK_N]``) when ``HAS_KPM``. ``qk_scale2=None``
-    (without softcap): the unscaled products ``x = q.k``, masked alike (the forward scales them inside
-    its ``exp2(fma(x, qk_scale2, -r))``, see ``fwd_block``).
-    """
-    if k is None:  # q already holds the products (the sink's score in the epilogue)
-        x = q
-    else:
-        x = tl.dot(q, tl.trans(k), input_precision=PREC)
-    if SOFTCAP:
-        t = tanh_f32(x * cap_scale)
-        s2 = t * cap_log2e
-    elif qk_scale2 is None:
-        t = x
-        s2 = x
-    else:
-        t = x
-        s2 = x * qk_scale2
-    if HAS_KPM:
-        s2 = tl.where(kp[None, :], s2, float("-inf"))
-    if MASK:
-        vis = offs_n[None, :] < Nk
-        pos = offs_m[:, None] + pos_offset
-        if CAUSAL:
-            vis = vis & (offs_n[None, :] <= pos)
-        if WINDOW:
-            vis = vis & (offs_n[None, :] > pos - window)
-        s2 = tl.where(vis, s2, float("-inf"))
-    return s2, t
-
-
-@triton.jit
-def key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key blocks for query rows ``[q_lo, q_lo + BLOCK_M)``: ``(lo, mid_lo, mid_hi, hi)``, all block-aligned.
-
-    ``[lo, hi)`` holds every block with a key visible to some row (the others are fully masked and
-    would leave the row state unchanged); ``[mid_lo, mid_hi)`` holds the blocks every row sees in
-    full, which need no structural mask.
-    """
-    q_last = tl.minimum(q_lo + BLOCK_M, Nq) - 1
-    hi = Nk
-    full_hi = (Nk // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(Nk, q_last + pos_offset + 1), 0)
-        full_hi = tl.minimum(full_hi, (tl.maximum(q_lo + pos_offset + 1, 0) // BLOCK_N) * BLOCK_N)
-    hi_al = tl.cdiv(hi, BLOCK_N) * BLOCK_N
-    lo = hi_al * 0
-    mid_lo = lo
-    if WINDOW:
-        lo = tl.minimum((tl.maximum(q_lo + pos_offset - window + 1, 0) // BLOCK_N) * BLOCK_N, hi_al)
-        full_lo = tl.maximum(q_lo + BLOCK_M - 1 + pos_offset - window + 1, 0)
-        mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi_al)
-    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), hi_al)
-    return lo, mid_lo, mid_hi, hi_al
-
-
-@triton.jit
 def _top2_combine(a1, a2, b1, b2):
     return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
 
@@ -187,7 +70,7 @@ def row_top2(s2):
     """Largest and second-largest score of each row of a tile (two equal values for a tie).
 
     ``count(s2 >= t) >= 2`` iff ``second >= t``: the trigger and the saturation statistic become one
-    comparison per row instead of a count per element (the PyTorch twin is ``reference.row_top2``).
+    comparison per row instead of a count per element (the PyTorch twin is ``rules.row_top2``).
     """
     a, b = tl.split(tl.reshape(s2, [s2.shape[0], s2.shape[1] // 2, 2]))
     return tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, _top2_combine)
@@ -242,7 +125,7 @@ def shifted_offset(m2, beta, min_shift2, max_shift2):
 def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MODE: tl.constexpr):
     """The stabilization rule for one key block: ``(r_new, fire)`` per row (docs/ALGORITHM.md, forward 2-4).
 
-    The twin of ``reference.block_offset`` (same arguments, same bits; tests/kernels/test_rule_functions.py).
+    The twin of ``rules.block_offset`` (same arguments, same bits; tests/kernels/test_rule_functions.py).
     """
     if MODE == MODE_EXACT:
         r_cand = tl.maximum(r, m_blk)
@@ -480,6 +363,32 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kp
 
 
 @triton.jit
+def fwd_blocks(m_i, r_i, l_i, acc, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_n0,
+               offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
+               min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+               HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
+               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+               PREC: tl.constexpr, TMA: tl.constexpr):
+    """The blocks ``[lo, hi)`` of the partition in key order, one ``fwd_block`` each (``fwd_stretch`` of a
+    one-block key tile); returns the row state in ``fwd_block``'s order.
+
+    The row state comes in the order ``fwd_program`` defines it (``m_i, r_i, l_i, acc``): Triton carries a
+    loop's values in the order its scope defined them, and that order decides ptxas's register
+    assignment; it is the order of these loops when they stood in ``fwd_program`` (the SASS of every
+    one-block variant is unchanged by the move, benchmarks/kernel_resources.py).
+    """
+    for start_n in range(lo, hi, offs_n0.shape[0]):
+        acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
+            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+            window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+            MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+            UPCAST, PREC, TMA)
+    return acc, l_i, m_i, r_i, m2_i, fixed
+
+
+@triton.jit
 def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_t0,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
                 tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
@@ -487,29 +396,39 @@ def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs,
                 HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
                 PREC: tl.constexpr, TMA: tl.constexpr):
-    """The blocks ``[lo, hi)`` of the partition in key order, two per ``fwd_tile``; an odd last one alone
-    (``MASK`` stretches only: the unmasked stretch is cut to whole tiles)."""
+    """The blocks ``[lo, hi)`` of the partition in key order: one per ``fwd_block`` where the key tile is one
+    block (``offs_t0`` is ``offs_n0``: ``fwd_blocks``), else two per ``fwd_tile`` and an odd last one alone
+    (``MASK`` stretches only: the unmasked stretch is cut to whole tiles). ``k_ptrs`` and ``kpm_ptrs`` span
+    the key tile."""
     TILE_N: tl.constexpr = offs_t0.shape[0]
-    tiles_hi = lo + (hi - lo) // TILE_N * TILE_N
-    for start_n in range(lo, tiles_hi, TILE_N):
-        acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
-            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
-            offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
-            tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, True, CAUSAL, WINDOW, SOFTCAP,
-            HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
-    if MASK:
-        if tiles_hi < hi:
+    if TILE_N == offs_n0.shape[0]:
+        acc, l_i, m_i, r_i, m2_i, fixed = fwd_blocks(
+            m_i, r_i, l_i, acc, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_n0,
+            offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
+            min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE,
+            STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+    else:
+        tiles_hi = lo + (hi - lo) // TILE_N * TILE_N
+        for start_n in range(lo, tiles_hi, TILE_N):
             acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
-                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi, offs_m,
+                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
                 offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, False, CAUSAL,
-                WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, True, CAUSAL, WINDOW,
+                SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+        if MASK:
+            if tiles_hi < hi:
+                acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
+                    acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi, offs_m,
+                    offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk,
+                    pos_offset, window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, False,
+                    CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC,
+                    TMA)
     return acc, l_i, m_i, r_i, m2_i, fixed
 
 
 @triton.jit
 def fwd_program(
-    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
+    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
     Hq, G, Nq, Nk, window, q_start, k_start, total_q, b_first,
@@ -574,7 +493,7 @@ def fwd_program(
     fixed = tl.zeros([BLOCK_M], tl.int32)
 
     lo, mid_lo, mid_hi, hi_al = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
-    if TILE_N > BLOCK_N:  # two blocks of the partition per key tile: the same three stretches
+    if TILE_N > BLOCK_N:  # two blocks of the partition per key tile: K and the padding mask span the tile
         offs_t0 = tl.arange(0, TILE_N)
         if TMA:
             kt_ptrs = K
@@ -584,49 +503,34 @@ def fwd_program(
         kpmt_ptrs = KPM + b64 * stride_kpmb + offs_t0
         # an odd block left over from the unmasked stretch is walked with the masked ones (same bits:
         # the mask hides no key of it)
-        pair_hi = mid_lo + (mid_hi - mid_lo) // TILE_N * TILE_N
-        if WINDOW:
-            acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
-                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo, offs_m,
-                offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-                True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-                UPCAST, PREC, TMA)
+        full_hi = mid_lo + (mid_hi - mid_lo) // TILE_N * TILE_N
+    else:
+        offs_t0 = offs_n0
+        kt_ptrs = k_ptrs
+        kpmt_ptrs = kpm_ptrs
+        full_hi = mid_hi
+    # the three stretches in key order. Three calls, not one in a tl.static_range loop over the bounds: the
+    # same PTX then, but one call site inlined twice with MASK (window edge and diagonal) places the debug
+    # labels elsewhere, and ptxas assigned other registers (sm_90 D = 64 off with window etc.)
+    if WINDOW:  # cut by the window's left edge (masked)
         acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
-            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, pair_hi, offs_m,
-            offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-            window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-            False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-            UPCAST, PREC, TMA)
-        acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
-            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, pair_hi, hi_al, offs_m,
+            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo, offs_m,
             offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC, TMA)
-    else:
-        if WINDOW:
-            for start_n in range(lo, mid_lo, BLOCK_N):
-                acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
-                    acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-                    offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                    window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-                    True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-                    UPCAST, PREC, TMA)
-        for start_n in range(mid_lo, mid_hi, BLOCK_N):
-            acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
-                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-                offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-                False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-                UPCAST, PREC, TMA)
-        for start_n in range(mid_hi, hi_al, BLOCK_N):
-            acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
-                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-                offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
-                window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-                True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
-                UPCAST, PREC, TMA)
+    acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(  # seen in full by every row (unmasked)
+        acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, full_hi, offs_m,
+        offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+        window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+        False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+        UPCAST, PREC, TMA)
+    acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(  # cut by the causal diagonal or the end of the keys (masked)
+        acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, full_hi, hi_al, offs_m,
+        offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+        window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+        True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+        UPCAST, PREC, TMA)
 
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         l_i = tl.max(l_i, 1)
@@ -670,12 +574,12 @@ def fwd_program(
             kp0 = tl.load(KPM + b64 * stride_kpmb + key0) != 0
         s_first, _ = scores_tile(x0[:, None], None, offs_m, key0, kp0, qk_scale2, cap_scale, cap_log2e, Nk,
                                  pos_offset, window, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
-        tl.store(StP0 + row_ptr, tl.exp2(tl.max(s_first, 1) - lse), mask=row_ok)
+        tl.store(StSink + row_ptr, tl.exp2(tl.max(s_first, 1) - lse), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "b_first", "seed"])
 def attn_fwd_kernel(
-    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
+    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
     Hq, G, Nq, Nk, window, b_first,
@@ -688,7 +592,7 @@ def attn_fwd_kernel(
 ):
     """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V``
     are descriptors (blocks ``[1, 1, TILE_N, BLOCK_D]`` and ``[1, 1, BLOCK_N, BLOCK_D]``)."""
-    fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StP0,
+    fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
@@ -696,17 +600,9 @@ def attn_fwd_kernel(
                 TILE_N, DTYPE, UPCAST, PREC, TMA)
 
 
-@triton.jit
-def varlen_bounds(CuQ, CuK, b):
-    """First query and key of sequence ``b`` (int64) and its lengths (int32), from the ``cu_seqlens``."""
-    q_start = tl.load(CuQ + b)
-    k_start = tl.load(CuK + b)
-    return q_start.to(tl.int64), k_start.to(tl.int64), tl.load(CuQ + b + 1) - q_start, tl.load(CuK + b + 1) - k_start
-
-
 @triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
 def attn_fwd_varlen_kernel(
-    Q, K, V, Out, Lse, StSat, StFixed, StMax, StP0, CuQ, CuK,
+    Q, K, V, Out, Lse, StSat, StFixed, StMax, StSink, CuQ, CuK,
     stride_qh, stride_qn, stride_kh, stride_kn, stride_vh, stride_vn, stride_oh, stride_on,
     Hq, G, window, total_q,
     qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
@@ -727,7 +623,7 @@ def attn_fwd_varlen_kernel(
     q_start, k_start, Nq, Nk = varlen_bounds(CuQ, CuK, b)
     if tl.program_id(0) * BLOCK_M >= Nq:
         return
-    fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StP0,
+    fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StSink,
                 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh, stride_vn,
                 0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q, 0,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,

@@ -22,10 +22,11 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,6 +47,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("stable_attn")
+
+
+# how the engine's stop note ends an alert's message: "...; stopping, checkpoint <path>" (the path runs to the end)
+_STOP_CHECKPOINT = re.compile(r"(stopping, checkpoint )(.+)$", re.DOTALL)
 
 
 def _encode_float(x: float | None) -> float | str | None:
@@ -155,6 +160,17 @@ class Alert:
             action=action,
             message=message,
         )
+
+    def for_remote(self) -> Alert:
+        """This alert as it may leave the machine (the webhook's payload): a stop's checkpoint named by its
+        file or folder name (``; stopping, checkpoint stable_attn-stop-step=25.ckpt``), not its local path.
+        Returns ``self`` when the message names no checkpoint."""
+        match = _STOP_CHECKPOINT.search(self.message)
+        if match is None:
+            return self
+        path = match.group(2).rstrip("/\\")
+        name = path.replace("\\", "/").rpartition("/")[2] or path
+        return replace(self, message=self.message[:match.start(2)] + name)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict with the keys :attr:`FIELDS` of the alerts JSONL (non-finite floats as strings)."""

@@ -97,6 +97,13 @@ class MonitorConfig:
         non-finite loss) that raise the ``not_training`` alert.""")
     not_training_stop_after: int | None = _arg(100, """steps in a row after which the run is stopped with a
         checkpoint; None never stops.""")
+    spike_action_cap: int | None = _arg(10, """with ``on_spike`` ``"skip"``, ``"rollback"`` or ``"stop"``: at
+        most this many updates are dropped for spikes in one streak (spikes with fewer than
+        ``spike_action_cooldown`` spike-free steps between them); at the cap one alert says the detector may
+        be miscalibrated, and the streak's later spikes are alerted only (a NaN or inf update is still never
+        applied). None: no cap.""")
+    spike_action_cooldown: int = _arg(20, """optimizer steps in a row without a spike that end a streak of
+        spike actions (acting resumes).""")
 
     # The arguments as the engine keeps them (see checked()); not an argument itself.
     _checked: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
@@ -106,6 +113,8 @@ class MonitorConfig:
             raise ValueError(f"on_spike={self.on_spike!r} is not supported; use one of {ACTIONS}")
         _check_int("log_every_n_steps", self.log_every_n_steps, 1, allow_none=True)
         _check_int("rollback_every", self.rollback_every, 1)
+        _check_int("spike_action_cap", self.spike_action_cap, 1, allow_none=True)
+        _check_int("spike_action_cooldown", self.spike_action_cooldown, 1)
         _check_int("layer_window", self.layer_window, 2)
         _check_int("early_warning_warmup", self.early_warning_warmup, 0, allow_none=True)
         _check_int("not_training_after", self.not_training_after, 1)

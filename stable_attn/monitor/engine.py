@@ -52,7 +52,7 @@ from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
 from .rollback import Snapshot, Trainables, restore_snapshot, snapshot_from_state, snapshot_state, take_snapshot
-from .verdict import FIELDS, NotTrainingStreak, PhaseNotes, StepJudge, Verdict
+from .verdict import FIELDS, ActionCap, NotTrainingStreak, PhaseNotes, StepJudge, Verdict
 
 __all__ = ["ACTIONS", "Decision", "MonitorEngine", "StepEnd", "Trainables", "World"]
 
@@ -167,7 +167,8 @@ class MonitorEngine:
         self.log_dir: str | None = None
         self.last: dict[str, float] = {}  # the last step's loss, gradient norm and learning rate
 
-        self._judge = StepJudge(config.on_spike, self.loss_detector, self.grad_norm_detector)
+        self._cap = ActionCap(config.spike_action_cap, config.spike_action_cooldown)
+        self._judge = StepJudge(config.on_spike, self.loss_detector, self.grad_norm_detector, self._cap)
         self._streak = NotTrainingStreak(config.not_training_after, config.not_training_stop_after)
         self._phases = PhaseNotes()
         self._stop_path: Callable[[int], str] = self._default_stop_path
@@ -484,6 +485,7 @@ class MonitorEngine:
             "other_rank_grad_norm_detectors": ranks[names.GRAD_NORM].other_states(),
             "alert_kinds": dict(self.alert_kinds),
             "not_training_streak": self.not_training_streak,
+            "spike_actions": self._cap.state_dict(),
             "surge": watch["surge"],
             "alert_count": self.alert_count,
             "skipped_steps": list(self.skipped_steps),
@@ -513,6 +515,7 @@ class MonitorEngine:
         self.alert_count = int(state_dict.get("alert_count", 0))
         self.alert_kinds = dict.fromkeys(ALERT_KINDS, 0) | dict(state_dict.get("alert_kinds", {}))
         self._streak.streak = int(state_dict.get("not_training_streak", 0))
+        self._cap.load_state_dict(state_dict.get("spike_actions", {}))
         self.skipped_steps = list(state_dict.get("skipped_steps", []))
         self.rollbacks = [tuple(r) for r in state_dict.get("rollbacks", [])]
         self.stop_checkpoint = state_dict.get("stop_checkpoint")

@@ -60,7 +60,7 @@ class LayerStats:
         if not filled:
             return out
         index = torch.tensor([i for i, _ in filled], device=device)
-        fields = ("rows", "saturated_rows", "fixed_blocks", "first_key_prob_sum")
+        fields = ("rows", "saturated_rows", "fixed_blocks", "sink_mass_sum")
         same_heads = len({st["rows"].shape for _, st in filled}) == 1
         for col, field in enumerate(fields):
             tensors = [st[field] for _, st in filled]

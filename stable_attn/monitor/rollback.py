@@ -16,14 +16,18 @@ that was never interrupted). A training-loop adapter says what to snapshot with 
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-__all__ = ["Snapshot", "Trainables", "restore_snapshot", "snapshot_from_state", "snapshot_state", "take_snapshot"]
+__all__ = ["Snapshot", "Trainables", "check_snapshot", "restore_snapshot", "sigint_held", "snapshot_from_state",
+           "snapshot_state", "take_snapshot"]
 
 
 @dataclass
@@ -84,17 +88,52 @@ def restore_snapshot(state: Trainables, snapshot: Snapshot) -> None:
     tensors it is given when device and dtype already match, and the next step would update them in
     place, so it gets copies.
     """
-    with torch.no_grad():
-        state.model.load_state_dict(snapshot.model, strict=True)
-    for opt, saved in zip(state.optimizers, snapshot.optimizers, strict=True):
-        opt.load_state_dict(copy.deepcopy(saved))
-    for scheduler, saved in zip(state.schedulers, snapshot.schedulers, strict=True):
-        scheduler.load_state_dict(copy.deepcopy(saved))
-    if snapshot.precision and state.precision is not None:
-        state.precision.load_state_dict(copy.deepcopy(snapshot.precision))
-    torch.set_rng_state(snapshot.cpu_rng)
-    if snapshot.cuda_rng is not None:
-        torch.cuda.set_rng_state_all(snapshot.cuda_rng)
+    # Copies first (an interrupt here changes nothing), then every load with Ctrl-C held back: a
+    # KeyboardInterrupt between the model and the optimizer would leave the weights of one step with the
+    # optimizer state of another, and an exit checkpoint would keep that mix.
+    optimizers = [copy.deepcopy(saved) for saved in snapshot.optimizers]
+    schedulers = [copy.deepcopy(saved) for saved in snapshot.schedulers]
+    precision = copy.deepcopy(snapshot.precision) if snapshot.precision and state.precision is not None else None
+    if len(optimizers) != len(state.optimizers) or len(schedulers) != len(state.schedulers):
+        raise ValueError(f"the rollback snapshot holds {len(optimizers)} optimizers and {len(schedulers)} schedulers, "
+                         f"the run {len(state.optimizers)} and {len(state.schedulers)}; nothing was restored")
+    with sigint_held():
+        with torch.no_grad():
+            state.model.load_state_dict(snapshot.model, strict=True)
+        for opt, saved in zip(state.optimizers, optimizers, strict=True):
+            opt.load_state_dict(saved)
+        for scheduler, saved in zip(state.schedulers, schedulers, strict=True):
+            scheduler.load_state_dict(saved)
+        if precision is not None:
+            state.precision.load_state_dict(precision)
+        torch.set_rng_state(snapshot.cpu_rng)
+        if snapshot.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(snapshot.cuda_rng)
+
+
+@contextlib.contextmanager
+def sigint_held() -> Iterator[None]:
+    """Hold back SIGINT (Ctrl-C) for the block: one that arrives meanwhile is delivered to the handler that
+    was installed (Python's raises KeyboardInterrupt) when the block ends, so the block runs whole. The
+    handler is put back whatever happens. Off the main thread (no signal arrives there) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:  # installed outside Python: cannot be put back
+        yield
+        return
+    caught: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])
+            elif previous == signal.SIG_DFL:
+                raise KeyboardInterrupt
 
 
 def snapshot_state(snapshot: Snapshot) -> dict[str, Any]:
@@ -103,9 +142,107 @@ def snapshot_state(snapshot: Snapshot) -> dict[str, Any]:
     return {f.name: getattr(snapshot, f.name) for f in fields(Snapshot)}
 
 
+_DAMAGED = "the checkpoint's rollback snapshot is damaged"
+_FIX = "resume from a checkpoint this run wrote, or delete its rollback snapshot to start the history afresh"
+
+
+def _refuse(field: str, value: Any, accepted: str, described: str | None = None) -> ValueError:
+    shown = f"a {type(value).__name__}" if isinstance(value, (dict, list, tuple, torch.Tensor)) else repr(value)
+    shown = described or shown
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ValueError(f"{_DAMAGED}: {field} is {shown}, expected {accepted}; {_FIX}")
+
+
+def _tensors(value: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a nest of dicts, lists and tuples, with its place (``optimizers[0]['state'][3]['exp_avg']``)."""
+    if isinstance(value, torch.Tensor):
+        yield where, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors(v, f"{where}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors(v, f"{where}[{i}]")
+
+
+def _check_types(state: dict[str, Any]) -> None:
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise _refuse("step", step, "an int >= 0")
+    model = state["model"]
+    if not isinstance(model, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in model.items()):
+        raise _refuse("model", model, "a dict of parameter and buffer names to tensors")
+    for name in ("optimizers", "schedulers"):
+        value = state[name]
+        if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
+            raise _refuse(name, value, "a list of state_dict() dicts")
+    for i, opt in enumerate(state["optimizers"]):
+        if not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+            raise _refuse(f"optimizers[{i}]", opt, "an optimizer's state_dict() (with 'state' and 'param_groups')")
+    if not isinstance(state["precision"], dict):
+        raise _refuse("precision", state["precision"], "a state_dict() dict")
+    rng = state["cpu_rng"]
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.dim() != 1:
+        raise _refuse("cpu_rng", rng, "a 1-d uint8 tensor (torch.get_rng_state())")
+    cuda = state["cuda_rng"]
+    if cuda is not None and not (isinstance(cuda, list) and all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)):
+        raise _refuse("cuda_rng", cuda, "None or a list of uint8 tensors (torch.cuda.get_rng_state_all())")
+    for where, t in _tensors(state["optimizers"], "optimizers"):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise _refuse(where, t, "finite values (no non-finite update is ever applied)", "a tensor with NaN or inf")
+
+
 def snapshot_from_state(state: dict[str, Any]) -> Snapshot:
-    """The inverse of :func:`snapshot_state`; ValueError naming what is missing from a damaged state."""
+    """The inverse of :func:`snapshot_state`; ValueError naming the field of a damaged state (missing, of the
+    wrong type, or optimizer state with NaN or inf: a run never snapshots a state a non-finite update made).
+    What only the model can tell (shapes, NaN weights) is :func:`check_snapshot`'s."""
+    if not isinstance(state, dict):
+        raise _refuse("the snapshot", state, "a dict written by snapshot_state")
     missing = [f.name for f in fields(Snapshot) if f.name not in state]
     if missing:
         raise ValueError(f"rollback snapshot state lacks {missing}; it was not written by snapshot_state")
+    _check_types(state)
     return Snapshot(**{f.name: state[f.name] for f in fields(Snapshot)})
+
+
+def check_snapshot(snapshot: Snapshot, state: Trainables) -> None:
+    """Raise ValueError, naming the entry, unless ``snapshot`` (loaded from a checkpoint) fits ``state``: the
+    same model entries with the same shapes and dtypes, weights finite wherever the model's are, as many
+    optimizers (with the same parameter groups and sizes) and schedulers. Called at resume, so that a damaged
+    snapshot fails there and not at the first rollback, half-restored."""
+    own = state.model.state_dict()
+    missing, extra = sorted(set(own) - set(snapshot.model)), sorted(set(snapshot.model) - set(own))
+    if missing or extra:
+        raise ValueError(f"{_DAMAGED}: its model entries differ from the model's (missing {missing[:5]}, unexpected "
+                         f"{extra[:5]}); {_FIX}")
+    for name, t in snapshot.model.items():
+        mine = own[name]
+        if t.shape != mine.shape or t.dtype != mine.dtype:
+            raise ValueError(f"{_DAMAGED}: model[{name!r}] is {t.dtype} {tuple(t.shape)}, the model's is "
+                             f"{mine.dtype} {tuple(mine.shape)}; {_FIX}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()) and bool(torch.isfinite(mine).all()):
+            raise _refuse(f"model[{name!r}]", t, "finite values like the model's", "a tensor with NaN or inf")
+    for what, saved, live in (("optimizers", snapshot.optimizers, state.optimizers),
+                              ("schedulers", snapshot.schedulers, state.schedulers)):
+        if len(saved) != len(live):
+            raise ValueError(f"{_DAMAGED}: it holds {len(saved)} {what}, the run has {len(live)}; {_FIX}")
+    for i, (saved, opt) in enumerate(zip(snapshot.optimizers, state.optimizers, strict=True)):
+        groups = opt.param_groups
+        sizes = [len(g["params"]) for g in groups]
+        saved_sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in saved["param_groups"]]
+        if saved_sizes != sizes:
+            raise ValueError(f"{_DAMAGED}: optimizers[{i}] has parameter groups of sizes {saved_sizes}, the run's "
+                             f"optimizer {sizes}; {_FIX}")
+        params = [p for g in groups for p in g["params"]]
+        ids = [pid for g in saved["param_groups"] for pid in g["params"]]
+        index = dict(zip(ids, params, strict=True))
+        for pid, entry in saved["state"].items():
+            param = index.get(pid)
+            if param is None or not isinstance(entry, dict):
+                raise _refuse(f"optimizers[{i}]['state'][{pid!r}]", entry, "the state of one of its parameters")
+            for key, t in entry.items():
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != param.shape:
+                    raise ValueError(f"{_DAMAGED}: optimizers[{i}]['state'][{pid!r}][{key!r}] is {tuple(t.shape)}, "
+                                     f"its parameter is {tuple(param.shape)}; {_FIX}")

@@ -24,7 +24,9 @@ measurements behind every number):
 - ``"nonfinite"`` (both detectors): NaN or +inf, from the first update on.
 - ``"gross"`` (:class:`SpikeDetector`, :attr:`SpikeDetector.phase` ``"gross"``): from the 4th finite
   update until the detector is calibrated: the value exceeds 1.25x (gradient norm: 5x) the median of
-  the last 5 accepted values. From the 21st update the noise scale also counts: a rise of twice the
+  the last 5 accepted values and ``gross_z`` (6; gradient norm: 4) sigmas of the run's measured noise
+  (the successive differences of the last 32 finite values, flagged ones included, read as relative
+  and as absolute noise; docs/DETECTORS.md, "The run's own noise"). From the 21st update the noise scale also counts: a rise of twice the
   calibrated bar (12 robust sigmas) is a ``"jump"`` already, and a rise of the calibrated bar itself
   once the forecast has been unbiased for 20 updates in a row.
 - ``"jump"`` and ``"drift"`` (:class:`SpikeDetector`, phase ``"calibrated"``): after ``warmup=100``
@@ -76,6 +78,31 @@ _CALM_UPDATES = 20
 # of a few is not moved by one odd value, and over the steep first descent of a loss it lies above the
 # current level, so the descent itself can never look like a jump.
 _GROSS_WINDOW = 5
+# The gross rule's bar is also ``gross_z`` times the run's own noise, measured on the successive
+# differences of the last this many finite values, flagged ones included (centred on their median, so
+# a steady descent is not read as noise; a median is not moved by the one or two differences a real
+# spike makes, and counting flagged values keeps a noise that was underestimated from hiding itself),
+# and by the robust scale once it has enough samples. A fixed ratio alone ignores
+# the noise: at a loss of 0.07 nats batch noise exceeds 25% and 1.25x flagged 13-24 healthy steps of 200.
+_NOISE_WINDOW = 32
+# The jump and drift rules measure in the larger of the robust scale and this share of that window
+# noise: the robust scale learns from accepted values only, and on a noise it has not learnt (a loss
+# whose batches fall in two modes, a noise that widens fast) it would flag the ordinary half of the
+# batches for ever, each flag keeping the noise out that would have widened it. A median of the
+# differences over all values is not moved by the one or two differences of a real spike. The share
+# keeps the window's sampling error (about 25% on 31 differences) from blunting the bar on clean noise.
+_WINDOW_NOISE_SHARE = 0.75
+_FAST_WINDOW = 9
+# With fewer differences than this the noise is their root mean square (a median of a handful is
+# unreliable; a steep descent only widens the bar), from this many on the centred MAD.
+_ROBUST_DIFFS = 8
+# Re-entry: the values of a short flagged episode (at most _REENTRY_RUN updates) that is followed by
+# _REENTRY_AFTER accepted values in a row (no sustained change) re-enter the baseline: each one moves
+# the level and the noise scale like an accepted value, its residual clipped at ``clip`` sigmas. A
+# detector whose noise estimate is too low (its flags were ordinary noise) so learns the real noise
+# instead of excluding it for ever; a longer episode (a spike that lasts, a shift) never re-enters.
+_REENTRY_RUN = 2
+_REENTRY_AFTER = 3
 # The drift sum divides its increments by sqrt((1 + rho) / (1 - rho)) for the residuals' lag-1
 # autocorrelation rho (the long-run standard deviation of an AR(1) in units of its marginal one),
 # with rho capped here: beyond it a "noise" is a trend the forecast should follow.
@@ -92,8 +119,9 @@ _DRIFT_CAP = 1.5
 _FREEZE_MOMENTS = 0.25
 # After a jump the drift sum waits until this many residuals in a row are back below drift_slack.
 _SETTLE_UPDATES = 5
-# State format: version 3 counts the samples of the residual moments apart (they start later).
-_STATE_VERSION = 3
+# State format: version 3 counts the samples of the residual moments apart (they start later);
+# version 4 adds the re-entry buffers, the flag marks of the re-baseline rule and the finite-update count.
+_STATE_VERSION = 4
 Phase = Literal["starting", "gross", "calibrated"]
 
 
@@ -198,6 +226,9 @@ class SpikeDetector:
             rise ``(gross_ratio - 1) * |median|``); None disables the rule.
         gross_warmup: finite updates before the gross rule can fire (>= 1; the median of fewer
             than ``gross_warmup`` values is the reference).
+        gross_z: the gross rule's bar is also this many sigmas of the run's own noise (the larger of
+            a robust scale of the successive differences of the last 16 accepted values and the
+            robust scale); 0 leaves the ratio alone (the rule before version 4 of the state).
         level_rate: smoothing rate of the level (larger follows faster, noisier baseline).
         trend_rate: smoothing rate of the trend (Holt's beta, applied to level changes).
         scale_rate: smoothing rate of the robust noise variance.
@@ -223,6 +254,7 @@ class SpikeDetector:
         warmup: int = 100,
         gross_ratio: float | None = 1.25,
         gross_warmup: int = 3,
+        gross_z: float = 6.0,
         level_rate: float = 0.1,
         trend_rate: float = 0.1,
         scale_rate: float = 0.03,
@@ -248,6 +280,7 @@ class SpikeDetector:
                 raise ValueError(f"gross_ratio must be a finite number > 1 or None, got {gross_ratio!r}")
         self.gross_ratio = gross_ratio
         self.gross_warmup = check_count("gross_warmup", gross_warmup, 1)
+        self.gross_z = check_positive("gross_z", gross_z, allow_zero=True)
         self.level_rate = check_rate("level_rate", level_rate)
         self.trend_rate = check_rate("trend_rate", trend_rate)
         self.scale_rate = check_rate("scale_rate", scale_rate)
@@ -272,8 +305,10 @@ class SpikeDetector:
     @classmethod
     def grad_norm(cls, metric: str = GRAD_NORM, **kwargs: Any) -> SpikeDetector:
         """Defaults for a gradient norm: the gross rule fires at 5x the recent median (early
-        gradient norms of healthy runs swing by up to 4x from one step to the next)."""
+        gradient norms of healthy runs swing by up to 4x from one step to the next), and at 4 sigmas
+        of the norm's own noise where that is wider (the 5x ratio already allows for the usual swings)."""
         kwargs.setdefault("gross_ratio", 5.0)
+        kwargs.setdefault("gross_z", 4.0)
         return cls(metric, **kwargs)
 
     # ----------------------------------------------------------------- state
@@ -300,6 +335,12 @@ class SpikeDetector:
         self._episodes = Episodes()
         self._recent: list[float] = []
         self._window: list[float] = []  # last accepted values (transformed), for the gross rule
+        self._noise: list[float] = []  # last finite values (transformed), flagged too: the gross rule's noise
+        self._seen = 0  # finite updates seen (accepted or flagged)
+        self._marks: list[int] = []  # _seen of the flagged finite updates among the last 2 * rebaseline_after
+        self._episode: list[float] = []  # residuals of the current flagged episode (short ones re-enter)
+        self._held: list[float] = []  # residuals of finished short episodes, waiting to re-enter
+        self._clean = 0  # accepted values in a row since the last flag
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state (ints, floats, str, None, lists) for checkpoints; config under ``"config"``
@@ -327,18 +368,29 @@ class SpikeDetector:
             "rvar": self._rvar,
             "rcov": self._rcov,
             "rcount": self._rcount,
+            "seen": self._seen,
+            "marks": list(self._marks),
+            "episode": list(self._episode),
+            "held": list(self._held),
+            "noise": list(self._noise),
+            "clean": self._clean,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict` (e.g. on resume; a version-1 state, saved
         before the gross rule existed, loads with an empty gross-rule window; a version-2 one with
-        its moments counted as many samples as its scale)."""
+        its moments counted as many samples as its scale; a version-3 one with nothing held for
+        re-entry, no flag marks, and its gross-rule window as the noise window)."""
         if isinstance(state, Mapping) and state.get("type") == "SpikeDetector":
             if state.get("version") == 1:
                 state = {**state, "version": 2, "window": [], "rmean": 0.0, "rvar": None, "rcov": 0.0}
             if state.get("version") == 2 and "residuals" in state:
                 # Version 2 folded the moments in from the first residual on: as many samples as the scale.
-                state = {**state, "version": _STATE_VERSION, "rcount": state["residuals"]}
+                state = {**state, "version": 3, "rcount": state["residuals"]}
+            if state.get("version") == 3 and "n" in state:
+                # Version 3 had no re-entry and re-baselined on consecutive flags only: nothing pending.
+                state = {**state, "version": _STATE_VERSION, "seen": state["n"], "marks": [], "episode": [],
+                         "held": [], "clean": 0, "noise": list(state["window"])}
         check_state(state, "SpikeDetector", tuple(self.state_dict()), _STATE_VERSION)
         self._n = int(state["n"])
         self._armed = bool(state["armed"])
@@ -355,10 +407,16 @@ class SpikeDetector:
         self._episodes.last_kind = state["last_kind"]
         self._recent = [float(v) for v in state["recent"]]
         self._window = [float(v) for v in state["window"]][-_GROSS_WINDOW:]
+        self._noise = [float(v) for v in state["noise"]][-_NOISE_WINDOW - 1 :]
         self._rmean = float(state["rmean"])
         self._rvar = optional_float(state["rvar"])
         self._rcov = float(state["rcov"])
         self._rcount = int(state["rcount"])
+        self._seen = int(state["seen"])
+        self._marks = [int(v) for v in state["marks"]]
+        self._episode = [float(v) for v in state["episode"]][-RECENT_FLAGGED:]
+        self._held = [float(v) for v in state["held"]][-RECENT_FLAGGED:]
+        self._clean = int(state["clean"])
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -368,6 +426,7 @@ class SpikeDetector:
             "warmup": self.warmup,
             "gross_ratio": self.gross_ratio,
             "gross_warmup": self.gross_warmup,
+            "gross_z": self.gross_z,
             "level_rate": self.level_rate,
             "trend_rate": self.trend_rate,
             "scale_rate": self.scale_rate,
@@ -416,17 +475,24 @@ class SpikeDetector:
         if not math.isfinite(value):
             return self._nonfinite(step, value)
         x = self._transform(value)
+        self._seen += 1
+        self._noise.append(x)
+        del self._noise[: -_NOISE_WINDOW - 1]  # the window and x itself
         if self._level is None:
             self._accept(x)
             self._episodes.clear()
             return None
 
         forecast = self._level + self._trend
-        sigma = self._sigma()
+        rel, absolute = self._window_noise()
+        sigma = max(self._sigma(), _WINDOW_NOISE_SHARE * rel)
         # On autocorrelated noise the forecast sits inside the noise's slow wander, and a value can lie
         # sqrt(1 + rho) times further from it than the residual scale says while being ordinary:
         # the jump bar widens by that factor (1 on white noise).
-        margin = self._margin(forecast, sigma * math.sqrt(1.0 + self._rho()))
+        widen = math.sqrt(1.0 + self._rho())
+        margin = max(self._margin(forecast, sigma * widen), self._abs_margin(self.z_threshold * widen, absolute))
+        # The drift sum measures rises in the local size of the noise, absolute noise included.
+        drift_sigma = max(sigma, _WINDOW_NOISE_SHARE * self._abs_margin(1.0, absolute))
         residual = x - forecast
         # A rise is measured from the forecast, but never from below the lowest recent value: after
         # a fast fall (a learning-rate drop) the trend runs on below a curve that has flattened, and
@@ -436,7 +502,8 @@ class SpikeDetector:
             event = self._gross(step, value, x)
             if event is not None:
                 return event
-            provisional = max(_PROVISIONAL_Z * self.z_threshold * sigma, margin)
+            provisional = max(_PROVISIONAL_Z * self.z_threshold * sigma, margin,
+                              self._abs_margin(_PROVISIONAL_Z * self.z_threshold * widen, absolute))
             if self._calm >= _CALM_UPDATES:
                 # The doubled bar allows for a forecast that still lags the steep descent; a forecast
                 # unbiased for _CALM_UPDATES updates in a row does not, so the calibrated bar applies
@@ -467,7 +534,7 @@ class SpikeDetector:
                 # A drift is a rise above where the metric is, not above where a falling trend would
                 # take it: at the end of a fast fall (a learning-rate drop, a plateau's sudden drop) the
                 # trend runs on below a curve that has flattened, and the gap filled this sum.
-                rise = (x - self._level - max(self._trend, 0.0)) / sigma
+                rise = (x - self._level - max(self._trend, 0.0)) / drift_sigma
                 self._cusum = max(0.0, self._cusum + min(rise, _DRIFT_CAP) / self._persistence() - self.drift_slack)
                 if self._cusum > self.drift_threshold:
                     # Restart the sum (standard CUSUM practice): a rise that goes on alerts again
@@ -475,6 +542,7 @@ class SpikeDetector:
                     self._cusum = 0.0
                     return self._spike(step, value, x, forecast, margin, z, "drift")
         self._accept(x)
+        self._after_accept()
         self._episodes.clear()
         return None
 
@@ -618,13 +686,18 @@ class SpikeDetector:
     def _gross(self, step: int, value: float, x: float) -> SpikeEvent | None:
         """The rule of the uncalibrated phase: far above the median of the recent accepted values."""
         assert self.gross_ratio is not None
-        ordered = sorted(self._window)
-        mid = len(ordered) // 2
-        reference = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+        reference = _median(self._window)
         if self.log_space:
             margin = math.log(self.gross_ratio)
         else:
             margin = (self.gross_ratio - 1.0) * abs(reference)
+        # ... and gross_z times the run's own noise: the ratio is a floor, the noise sets the bar on a
+        # noisy metric (a low loss, a small batch), so the rule's false-alarm rate does not depend on
+        # the loss's scale or noise level.
+        noise, absolute = self._window_noise()
+        if self._var is not None and self._residuals >= MIN_SCALE_SAMPLES:
+            noise = max(noise, self._sigma())
+        margin = max(margin, self.gross_z * noise, self._abs_margin(self.gross_z / _WINDOW_NOISE_SHARE, absolute))
         excess = x - reference if self.direction == "up" else abs(x - reference)
         if not excess > margin:
             return None
@@ -632,12 +705,71 @@ class SpikeDetector:
         score = (x - reference) / self._sigma() if self._var is not None else math.inf
         return self._spike(step, value, x, reference, margin, score, "gross")
 
+    def _window_noise(self) -> tuple[float, float]:
+        """The run's measured noise: a robust scale of the successive differences of the last finite
+        values, flagged ones too (centred on their median, so a steady descent is not noise), as
+        (relative, absolute). In log space relative is the scale of the logs' differences and absolute
+        that of the values' differences over the current level (the median of the last 5): a batch
+        noise of fixed size in nats (a few hard tokens per batch) grows relative to a loss that falls,
+        faster than a scale learnt from the past follows. In linear space absolute is 0 (the rules
+        there are in the metric's units already). Zeros before two values."""
+        values = self._noise[-_NOISE_WINDOW - 1 : -1]  # the values before the one judged
+        # The whole window, and its last _FAST_WINDOW values: a noise that widens shows in the short
+        # one within a few steps (a median of 32 needs half the window), and a median of 8 differences
+        # is still not moved by the two differences of one spike.
+        rel, absolute = max(_diff_scale(values), _diff_scale(values[-_FAST_WINDOW:])), 0.0
+        if self.log_space and len(values) >= 2:
+            level = math.exp(_median(values[-_GROSS_WINDOW:]))
+            linear = [math.exp(min(v, 700.0)) for v in values]
+            absolute = max(_diff_scale(linear), _diff_scale(linear[-_FAST_WINDOW:])) / level
+        return rel, absolute
+
+    def _abs_margin(self, z: float, absolute: float) -> float:
+        """The log-space rise of ``z`` absolute-noise sigmas above the level: log(1 + z * noise / level)
+        (a rise of fixed size in the metric's units is a large log rise at a low level, a small one at
+        a high level; linearising it would make the bar explode at a low level)."""
+        return math.log1p(z * _WINDOW_NOISE_SHARE * absolute) if absolute > 0.0 else 0.0
+
+    def _after_accept(self) -> None:
+        """An accepted value: a short flagged episode just ended is held, and held values re-enter
+        once _REENTRY_AFTER values in a row have been accepted (the flags were not a sustained change)."""
+        if self._episode:
+            if len(self._episode) <= _REENTRY_RUN:
+                self._held.extend(self._episode)
+                del self._held[:-RECENT_FLAGGED]
+            self._episode = []
+        self._clean += 1
+        if self._held and self._clean >= _REENTRY_AFTER:
+            held, self._held = self._held, []
+            for residual in held:
+                self._reenter(residual)
+
+    def _reenter(self, residual: float) -> None:
+        """Fold a flagged value's residual (from the forecast at its update) into level and scale, clipped."""
+        if self._level is None or self._var is None:
+            return
+        bound = self.clip * self._sigma()
+        r = min(max(residual, -bound), bound)
+        self._level += self.level_rate * r
+        trusted = self._residuals >= MIN_SCALE_SAMPLES
+        sample = min(residual * residual, bound * bound) / self._kappa if trusted else residual * residual
+        self._var += max(self.scale_rate, 1.0 / (self._residuals + 1)) * (sample - self._var)
+
     def _spike(
         self, step: int, value: float, x: float, forecast: float, margin: float, score: float, rule: str
     ) -> SpikeEvent:
         run, is_new = self._episodes.flag("spike")
         self._recent.append(x)
         del self._recent[:-RECENT_FLAGGED]
+        if self._level is not None:
+            self._episode.append(x - (self._level + self._trend))
+            del self._episode[:-RECENT_FLAGGED]
+        self._clean = 0
+        # The re-baseline counts flags among the last 2 * rebaseline_after finite updates: 50 in a row
+        # re-baseline as before, and so do 50 of 100 interleaved with accepted values (a shift whose
+        # noise lets some values through would otherwise be flagged for ever).
+        self._marks.append(self._seen)
+        self._marks = [m for m in self._marks if m > self._seen - 2 * self.rebaseline_after]
         event = SpikeEvent(
             step=step,
             metric=self.metric,
@@ -651,7 +783,7 @@ class SpikeDetector:
             rule=rule,
         )
         self._advance()
-        if run >= self.rebaseline_after:
+        if run >= self.rebaseline_after or len(self._marks) >= self.rebaseline_after:
             self._rebaseline()
         return event
 
@@ -659,10 +791,11 @@ class SpikeDetector:
         # A persistent shift, not a spike: re-seat the level on the recent values, drop the stale
         # trend, keep the noise scale, and warm up again (until the forecast is calibrated) so that
         # the transient of settling onto the new level cannot raise alerts of its own.
-        ordered = sorted(self._recent)
-        mid = len(ordered) // 2
-        self._level = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-        self._window = self._recent[-_GROSS_WINDOW:]  # the gross rule judges against the new level
+        # After flags interleaved with accepted values (the re-baseline by share) few flagged values
+        # may be at hand: the latest accepted ones, which lie at the new level too, join them.
+        recent = self._recent if len(self._recent) >= _GROSS_WINDOW else self._window[-_GROSS_WINDOW:] + self._recent
+        self._level = _median(recent)
+        self._window = recent[-_GROSS_WINDOW:]  # the gross rule judges against the new level
         self._trend = 0.0
         self._last_residual = None
         self._cusum = 0.0
@@ -671,6 +804,10 @@ class SpikeDetector:
         self._calm = 0
         self._recent.clear()
         self._episodes.clear()
+        self._marks = []
+        self._episode = []
+        self._held = []
+        self._clean = 0
 
     def _nonfinite(self, step: int, value: float) -> SpikeEvent:
         run, is_new = self._episodes.flag("nonfinite")
@@ -697,3 +834,23 @@ class SpikeDetector:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
         return f"SpikeDetector({args})"
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _diff_scale(values: list[float]) -> float:
+    """A robust Gaussian sigma of ``values``' noise from their successive differences (0 before two values)."""
+    diffs = [b - a for a, b in zip(values, values[1:])]
+    if len(diffs) >= _ROBUST_DIFFS:
+        centre = _median(diffs)
+        # 1.4826 * MAD is a Gaussian sigma; a difference of two values has sqrt(2) times theirs.
+        return 1.4826 * _median([abs(d - centre) for d in diffs]) / math.sqrt(2.0)
+    if diffs:
+        # A handful: their root mean square (a median of a few is unreliable, and dropping the largest
+        # read a noisy run's noise low enough to flag its 4th value; a steep descent only widens the bar).
+        return math.sqrt(sum(d * d for d in diffs) / (2.0 * len(diffs)))
+    return 0.0

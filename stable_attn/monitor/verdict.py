@@ -10,6 +10,10 @@ The rules, in one place:
 - a spike (loss or gradient norm, on any rank) drops the update unless ``on_spike="warn"``;
 - a NaN or inf loss or gradient, on any rank, drops the update whatever ``on_spike`` says (with
   ``"warn"`` the step is skipped); under an fp16 GradScaler inf gradients are the scaler's business;
+- the spike action has a cap: after ``spike_action_cap`` updates dropped for spikes in one streak
+  (a streak ends after ``spike_action_cooldown`` steps in a row without a spike), one alert says
+  the detector may be miscalibrated for this run, and further spikes of the streak are alerted
+  only (action ``"warn"``; a non-finite update is still never applied);
 - a step counts towards the not-training streak when its update was dropped or its loss is
   non-finite; the streak raises one alert at ``not_training_after`` and stops the run at
   ``not_training_stop_after``.
@@ -25,10 +29,13 @@ from typing import Any
 
 from . import Alert, SpikeDetector, SpikeEvent, names
 
-__all__ = ["FIELDS", "Judgement", "NotTrainingStreak", "PhaseNotes", "RankDetectors", "StepJudge", "Verdict"]
+__all__ = ["FIELDS", "SPIKE_ACTIONS", "ActionCap", "Judgement", "NotTrainingStreak", "PhaseNotes", "RankDetectors",
+           "StepJudge", "Verdict"]
 
 # Columns of the per-rank row: loss, gradient norm, has a loss, non-finite gradients.
 FIELDS = 4
+#: The metric of the alert that says the spike-action cap was reached.
+SPIKE_ACTIONS = "stable_attn/spike_actions"
 
 
 @dataclass(frozen=True)
@@ -104,11 +111,57 @@ class RankDetectors:
         del self.detectors[1:]  # rebuilt from the saved states as ranks report
 
 
+class ActionCap:
+    """At most ``cap`` updates dropped for spikes in one streak; a streak ends after ``cooldown`` steps in
+    a row without a spike. A guard that drops update after update of a healthy run (a detector whose
+    noise estimate is wrong for it) does more harm than none: at the cap it says so once and stops acting."""
+
+    def __init__(self, cap: int | None, cooldown: int) -> None:
+        self.cap, self.cooldown = cap, cooldown
+        self.count = 0  # updates dropped for spikes in the current streak
+        self.quiet = 0  # steps in a row without a spike
+
+    @property
+    def exhausted(self) -> bool:
+        """The cap is reached: spikes are alerted, not acted on, until the streak ends."""
+        return self.cap is not None and self.count >= self.cap
+
+    def update(self, spiked: bool, acted: bool) -> bool:
+        """One step; True when this step's action reached the cap (the one alert is due)."""
+        if not spiked:
+            self.quiet += 1
+            if self.quiet >= self.cooldown:
+                self.count = 0
+            return False
+        self.quiet = 0
+        if not acted:
+            return False
+        self.count += 1
+        return self.cap is not None and self.count == self.cap
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count, "quiet": self.quiet}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count, self.quiet = int(state.get("count", 0)), int(state.get("quiet", 0))
+
+    def alert(self, step: int, action: str, lr: float) -> Alert:
+        return Alert(
+            step=step, kind="spike", metric=SPIKE_ACTIONS, value=self.count, threshold=self.cap, lr=lr, action=action,
+            message=f"{self.count} updates were dropped for spikes (on_spike={action!r}) with fewer than "
+                    f"{self.cooldown} spike-free steps between them: the spike detector may be miscalibrated for "
+                    f"this run (a noise it has not learnt), so later spikes are alerted only, not acted on, until "
+                    f"{self.cooldown} steps in a row pass without a spike; check the loss curve, and raise "
+                    "spike_action_cap or set on_spike='warn' if these are false alarms")
+
+
 class StepJudge:
     """Runs every rank's loss and gradient-norm detectors over one step's gathered rows and decides."""
 
-    def __init__(self, on_spike: str, loss: SpikeDetector, grad_norm: SpikeDetector) -> None:
+    def __init__(self, on_spike: str, loss: SpikeDetector, grad_norm: SpikeDetector,
+                 cap: ActionCap | None = None) -> None:
         self.on_spike = on_spike
+        self.cap = cap if cap is not None else ActionCap(None, 1)
         self.ranks = {names.LOSS: RankDetectors(loss), names.GRAD_NORM: RankDetectors(grad_norm)}
         self._grads_were_bad = False
 
@@ -137,8 +190,11 @@ class StepJudge:
         nonfinite_loss = any(r[2] and not math.isfinite(r[0]) for r in rows)
         nonfinite = nonfinite_loss or bool(bad_grad_ranks)
         spiked = bool(loss_events or norm_events)
-        warn_only = self.on_spike == "warn"
+        capped = spiked and self.on_spike != "warn" and self.cap.exhausted
+        # At the cap the spikes of the streak are alerted only: as under "warn" (a NaN is still dropped).
+        warn_only = self.on_spike == "warn" or capped
         drop = nonfinite or (spiked and not warn_only)
+        escalate = self.cap.update(spiked, acted=spiked and not warn_only)
         dropped_as = "skip" if warn_only else self.on_spike  # what a dropped update means
         verdict = Verdict(action=dropped_as if drop or not warn_only else "warn",
                           skip=drop and dropped_as == "skip", rollback=drop and dropped_as == "rollback",
@@ -147,7 +203,11 @@ class StepJudge:
         said = note(verdict)
         if nonfinite and warn_only:
             said += " (a non-finite update is never applied, whatever on_spike says)"
+        if capped:
+            said += f" (not acted on: on_spike={self.on_spike!r} has reached spike_action_cap={self.cap.cap})"
         out = Judgement(verdict, last)
+        if escalate:
+            out.alerts.append(self.cap.alert(step, self.on_spike, lr))
         for events in (loss_events, norm_events):
             new = [(rank, e) for rank, e in events if e.is_new]
             if new:
@@ -198,18 +258,22 @@ class PhaseNotes:
         self._phases: dict[str, str] = {}  # metric -> the phase last announced
 
     def update(self, step: int, watched: list[SpikeDetector]) -> list[str]:
-        changed: dict[tuple[str, float | None], list[str]] = {}
+        changed: dict[tuple[str, float | None, float | None], list[SpikeDetector]] = {}
         for detector in watched:
             now = phase(detector)
             if self._phases.get(detector.metric) != now:
                 self._phases[detector.metric] = now
-                changed.setdefault((now, getattr(detector, "gross_ratio", None)), []).append(detector.metric)
+                key = (now, getattr(detector, "gross_ratio", None), getattr(detector, "gross_z", None))
+                changed.setdefault(key, []).append(detector)
         following = step + 1  # the phase judges the values after the one that changed it
         lines = []
-        for (now, ratio), metrics in changed.items():
-            which = ", ".join(metrics)
+        for (now, ratio, _), detectors in changed.items():
+            which = ", ".join(d.metric for d in detectors)
             if now == "gross":
-                rule = f"a value above {ratio:g}x its recent median, or NaN/inf, alerts" if ratio else "NaN/inf alert"
+                z = getattr(detectors[0], "gross_z", 0.0)
+                noise = f" and {z:g} sigmas of its measured noise" if z else ""
+                rule = f"a value above {ratio:g}x its recent median{noise}, or NaN/inf, alerts" if ratio else \
+                    "NaN/inf alert"
                 lines.append(f"spike detection active from step {following} on {which}: {rule}; the calibrated "
                              "rule takes over once it has learnt the run's noise")
             elif now == "calibrated":

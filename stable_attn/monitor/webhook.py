@@ -62,31 +62,56 @@ def _safe_url(parsed: urllib.parse.SplitResult) -> str:
     return f"{parsed.scheme}://{host}{f':{parsed.port}' if parsed.port else ''}"
 
 
+def printable(text: str) -> str:
+    """``text`` with every non-printable character (control characters, line breaks) escaped as Python
+    writes it (``\\n``, ``\\x1b``): what a server or a socket says goes into one log line as it is, nothing more."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def shown_url(url: str) -> str:
+    """``url`` as an error message may show it: scheme, host and port (credentials as ``***@``), and
+    ``/...`` in place of any path, query or fragment (webhook paths often hold a secret); non-printable
+    characters escaped. Works on text that is no URL at all (no scheme: the part before the first ``/``,
+    ``?`` or ``#``, usually the host)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    return printable(f"{scheme}{sep}{netloc}{'/...' if tail.strip('/') else tail}")
+
+
 def check_url(url: Any, name: str = "url") -> urllib.parse.SplitResult:
-    """The parsed ``url`` if a webhook can POST to it; else ValueError/TypeError naming ``name``."""
+    """The parsed ``url`` if a webhook can POST to it; else ValueError/TypeError naming ``name``. The
+    messages show the URL through :func:`shown_url`: never its path or query."""
     accepted = "an http:// or https:// URL with a host, in ASCII, without spaces, control characters or credentials"
     if not isinstance(url, str):
-        raise TypeError(f"{name}={url!r} is not supported; use {accepted}")
+        raise TypeError(f"{name} is a {type(url).__name__}, which is not supported; use {accepted}")
+    shown = shown_url(url)
     bad = next((c for c in url if ord(c) < 33 or ord(c) == 127), None)
     if bad is not None:
         what = "a space" if bad == " " else f"the control character {bad!r}"
-        raise ValueError(f"{name}={url!r} is not supported: it contains {what}; use {accepted} "
+        raise ValueError(f"{name}={shown!r} is not supported: it contains {what}; use {accepted} "
                          "(percent-encode a space as %20)")
     if not url.isascii():
-        raise ValueError(f"{name}={url!r} is not supported: it contains non-ASCII characters; use {accepted} "
+        raise ValueError(f"{name}={shown!r} is not supported: it contains non-ASCII characters; use {accepted} "
                          "(percent-encode the path, use the IDNA form of the host)")
-    parsed = urllib.parse.urlsplit(url)
+    try:
+        parsed = urllib.parse.urlsplit(url)
+    except ValueError as exc:  # e.g. an unclosed [ of an IPv6 host
+        raise ValueError(f"{name}={shown!r} is not supported: {exc}; use {accepted}") from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError(f"{name} must be an http:// or https:// URL with a host, got {url!r}")
+        raise ValueError(f"{name} must be an http:// or https:// URL with a host, got {shown!r}")
     if parsed.username is not None or parsed.password is not None:
-        shown = parsed._replace(netloc=f"***@{parsed.netloc.rpartition('@')[2]}").geturl()
         raise ValueError(f"{name}={shown!r} is not supported: it holds credentials (user:password@), which are "
                          "never sent; use " + accepted + " and pass the credentials as a header "
                          "(e.g. Authorization)")
     try:
         parsed.port  # noqa: B018 - raises on a port that is not a number in 0..65535
     except ValueError as exc:
-        raise ValueError(f"{name}={url!r} is not supported: {exc}; use {accepted}") from None
+        raise ValueError(f"{name}={shown!r} is not supported: {exc}; use {accepted}") from None
     return parsed
 
 
@@ -139,8 +164,9 @@ class WebhookChannel(AlertChannel):
         max_queue: alerts waiting for delivery before new ones are dropped.
         headers: extra HTTP headers (e.g. ``{"Authorization": "Bearer ..."}``), sent to ``url``'s host
             only.
-        payload: maps an alert to the JSON body; default :meth:`Alert.to_dict`. For a Slack-style
-            incoming webhook use ``payload=lambda a: {"text": a.format()}``.
+        payload: maps an alert to the JSON body; default :meth:`Alert.to_dict`. It is given the alert as it
+            may leave the machine (:meth:`Alert.for_remote`: a stop's checkpoint by file name, not local path).
+            For a Slack-style incoming webhook use ``payload=lambda a: {"text": a.format()}``.
         max_failures: failures in a row after which the endpoint is paused.
         pause: seconds the endpoint is paused for.
     """
@@ -193,7 +219,8 @@ class WebhookChannel(AlertChannel):
 
     # ------------------------------------------------------------------ caller's side
     def send(self, alert: Alert) -> None:
-        body = json.dumps(self.payload(alert), allow_nan=False).encode("utf-8")
+        # the message without local paths (a stop names its checkpoint by file name): the payload leaves the machine
+        body = json.dumps(self.payload(alert.for_remote()), allow_nan=False).encode("utf-8")
         with self._cond:
             if self._closed:
                 self.dropped += 1
@@ -285,7 +312,7 @@ class WebhookChannel(AlertChannel):
                 if self._closed:
                     self._settle("abandoned")  # cut off by close()
                 else:
-                    self._failed(type(exc).__name__, self._scrub(_failure_text(exc)))
+                    self._failed(type(exc).__name__, printable(self._scrub(_failure_text(exc))))
                 continue
             if 200 <= status < 300:
                 self._streak = 0

@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +64,8 @@ class RunData:
     metrics: dict[str, Series]
     alerts: list[dict]
     notes: list[str] = field(default_factory=list)
+    #: one line per alert line that was skipped (``stable_attn_alerts.jsonl line 7: ...; skipped``)
+    skipped_alert_lines: list[str] = field(default_factory=list)
 
     def series(self, name: str) -> Series | None:
         """``name``, else ``name_step``, else ``name_epoch`` (Lightning's suffixes), else None."""
@@ -156,12 +159,27 @@ def read_metrics(path: str | os.PathLike) -> dict[str, Series]:
     return out
 
 
-def read_alerts(path: str | os.PathLike) -> tuple[list[dict], int]:
+def _step(value: Any) -> int:
+    """An alert's ``step`` as an int: an int, or a float or str holding a whole number (not NaN or inf)."""
+    if isinstance(value, bool):
+        raise TypeError(f"'step' is {value!r}, not an integer")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"'step' is {value!r}, not an integer") from None
+    if not math.isfinite(number) or number != int(number) or number < 0:
+        raise ValueError(f"'step' is {value!r}, not an integer >= 0")
+    return int(value) if isinstance(value, int) else int(number)
+
+
+def read_alerts(path: str | os.PathLike, problems: list[str] | None = None) -> tuple[list[dict], int]:
     """Alerts from a JSONL file (one object per line) and the number of lines that were not alerts.
 
-    Blank lines are ignored; a line that is not a JSON object with an integer-like ``step`` counts
-    as bad. :meth:`~stable_attn.monitor.Alert.to_json` writes non-finite floats as the strings
-    ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON); :meth:`~stable_attn.monitor.Alert.decode_fields`
+    Blank lines are ignored; a line that is not a JSON object with a whole-number ``step`` (``"step":
+    Infinity`` included) counts as bad and is skipped; ``problems``, when given, gets one line per bad
+    line (``line 7: 'step' is inf, not an integer >= 0``).
+    :meth:`~stable_attn.monitor.Alert.to_json` writes non-finite floats as the strings ``"nan"``, ``"inf"``
+    and ``"-inf"`` (strict JSON); :meth:`~stable_attn.monitor.Alert.decode_fields`
     reads them back as floats, as it does the ``NaN``/``Infinity`` literals Python's ``json`` writes
     by default, so the :attr:`~stable_attn.monitor.Alert.FLOAT_FIELDS` are floats (or None) in what
     this returns. Other keys are kept as the line holds them, and a line may lack any key but ``step``.
@@ -169,17 +187,23 @@ def read_alerts(path: str | os.PathLike) -> tuple[list[dict], int]:
     alerts = []
     bad = 0
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 alert = json.loads(line)
                 if not isinstance(alert, dict):
-                    raise TypeError(f"not a JSON object: {alert!r}")
+                    raise TypeError("not a JSON object")
+                if "step" not in alert:
+                    raise KeyError("no 'step'")
                 alert = Alert.decode_fields(alert)
-                alert["step"] = int(alert["step"])
-            except (ValueError, TypeError, KeyError):
+                alert["step"] = _step(alert["step"])
+            except (ValueError, TypeError, KeyError, OverflowError) as err:
                 bad += 1
+                if problems is not None:
+                    reason = err.args[0] if isinstance(err, KeyError) and err.args else err
+                    text = str(reason).splitlines()[0] if str(reason) else type(err).__name__
+                    problems.append(f"line {number}: {text[:200]}")
                 continue
             alerts.append(alert)
     alerts.sort(key=lambda a: a["step"])
@@ -277,14 +301,17 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
             )
     alerts_path = find_alerts_jsonl(root, metrics_path)
     alerts: list[dict] = []
+    skipped: list[str] = []
     if alerts_path is None:
         notes.append(f"No {ALERTS_FILE} found: no alerts are shown (the run may not have had the callback, "
                      "or its alerts_file was None or renamed).")
     else:
-        alerts, bad = read_alerts(alerts_path)
+        problems: list[str] = []
+        alerts, bad = read_alerts(alerts_path, problems)
         if bad:
             notes.append(f"{bad} line(s) of {alerts_path.name} were not valid alerts and were skipped.")
-    return RunData(root, metrics_path, alerts_path, metrics, alerts, notes)
+        skipped = [f"{alerts_path.name} {p}; skipped" for p in problems]
+    return RunData(root, metrics_path, alerts_path, metrics, alerts, notes, skipped)
 
 
 def display_path(path: Path, root: Path) -> str:

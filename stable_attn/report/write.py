@@ -11,7 +11,7 @@ import numpy as np
 from ..monitor.alerts import Alert
 from ..monitor.names import LOSS, VAL_LOSS
 from .plots import plot_loss, plot_max_logit, plot_saturation
-from .read import display_path, load_run
+from .read import RunData, display_path, load_run
 from .summary import fmt, summarize
 
 __all__ = ["LOSS_PNG", "MAX_LOGIT_PNG", "REPORT_FILE", "SATURATION_PNG", "build_report"]
@@ -51,9 +51,18 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
 
     ``out_dir`` defaults to ``run_dir``. Missing files, columns or alerts leave a note in the
     report instead of an error; a plot without data is not written. Returns the path of report.md.
+    An output folder that cannot be written (read-only, full) raises one OSError naming it.
     """
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run.run_dir
+    try:
+        return _write(run, out)
+    except OSError as err:  # a read-only or full folder: one error naming it, not matplotlib's traceback
+        why = err.strerror or str(err) or type(err).__name__
+        raise OSError(err.errno, f"cannot write the report to {out}: {why}", str(out)) from err
+
+
+def _write(run: RunData, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(run)
     notes = list(run.notes)

@@ -330,3 +330,12 @@ def test_readme_block_runs():
     second = stable_attn.attention(*(t[None, 100:].transpose(1, 2) for t in (scope["q1"], scope["k1"], scope["v1"])),
                                    causal=True)
     torch.testing.assert_close(out1[100:], second[0].transpose(0, 1), rtol=0, atol=0)
+
+
+def test_an_empty_batch_gives_empty_outputs_and_gradients():
+    """flash_attn_func with batch size 0: empty output and gradients (it raised IndexError)."""
+    q, k, v = (torch.randn(0, 8, 2, 16, requires_grad=True) for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.shape == (0, 8, 2, 16)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape

@@ -14,8 +14,8 @@ def cu(lens: list[int], device: str = "cpu") -> torch.Tensor:
 def packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, *, tied=False, qk_std=1.0, device="cpu"):
     """q ``[total_q, Hq, D]``, k, v ``[total_k, Hkv, D]``, do. ``tied``: in every sequence, copies of one key
     at local positions 1, 3, 17, 20 (two key blocks of 16) tie exactly at every row's max, with negative
-    values (P-bar V rounds in one direction), q and k on a grid where every score is exact in fp32. ``qk_std`` scales q and k (8: scaled scores of std 64 at D=16,
-    softmax rows close to one-hot)."""
+    values (P-bar V rounds in one direction), q and k on a grid where every score is exact in fp32.
+    ``qk_std`` scales q and k (8: scaled scores of std 64 at D=16, softmax rows close to one-hot)."""
     g = torch.Generator().manual_seed(seed)
     tq, tk = sum(lens_q), sum(lens_k)
     q = torch.randn(tq, Hq, D, generator=g) * qk_std

@@ -6,9 +6,9 @@ the fp64 oracle (:mod:`stable_attn.kernels.naive`) and with what the case itself
 saturate, which blocks fire). On the Triton backend the same call also runs on the PyTorch path, and
 the two must take the same decision in every (row, key block) whose margin no summation order of
 ``q.k`` can overturn (every row on the tie inputs, which are exact in fp32: tests/kernels/margins.py)
-and agree within a few ulps: the kernels follow the reference's partition and decisions exactly. What only one backend has (tiling, launch
-configurations, ``lse``, arbitrary masks, memory bounds) is tested in ``test_triton_attention.py`` and
-``test_reference.py``.
+and agree within a few ulps: the kernels follow the reference's partition and decisions exactly. What
+only one backend has (tiling, launch configurations, ``lse``, arbitrary masks, memory bounds) is tested
+in ``test_triton_attention.py`` and ``test_reference.py``.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class RowCapture(stable_attn.AttentionStats):
 
     def update(self, rows: RowStats) -> None:
         self.last = RowStats(*(t.detach().cpu() for t in (rows.saturated, rows.fixed_blocks, rows.max_logit,
-                                                            rows.first_key_prob)))
+                                                            rows.sink_mass)))
         super().update(rows)
 
 
@@ -124,7 +124,7 @@ def run(backend, q, k, v, do=None, exact=None, grad_ulps=4, grad_floor=1e-6, **k
         assert torch.equal(res.rows.saturated[keep], ref.rows.saturated[keep]), "saturated differs"
         assert torch.equal(res.rows.fixed_blocks[keep], ref.rows.fixed_blocks[keep]), "fixed_blocks differs"
         torch.testing.assert_close(res.rows.max_logit, ref.rows.max_logit, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(res.rows.first_key_prob, ref.rows.first_key_prob, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(res.rows.sink_mass, ref.rows.sink_mass, rtol=1e-4, atol=1e-6)
         if exact is not None:
             o64, g64 = exact
             no_worse_than_reference(res.out, ref.out, o64, dtype, "out")
@@ -278,6 +278,29 @@ def test_rows_that_see_no_key_are_neither_counted_nor_saturated(backend):
     res = run(backend, q, q, q, causal=True, key_padding_mask=kpm)
     assert res.stats.rows.tolist() == [2]  # rows 0 and 1 see no key (left padding)
     assert res.stats.saturated_rows.tolist() == [0]
+
+
+def test_nan_in_a_key_makes_the_rows_that_see_it_nan_as_sdpa(backend):
+    """A NaN in a key gives the rows that see it NaN (output, lse-dependent gradients), as SDPA does; on the
+    PyTorch path they used to come out as rows that see no key (exact zeros, lse = +inf): a finite and wrong
+    answer. Rows that do not see the key (causal: the rows before it), and the other head, are unchanged."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v, do = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(4))
+    bad = k.clone()
+    bad[0, 0, 13, 5] = math.nan  # key 13 of head 0: seen by causal rows 13..23, in key block 0 (block_n 16)
+    got = attend(backend, q, bad, v, do, causal=True, block_n=16)
+    clean = attend(backend, q, k, v, do, causal=True, block_n=16)
+    leaves = [t.clone().requires_grad_() for t in (q, bad, v)]
+    want = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    want.backward(do)
+    assert got.out[0, 0, 13:].isnan().all()
+    assert torch.equal(got.out.isnan(), want.isnan())
+    assert torch.equal(got.out[0, 0, :13], clean.out[0, 0, :13]) and torch.equal(got.out[0, 1], clean.out[0, 1])
+    # gradients: NaN where SDPA's are, which includes the blind-key case both share: a row that does not see
+    # the key still multiplies its zero weight by the key's NaN in dq (0 * NaN), column 5 of rows 0..12
+    for name, a, b in zip(("dq", "dk", "dv"), got.grads, (t.grad for t in leaves), strict=True):
+        assert torch.equal(a.isnan(), b.isnan()), name
+    assert not got.grads[0][0, 1].isnan().any()
 
 
 # --------------------------------------------------------------------------------- window, softcap, GQA

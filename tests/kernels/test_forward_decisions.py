@@ -160,7 +160,7 @@ def test_two_blocks_per_key_tile_decide_block_by_block(case):
     one = ta.forward(q, k, v, kpm, opts, True, config=ta.FwdConfig(32, 4, 1, tma=tma))
     two = ta.forward(q, k, v, kpm, opts, True, config=ta.FwdConfig(32, 4, 1, tma=tma, tile_n=2 * block_n))
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
-    for name in ("saturated", "fixed_blocks", "max_logit", "first_key_prob"):
+    for name in ("saturated", "fixed_blocks", "max_logit", "sink_mass"):
         assert torch.equal(getattr(one[2], name), getattr(two[2], name)), name
     _, _, sat, fixed = per_element_decisions(q, k, opts, kpm)
     assert torch.equal(two[2].saturated.cpu(), sat) and torch.equal(two[2].fixed_blocks.cpu(), fixed)

@@ -80,7 +80,7 @@ def test_a_batch_beyond_the_grid_limit_runs_in_chunks_with_the_same_bits(monkeyp
     for kernel, grids in launches.grids.items():  # batches (0, 1), (2, 3), (4)
         assert [g[2] for g in grids] == [2, 2, 1], kernel
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
-    for f in ("saturated", "fixed_blocks", "max_logit", "first_key_prob"):
+    for f in ("saturated", "fixed_blocks", "max_logit", "sink_mass"):
         assert torch.equal(getattr(rs, f), getattr(rs1, f)), f
     for what, a, b in zip(("dq", "dk", "dv"), grads, grads1, strict=True):
         assert torch.equal(a, b), what

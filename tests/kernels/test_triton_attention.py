@@ -55,7 +55,7 @@ def check_stats(st, rs, seen, keep, what=""):
     assert not st.saturated.cpu()[~seen].any()
     assert torch.equal(st.fixed_blocks.cpu()[keep], rs.fixed_blocks.cpu()[keep]), f"fixed_blocks differs {what}"
     torch.testing.assert_close(st.max_logit.cpu(), rs.max_logit.cpu(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(st.first_key_prob.cpu(), rs.first_key_prob.cpu(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(st.sink_mass.cpu(), rs.sink_mass.cpu(), rtol=1e-4, atol=1e-6)
 
 
 def oracle_grads(q, k, v, do, opts, kpm):
@@ -135,7 +135,7 @@ def test_rows_that_see_no_key():
     seen = visible_rows(B, H, Nq, Nk, opts, kpm)
     assert (~seen).sum() > Nq  # batch 1 entirely, and the first rows of batch 0
     assert (out.cpu()[~seen] == 0).all() and torch.isinf(lse.cpu()[~seen]).all()
-    assert (st.max_logit.cpu()[~seen] == -math.inf).all() and (st.first_key_prob.cpu()[~seen] == 0).all()
+    assert (st.max_logit.cpu()[~seen] == -math.inf).all() and (st.sink_mass.cpu()[~seen] == 0).all()
     check_stats(st, rs, seen, robust_rows_of(q, k, opts, kpm))
     dq, dk, dv = ta.backward(do, q, k, v, out, lse, kpm, opts, config=SMALL_BWD)
     assert (dq.cpu()[~seen] == 0).all() and (dk.cpu()[1] == 0).all() and (dv.cpu()[1] == 0).all()

@@ -27,7 +27,7 @@ from stable_attn.kernels import naive, reference, reference_varlen
 from stable_attn.options import Options
 from stable_attn.stats import RowStats
 
-FIELDS = ("saturated", "fixed_blocks", "max_logit", "first_key_prob")
+FIELDS = ("saturated", "fixed_blocks", "max_logit", "sink_mass")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # fp64 oracle tolerances (outputs: absolute/relative; gradients: max error relative to the largest entry)
 OUT_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-6}

@@ -27,7 +27,7 @@ from stable_attn.options import Options
 DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
 SMALL = ta.FwdConfig(block_m=32, num_warps=4, num_stages=1)  # several query blocks per sequence
 SMALL_BWD = ta.BwdConfig(m1=16, n1=32, warps1=4, stages1=1, m2=32, n2=16, warps2=4, stages2=1)
-FIELDS = ("saturated", "fixed_blocks", "max_logit", "first_key_prob")
+FIELDS = ("saturated", "fixed_blocks", "max_logit", "sink_mass")
 
 
 def random_lengths(n: int, hi: int, seed: int) -> list[int]:
@@ -165,7 +165,7 @@ def test_rows_that_see_no_key():
     cu_q, cu_k = cu(lens_q), cu(lens_k)
     o, lse, st = ta.forward_varlen(q, k, v, cu_q, cu_k, 6, 6, opts, True, config=SMALL)
     dq, dk, dv = ta.backward_varlen(do, q, k, v, o, lse, cu_q, cu_k, 6, 6, opts, config=SMALL_BWD)
-    assert (o[:4] == 0).all() and torch.isinf(lse[:, :4]).all() and (st.first_key_prob[0][:, :4] == 0).all()
+    assert (o[:4] == 0).all() and torch.isinf(lse[:, :4]).all() and (st.sink_mass[0][:, :4] == 0).all()
     assert (dq[:4] == 0).all() and (dk[:5] == 0).all() and (dv[:5] == 0).all()
     o1, l1, _ = ta.forward(dense(q[4:]), dense(k[5:]), dense(v[5:]), None, dataclasses.replace(opts, seed=2),
                            False, config=SMALL)

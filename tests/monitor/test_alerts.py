@@ -506,3 +506,74 @@ def test_webhook_refuses_credentials_timeouts_and_headers() -> None:
         WebhookChannel("http://127.0.0.1:9/", max_queue=0)
     with pytest.raises(TypeError, match="payload"):
         WebhookChannel("http://127.0.0.1:9/", payload="text")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("url", [
+    "https://hooks.example.com/services/T0/S3CRET\n",  # a trailing newline pasted with the URL
+    "hooks.example.com/services/T0/S3CRET",  # no scheme
+    "ftp://hooks.example.com/S3CRET?token=S3CRET",
+    "http://hooks.example.com:99999/S3CRET",
+    "http://hooks.example.com/S3CRET\u00e9",
+    "http://hooks.example.com/S3CRET?q=a b",
+    "http://u:S3CRET@hooks.example.com/S3CRET",
+    "http://[::1/S3CRET",
+])
+def test_refused_webhook_urls_never_show_their_path_or_query(url) -> None:
+    with pytest.raises(ValueError) as info:
+        WebhookChannel(url)
+    text = str(info.value)
+    assert "S3CRET" not in text and ("hooks.example.com" in text or "[::1" in text), text
+    assert "\n" not in text
+
+
+def test_webhook_payload_names_a_stop_checkpoint_by_its_file_name_only() -> None:
+    from stable_attn.monitor.verdict import NotTrainingStreak
+
+    streak = NotTrainingStreak(after=1, stop_after=1)
+    action = streak.update(True)
+    local = os.path.join("/home/someone/private run", "stable_attn-stop-step=7.ckpt")
+    alert = streak.alert(7, action, 1e-3, local)
+    assert local in alert.message  # the local alerts (log, JSONL, callables) keep the path
+    with local_server() as server:
+        channel = WebhookChannel(f"http://127.0.0.1:{server.server_port}/hook", timeout=5.0)
+        channel.send(alert)
+        assert channel.flush(5.0) and channel.delivered == 1
+        channel.close()
+    body = json.loads(server.received[0][2])
+    assert "/home/someone" not in body["message"] and "private run" not in body["message"]
+    assert body["message"].endswith("; stopping, checkpoint stable_attn-stop-step=7.ckpt")
+    trainer_style = Alert(step=7, kind="spike", metric="loss", value=9.0,
+                          message="loss spike; stopping, checkpoint /out/dir/checkpoint-7/")
+    assert trainer_style.for_remote().message == "loss spike; stopping, checkpoint checkpoint-7"
+    plain = make_alert()
+    assert plain.for_remote() is plain
+
+
+def test_webhook_server_text_is_escaped_in_warnings(caplog) -> None:
+    """A server's bad status line with control characters (terminal escapes, line breaks) is logged escaped."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"EVIL \x1b[2J\x07 FAKE\rWARNING forged line\r\n\r\n")
+        conn.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        channel = WebhookChannel(f"http://127.0.0.1:{listener.getsockname()[1]}/hook", timeout=5.0)
+        with caplog.at_level(logging.WARNING, logger="stable_attn"):
+            channel.send(make_alert())
+            assert channel.flush(5.0)
+            channel.close()
+    finally:
+        thread.join(5)
+        listener.close()
+    assert channel.failed == 1
+    messages = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert messages and "EVIL" in messages[0]
+    assert all(c.isprintable() for m in messages for c in m), messages
+    assert "\\x1b" in messages[0] and all(c.isprintable() for c in channel.last_failure)

@@ -21,6 +21,8 @@ DEFAULTS = {
     "early_warning_warmup": None, "rollback_every": 100, "on_alert": None, "webhook_url": None,
     "webhook_timeout": 2.0, "webhook_headers": None, "alerts_file": names.ALERTS_FILE, "layer_window": 10,
     "not_training_after": 10, "not_training_stop_after": 100,
+    # issue 21: the cap and cool-down of spike actions, added last
+    "spike_action_cap": 10, "spike_action_cooldown": 20,
 }
 UNSAVED = ("loss_detector", "grad_norm_detector", "on_alert", "webhook_url", "webhook_headers")
 
@@ -79,3 +81,16 @@ def test_unknown_arguments_are_refused_as_a_constructor_would(owner):
         owner(foo=1)
     with pytest.raises(ValueError, match="on_spike='x' is not supported"):
         owner(on_spike="x")
+
+
+def test_typed_options_match_the_config():
+    """The TypedDict that static checkers read (``**options: Unpack[MonitorOptions]``) names every argument
+    of MonitorConfig, in order, with the same annotation."""
+    from dataclasses import fields
+
+    from stable_attn.monitor.config import MonitorConfig
+    from stable_attn.monitor.typed_options import MonitorOptions
+
+    want = [(f.name, str(f.type)) for f in fields(MonitorConfig) if f.init]
+    got = [(name, getattr(a, "__forward_arg__", a)) for name, a in MonitorOptions.__annotations__.items()]
+    assert got == want
