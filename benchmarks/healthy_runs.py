@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "callbacks"))
 import lightning as L  # noqa: E402
-from callback_lm import BATCH, SEQ, ByteChunks, ByteLM, CHUNK_ORDER, trainer  # noqa: E402
+from callback_lm import BATCH, CHUNK_ORDER, SEQ, ByteChunks, ByteLM, trainer  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from stable_attn.callbacks import StableAttentionCallback  # noqa: E402
