@@ -32,28 +32,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "callbacks"))
 import lightning as L  # noqa: E402
-from callback_lm import BATCH, CHUNK_ORDER, SEQ, ByteChunks, ByteLM, trainer  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from callback_lm import BATCH, CHUNK_ORDER, ByteChunks, ByteLM, PeriodicBytes, trainer  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 from stable_attn.callbacks import StableAttentionCallback  # noqa: E402
-
-
-class PeriodicBytes(Dataset):
-    def __init__(self, batches: int, seed: int, corrupt=(), period: int = 7, flip: float = 0.003) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.pattern = torch.randint(1, 128, (period,), generator=g)
-        self.phase = torch.randint(0, period, (batches * BATCH,), generator=g)
-        self.flips = torch.rand(batches * BATCH, SEQ, generator=g) < flip
-        self.noise = torch.randint(1, 128, (batches * BATCH, SEQ), generator=g)
-        self.corrupt, self.period = set(corrupt), period
-
-    def __len__(self) -> int:
-        return len(self.phase)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        x = self.pattern[(self.phase[i] + torch.arange(SEQ)) % self.period]
-        x = torch.where(self.flips[i], self.noise[i], x)
-        return x ^ 0x80 if i // BATCH in self.corrupt else x
 
 
 def loader(task: str, steps: int, seed: int, corrupt=()) -> DataLoader:

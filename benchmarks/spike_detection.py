@@ -184,7 +184,8 @@ def scale_curve_noise(rng: np.random.Generator, t: np.ndarray) -> tuple[np.ndarr
 
 
 def make_trace(seed: int, steps: int, family: str) -> Trace:
-    rng = np.random.default_rng(seed if family == "tuning" else (1_000_003 if family == "heldout" else 2_000_029) + seed)
+    offset = 1_000_003 if family == "heldout" else 2_000_029
+    rng = np.random.default_rng(seed if family == "tuning" else offset + seed)
     t = np.arange(steps, dtype=np.float64)
     heldout = family == "heldout"
     if family == "scale":
@@ -464,7 +465,8 @@ def main() -> None:
         fresh = [make_trace(start + seed, args.steps, "heldout") for seed in range(n_held)]
         families.append((f"fresh held-out (seeds {start}+)", fresh))
     # issue 21: loss scale 0.001-10 nats, noise 1-50% (relative or absolute) drifting +-50%, 3-sigma outliers
-    families.append(("scale/noise held-out (issue 21)", [make_trace(seed, args.steps, "scale") for seed in range(n_held)]))
+    scale_traces = [make_trace(seed, args.steps, "scale") for seed in range(n_held)]
+    families.append(("scale/noise held-out (issue 21)", scale_traces))
     k, tried = tune_mad_k(tuning)
 
     summary: dict[str, dict[str, dict[str, float]]] = {}

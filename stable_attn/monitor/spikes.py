@@ -26,7 +26,8 @@ measurements behind every number):
   update until the detector is calibrated: the value exceeds 1.25x (gradient norm: 5x) the median of
   the last 5 accepted values and ``gross_z`` (6; gradient norm: 4) sigmas of the run's measured noise
   (the successive differences of the last 32 finite values, flagged ones included, read as relative
-  and as absolute noise; docs/DETECTORS.md, "The run's own noise"). From the 21st update the noise scale also counts: a rise of twice the
+  and as absolute noise; docs/DETECTORS.md, "The run's own noise"). From the 21st update the noise scale
+  also counts: a rise of twice the
   calibrated bar (12 robust sigmas) is a ``"jump"`` already, and a rise of the calibrated bar itself
   once the forecast has been unbiased for 20 updates in a row.
 - ``"jump"`` and ``"drift"`` (:class:`SpikeDetector`, phase ``"calibrated"``): after ``warmup=100``

@@ -17,8 +17,8 @@ import logging
 import lightning as L
 import pytest
 import torch
-from callback_lm import BATCH, SEQ, ByteLM, batches_loader, trainer
-from torch.utils.data import DataLoader, Dataset
+from callback_lm import BATCH, ByteLM, PeriodicBytes, batches_loader, trainer
+from torch.utils.data import DataLoader
 
 from stable_attn.callbacks import StableAttentionCallback
 from stable_attn.cli import main
@@ -82,28 +82,6 @@ def test_the_report_shows_the_alert_of_a_default_run(tmp_path, pretrained, capsy
 
 
 # ---------------------------------------------------------------- issue 21: a healthy low-loss run
-class PeriodicBytes(Dataset):
-    """Memorising a period-7 byte pattern (random phase per sample), with 0.3% of the bytes replaced by
-    random ones: the loss falls to 0.005-0.2 nats, and from step ~60 the batch noise (how many random
-    bytes a batch holds) is 25% to several times the loss. ``corrupt``: batches garbled (high bit set)."""
-
-    def __init__(self, batches: int, seed: int, corrupt=(), period: int = 7, flip: float = 0.003) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.pattern = torch.randint(1, 128, (period,), generator=g)
-        self.phase = torch.randint(0, period, (batches * BATCH,), generator=g)
-        self.flips = torch.rand(batches * BATCH, SEQ, generator=g) < flip
-        self.noise = torch.randint(1, 128, (batches * BATCH, SEQ), generator=g)
-        self.corrupt, self.period = set(corrupt), period
-
-    def __len__(self) -> int:
-        return len(self.phase)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        x = self.pattern[(self.phase[i] + torch.arange(SEQ)) % self.period]
-        x = torch.where(self.flips[i], self.noise[i], x)
-        return x ^ 0x80 if i // BATCH in self.corrupt else x
-
-
 def fit_periodic(tmp_path, steps: int, on_spike: str, seed: int = 1, corrupt=()):
     received: list[Alert] = []
     cb = StableAttentionCallback(on_spike=on_spike, on_alert=received.append)
