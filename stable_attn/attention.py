@@ -8,10 +8,12 @@ options are checked in options.py, the tensors in _checks.py (:func:`stable_attn
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import _ops
-from ._checks import dense_problem, raise_problem, unit_last_stride
+from ._checks import dense_problem, layout_doubt, raise_problem, unit_last_stride
 from ._ops import autocast_inputs, check_stats, draw_seed, resolve_backend
 from .kernels import reference
 from .options import DEFAULTS, Options, Stabilize
@@ -39,6 +41,19 @@ _attention_fwd, _attention_bwd = _ops.define(
     "attention", "Tensor? key_padding_mask, Tensor? attn_mask", _forward, _backward,
     rows=lambda q: (q.shape[:3], q.shape[:3]),
 )
+
+
+def _warn_layout(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    """One WARNING per shape when q, k look like FlashAttention's [B, N, H, D] (:func:`_checks.layout_doubt`)."""
+    doubt = layout_doubt(q, k, causal)
+    if doubt is not None:
+        B, N, H = q.shape[0], q.shape[2], q.shape[1]
+        _ops.log_once(
+            f"layout {tuple(q.shape)} {tuple(k.shape)} {causal}",
+            f"stable_attn.attention reads q {tuple(q.shape)} and k {tuple(k.shape)} as [B, H, N, D]: {doubt}. If they "
+            f"are FlashAttention's [B, N, H, D] (batch {B}, {H} tokens, {N} heads), call stable_attn.flash_attn_func, "
+            "which takes that layout, or pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) "
+            "(logged once per shape)", logging.WARNING)
 
 
 def attention(
@@ -96,6 +111,8 @@ def attention(
     """
     q, k, v = autocast_inputs(q, k, v)
     raise_problem(dense_problem(q, k, v, key_padding_mask, attn_mask))
+    if not torch.compiler.is_compiling():  # a log call would break the graph; eager calls are where shapes go wrong
+        _warn_layout(q, k, causal)
     opts = Options.create(head_dim=q.shape[-1], causal=causal, scale=scale, window=window, softcap=softcap,
                           dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n)
     check_stats(stats)

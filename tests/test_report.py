@@ -194,11 +194,25 @@ def test_missing_columns_nan_loss_and_no_alerts(tmp_path: Path) -> None:
     assert "No per-layer stable_attn metrics were logged." in md
 
 
-def test_empty_run_dir_gives_a_report_with_notes(tmp_path: Path) -> None:
+def test_a_folder_without_a_run_is_refused_with_one_line_naming_what_was_looked_for(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes.txt").write_text("not a run")
+    with pytest.raises(FileNotFoundError, match="no training run in"):
+        build_report(tmp_path)
+    assert main(["report", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"stable-attn report: error: no training run in {str(tmp_path)!r}: looked for metrics.csv, "
+                            f"trainer_state.json, {ALERTS_FILE}, alerts.jsonl in it and below it and found none\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no report.md, no plots
+
+
+def test_a_run_with_only_an_alerts_file_gets_a_report_with_notes(tmp_path: Path) -> None:
+    JsonlChannel(tmp_path / ALERTS_FILE).send(Alert(step=3, kind="spike", metric="train/loss", value=9.0))
     md = build_report(tmp_path).read_text()
     assert "No metrics.csv found" in md
-    assert f"No {ALERTS_FILE} found" in md
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]
+    assert table_row(md, "alerts: spike")[1] == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ALERTS_FILE, "report.md"])
 
 
 def test_newest_metrics_file_wins_and_bad_alert_lines_are_counted(tmp_path: Path) -> None:
