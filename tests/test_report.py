@@ -336,3 +336,45 @@ def test_cli_report_skips_a_bad_alert_line_with_one_line_saying_so(tmp_path: Pat
     alerts, bad = read_alerts(run / "alerts.jsonl")
     assert [a["step"] for a in alerts] == [SPIKE_STEP, WARNING_STEP] and bad == 2
     assert "| 37 | spike |" in (run / "report.md").read_text()
+
+
+def _pixels(path: Path, rgb: tuple[int, int, int], tol: float = 0.06) -> int:
+    image = imread(path)[..., :3]
+    return int((np.abs(image - np.array(rgb) / 255).max(axis=-1) < tol).sum())
+
+
+def test_plots_draw_the_detectors_levels_and_titles_say_what_happened(tmp_path: Path, monkeypatch) -> None:
+    from matplotlib.axes import Axes
+
+    from stable_attn.monitor import SurgeDetector
+    from stable_attn.report import plots
+
+    # the levels are the detectors' own defaults
+    assert [v for v, _ in plots.LEVELS["saturation"]] == [SurgeDetector.saturation().min_level]
+    assert [v for v, _ in plots.LEVELS["max_logit"]] == [SurgeDetector.max_logit().min_level,
+                                                         SurgeDetector.max_logit().alarm_level]
+    titles: list[str] = []
+    original = Axes.set_title
+    monkeypatch.setattr(Axes, "set_title", lambda ax, text, *a, **k: (titles.append(text), original(ax, text, *a, **k)))
+
+    quiet = tmp_path / "quiet"
+    write_run(quiet, seed=1, alerts=[])
+    md = build_report(quiet).read_text()
+    assert titles[0] == "Loss: no alerts"
+    assert titles[1].startswith("Attention saturation") and titles[1].endswith("no alerts on it")
+    assert titles[2].startswith("Max attention logit per layer: peak ") and titles[2].endswith("no alerts on it")
+    # olive: the max-logit floor (50), pink: its alarm level (1000), cyan: the saturation floor on the colour bar
+    assert _pixels(quiet / "max_logit.png", (188, 189, 34)) > 100
+    assert _pixels(quiet / "max_logit.png", (227, 119, 194)) > 100
+    assert _pixels(quiet / "saturation_heatmap.png", (23, 190, 207)) > 30
+    how = md.split("## How to read this", 1)[1].split("\n## ", 1)[0]
+    assert "early-warning floor 0.1" in how and "early-warning floor 50" in how and "alarm 1000" in how
+
+    titles.clear()
+    noisy = tmp_path / "noisy"
+    warning = dict(alert(WARNING_STEP, "early_warning", 0.4), metric="stable_attn/saturation/layer3")
+    write_run(noisy, seed=1, alerts=[alert(SPIKE_STEP, "spike", 9.7), alert(40, "spike", 9.0), warning])
+    build_report(noisy)
+    assert titles[0] == "Loss: 3 alerts (spike 2, early_warning 1)"
+    assert titles[1].endswith("; 1 alert (early_warning 1) on it")
+    assert titles[2].endswith("no alerts on it")
