@@ -182,7 +182,7 @@ def layout_doubt(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
     """
     _, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    other_valid = Nq >= 2 and Nq % Nk == 0 and (not causal or H <= Hkv)
+    other_valid = Nq >= 2 and Nk >= 1 and Nq % Nk == 0 and (not causal or H <= Hkv)
     if not other_valid:
         return None
     read = f"{H} heads of {Nq} queries over {Nk} keys"

@@ -203,6 +203,24 @@ def test_flash_attention_layout_passed_as_bhnd_warns_once_naming_both_layouts(ca
     assert _layout_warnings(caplog, q.transpose(1, 2), k.transpose(1, 2), causal=True)[1] == []
 
 
+def test_bhnd_tensors_passed_to_flash_attn_func_warn_once_in_its_terms(caplog):
+    from stable_attn import _ops, flash_attn_func
+
+    q, k = torch.randn(2, 4, 128, 8), torch.randn(2, 2, 128, 8)  # [B, H, N, D] given to the [B, N, H, D] function
+    _ops._logged_once.clear()
+    with caplog.at_level(logging.WARNING, logger="stable_attn"):
+        flash_attn_func(q, k, k, causal=True)
+        flash_attn_func(q, k, k, causal=True)
+    (warned,) = [r.getMessage() for r in caplog.records if "reads q" in r.getMessage()]
+    assert warned.startswith("stable_attn.flash_attn_func reads q (2, 4, 128, 8) and k (2, 2, 128, 8) as "
+                             "[B, N, H, D]: 128 heads of 4 queries over 2 keys")
+    assert "If they are [B, H, N, D] (batch 2, 4 heads, 128 tokens), call stable_attn.attention" in warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stable_attn"):
+        flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), causal=True)
+    assert not [r for r in caplog.records if "reads q" in r.getMessage()]
+
+
 @pytest.mark.parametrize("q_shape, k_shape, causal", [
     ((1, 32, 1, 8), (1, 8, 40, 8), True),     # decoding one token with GQA
     ((1, 32, 1, 8), (1, 32, 1, 8), True),     # decoding from a one-token prompt, MHA
@@ -222,3 +240,10 @@ def test_legitimate_shapes_do_not_warn_about_the_layout(caplog, q_shape, k_shape
     # and the warning's wiring stays silent on a short prompt of the same kind
     small_q, small_k = (*q_shape[:2], min(q_shape[2], 16), 8), (*k_shape[:2], min(k_shape[2], 16), 8)
     assert _layout_warnings(caplog, torch.randn(small_q), torch.randn(small_k), causal)[1] == []
+
+
+def test_the_layout_check_does_not_break_a_compiled_graph():
+    # logging inside a traced function would break the graph: compiled calls skip the (eager-only) warning
+    q, k = torch.randn(2, 128, 4, 8), torch.randn(2, 128, 2, 8)
+    compiled = torch.compile(lambda q, k: stable_attn.attention(q, k, k, causal=True), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k), stable_attn.attention(q, k, k, causal=True))

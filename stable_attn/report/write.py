@@ -55,8 +55,8 @@ def _how_to_read() -> list[str]:
         "spike alert marks a step whose loss or gradient norm jumped far above its recent level (with "
         '`on_spike="skip"` that update was dropped).',
         "- **Saturation heatmap**: per layer and logged step, the fraction of query rows whose maximum score is "
-        "tied by two or more keys: the state in which BF16 `P V` rounds with a bias, which stable_attn's fix "
-        f"removes (README's healthy main job: 0.05-0.11 per layer on average). The cyan line on the colour bar: "
+        "tied by two or more keys: the state in which BF16 `P V` would round with a bias without stable_attn's "
+        f"fix (README's healthy main job: 0.05-0.11 per layer on average). The cyan line on the colour bar: "
         f"{sat}.",
         "- **Max logit**: the largest scaled attention score per layer (log axis when all are positive; README's "
         f"healthy main job peaks at 2-8). Dotted lines: {logit}.",
