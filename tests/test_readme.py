@@ -73,6 +73,14 @@ def test_first_screen_states_the_default_spike_action_and_the_start_up_line():
     assert "**Speed.** GPU: not measured yet (docs/BENCHMARKS.md" in first
 
 
+def test_readme_quotes_the_report_levels_the_plots_draw():
+    from stable_attn.report.plots import LEVELS
+
+    (sat,), (floor, alarm) = ([v for v, _ in LEVELS[stat]] for stat in ("saturation", "max_logit"))
+    text = " ".join(README.read_text().split())
+    assert f"early-warning detectors' levels drawn (saturation {sat:g}; max logit {floor:g} and {alarm:g})" in text
+
+
 def test_readme_troubleshooting_names_the_misspelling_transformers_does_not_hint_at():
     # transformers' own error lists only its implementations: README's line is the user's hint
     from transformers import AutoModelForCausalLM, LlamaConfig
