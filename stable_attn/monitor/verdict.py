@@ -165,6 +165,19 @@ class StepJudge:
         self.ranks = {names.LOSS: RankDetectors(loss), names.GRAD_NORM: RankDetectors(grad_norm)}
         self._grads_were_bad = False
 
+    def detector_states(self) -> dict[str, list[dict[str, Any]]]:
+        """Every rank's loss and gradient-norm detector states, by metric (what a rollback snapshot keeps)."""
+        return {metric: [d.state_dict() for d in ranks.detectors] for metric, ranks in self.ranks.items()}
+
+    def load_detector_states(self, states: dict[str, list[dict[str, Any]]]) -> None:
+        """Put back :meth:`detector_states`' output (a rollback): ranks it holds no state for start afresh
+        from rank zero's."""
+        for metric, ranks in self.ranks.items():
+            saved = states.get(metric, [])
+            if saved:
+                ranks.detectors[0].load_state_dict(saved[0])
+                ranks.load_other_states(saved[1:])
+
     def judge(self, step: int, rows: list[list[float]], *, has_norm: bool, scaler: bool, lr: float,
               note: Callable[[Verdict], str]) -> Judgement:
         """``rows[rank]`` = [loss, grad norm, has loss, non-finite gradients]; ``note(verdict)`` is what an
@@ -241,13 +254,14 @@ class NotTrainingStreak:
 
     def alert(self, step: int, action: str, lr: float | None, stop_path: str) -> Alert:
         streak, stop = self.streak, self.stop_after
-        then = f"; stopping, checkpoint {stop_path}" if self.stops else (
+        then = "; stopping" if self.stops else (
             f"; the run stops after {stop} such steps" if stop is not None else "")
         return Alert(
             step=step, kind="not_training", metric=names.NOT_TRAINING, value=streak, threshold=self.after, lr=lr,
             action=action,
             message=f"the run is not training: {streak} optimizer steps in a row (steps {step - streak + 1}..{step}) "
-                    f"had their update dropped or a non-finite loss{then}")
+                    f"had their update dropped or a non-finite loss{then}",
+            checkpoint=stop_path if self.stops else None)
 
 
 class PhaseNotes:

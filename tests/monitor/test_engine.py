@@ -148,6 +148,30 @@ def test_rollback_restores_the_last_snapshot(tmp_path):
     assert "rollback_snapshot" in engine.state_dict()  # one process: the snapshot goes with the checkpoint
 
 
+def test_a_rollback_puts_the_detectors_back_with_the_weights(tmp_path):
+    """The detectors judged the first losses after a rollback against the level the run had reached since
+    the snapshot: on a falling loss those looked like a spike again, and rollbacks followed one another."""
+    engine = MonitorEngine(on_spike="rollback", rollback_every=4)
+    loop = Loop(engine, str(tmp_path))
+    at_snapshot = {}
+    original = engine._take_snapshot
+
+    def remember(state):
+        original(state)
+        at_snapshot[state.step] = engine._judge.detector_states()
+
+    engine._take_snapshot = remember
+    loop.run(steps=BAD - 1, scale={BAD - 2: 20.0})  # the rollback's end_step is the last one
+    assert engine.rollbacks == [(BAD - 2, 8)]
+    assert engine._judge.detector_states() == at_snapshot[8]
+    saved = engine.state_dict()
+    assert saved["rollback_detectors"] == at_snapshot[8]  # a resumed run rolls back the detectors too
+    resumed = MonitorEngine(on_spike="rollback", rollback_every=4)
+    resumed.load_state_dict(saved)
+    resumed.train_start(loop.trainables(BAD - 1))
+    assert resumed._snapshot_detectors == at_snapshot[8]
+
+
 def test_stop_names_the_checkpoint_and_a_nan_is_never_applied(tmp_path):
     engine = MonitorEngine(on_spike="stop")
     loop = Loop(engine, str(tmp_path))
