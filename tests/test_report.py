@@ -375,6 +375,6 @@ def test_plots_draw_the_detectors_levels_and_titles_say_what_happened(tmp_path: 
     warning = dict(alert(WARNING_STEP, "early_warning", 0.4), metric="stable_attn/saturation/layer3")
     write_run(noisy, seed=1, alerts=[alert(SPIKE_STEP, "spike", 9.7), alert(40, "spike", 9.0), warning])
     build_report(noisy)
-    assert titles[0] == "Loss: 3 alerts (spike 2, early_warning 1)"
-    assert titles[1].endswith("; 1 alert (early_warning 1) on it")
+    assert titles[0] == f"Loss: 3 alerts (spike 2, early_warning 1) at steps {SPIKE_STEP}, 40, {WARNING_STEP}"
+    assert titles[1].endswith(f"; 1 alert (early_warning 1) at step {WARNING_STEP} on it")
     assert titles[2].endswith("no alerts on it")

@@ -33,6 +33,7 @@ LEVELS: dict[str, list[tuple[float, str]]] = {
 
 KIND_COLORS = {"spike": "tab:red", "nonfinite": "black", "early_warning": "tab:orange", "not_training": "tab:brown"}
 _MAX_ANNOTATED_ALERTS = 20
+_MAX_TITLE_STEPS = 4
 # Level lines in colours no alert kind uses: the early-warning floor, then the alarm level.
 _LEVEL_COLORS = ("tab:olive", "tab:pink")
 
@@ -77,7 +78,8 @@ def _mark_alerts(ax, alerts: list[dict], annotate: bool) -> None:
 
 
 def alerts_phrase(alerts: list[dict]) -> str:
-    """``no alerts``, or ``3 alerts (spike 2, early_warning 1)``: what a plot's title says happened."""
+    """``no alerts``, or ``3 alerts (spike 2, early_warning 1) at steps 37, 50``: what a plot's title says
+    happened (the steps when there are at most :data:`_MAX_TITLE_STEPS` of them)."""
     if not alerts:
         return "no alerts"
     kinds: dict[str, int] = {}
@@ -85,7 +87,10 @@ def alerts_phrase(alerts: list[dict]) -> str:
         kind = str(alert.get("kind", "unknown"))
         kinds[kind] = kinds.get(kind, 0) + 1
     listed = ", ".join(f"{kind} {n}" for kind, n in kinds.items())
-    return f"{len(alerts)} alert{'s' if len(alerts) > 1 else ''} ({listed})"
+    steps = sorted({int(alert["step"]) for alert in alerts})
+    where = f" at step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" \
+        if len(steps) <= _MAX_TITLE_STEPS else ""
+    return f"{len(alerts)} alert{'s' if len(alerts) > 1 else ''} ({listed}){where}"
 
 
 def _stat_alerts(alerts: list[dict], stat: str) -> list[dict]:
