@@ -170,6 +170,7 @@ class MonitorEngine:
         self.alert_kinds: dict[str, int] = dict.fromkeys(ALERT_KINDS, 0)
         self.skipped_steps: list[int] = []
         self.rollbacks: list[tuple[int, int]] = []  # (spiking step, snapshot step)
+        self.unconfirmed_grad_norm_jumps = 0  # gradient-norm jumps without a loss rise: counted, not alerted
         self.stop_checkpoint: str | None = None
         self.dispatcher: AlertDispatcher | None = None
         # per channel: delivered, failed, dropped, abandoned (closed channels and earlier runs of a resume)
@@ -326,6 +327,9 @@ class MonitorEngine:
             shown = ", ".join(map(str, self.skipped_steps[:5])) + (", ..." if len(self.skipped_steps) > 5 else "")
             line += f" (steps {shown})"
         line += f", {len(self.rollbacks)} rollback(s)"
+        if self.unconfirmed_grad_norm_jumps:
+            line += (f"; {self.unconfirmed_grad_norm_jumps} gradient-norm jump(s) the loss did not confirm "
+                     "(not alerted)")
         if self.stop_checkpoint is not None:
             line += f"; stopped, checkpoint {self.stop_checkpoint}"
         if self.alerts_file is not None and self.alert_count and self.log_dir is not None:
@@ -391,6 +395,7 @@ class MonitorEngine:
         judged = self._judge.judge(step, table.cpu().tolist(), has_norm=grad_norm is not None, scaler=scaler,
                                    lr=lr, note=lambda verdict: self._action_note(step, verdict))
         self.last = judged.last
+        self.unconfirmed_grad_norm_jumps += judged.unconfirmed
         watched = [self.loss_detector] + ([self.grad_norm_detector] if self.monitor_grad_norm else [])
         for line in self._phases.update(step, watched):
             if self.world.is_zero:
@@ -515,6 +520,7 @@ class MonitorEngine:
             "alert_count": self.alert_count,
             "skipped_steps": list(self.skipped_steps),
             "rollbacks": [list(r) for r in self.rollbacks],
+            "unconfirmed_grad_norm_jumps": self.unconfirmed_grad_norm_jumps,
             "stop_checkpoint": self.stop_checkpoint,
             "layers": watch["layers"],
             "alert_delivery": self._delivery(),
@@ -550,6 +556,7 @@ class MonitorEngine:
         self._cap.load_state_dict(state_dict.get("spike_actions", {}))
         self.skipped_steps = list(state_dict.get("skipped_steps", []))
         self.rollbacks = [tuple(r) for r in state_dict.get("rollbacks", [])]
+        self.unconfirmed_grad_norm_jumps = int(state_dict.get("unconfirmed_grad_norm_jumps", 0))
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
         self._watch.load_state_dict(state_dict)  # applied to layers found later too
 

@@ -106,7 +106,7 @@ def check_engine_state(state: Any, spike_template: Mapping[str, Any], surge_temp
     if surge_template is not None:
         for metric, saved in surge.items():
             check_detector_state(saved, f"{where}['surge'][{metric!r}]", surge_template)
-    for key in ("alert_count", "not_training_streak"):
+    for key in ("alert_count", "not_training_streak", "unconfirmed_grad_norm_jumps"):
         if key in state and not _count(state[key]):
             raise _refuse(f"{where}[{key!r}]", state[key], "an int >= 0")
     kinds = state.get("alert_kinds", {})

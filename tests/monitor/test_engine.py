@@ -28,7 +28,7 @@ EVERY = 4
 CHECKPOINT_KEYS = {
     "loss_detector", "other_rank_loss_detectors", "grad_norm_detector", "other_rank_grad_norm_detectors",
     "alert_kinds", "not_training_streak", "surge", "alert_count", "skipped_steps", "rollbacks", "stop_checkpoint",
-    "layers", "alert_delivery", "spike_actions",
+    "layers", "alert_delivery", "spike_actions", "unconfirmed_grad_norm_jumps",
 }
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
