@@ -21,6 +21,7 @@ module maps Lightning's hooks onto it (automatic optimization):
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
 
 __all__ = ["StableAttentionCallback"]
+
+log = logging.getLogger("stable_attn")
 
 if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
     from typing_extensions import Unpack
@@ -150,7 +153,9 @@ class StableAttentionCallback(Callback):
     ``<log_dir>/stable_attn-stop-step=<step>.ckpt``). A step that trains ends the streak.
 
     **What the user sees.** WARNING lines on the ``stable_attn`` logger (Python prints WARNING and
-    above even without any logging set up): the swap; for each watched metric, when spike detection
+    above even without any logging set up): the swap; what a spike does (``on a spike: warn only, the
+    update is applied (on_spike='warn', the default; ...)``, from
+    :meth:`~stable_attn.monitor.config.MonitorConfig.spike_line`); for each watched metric, when spike detection
     becomes active (the gross-jump rule, then the calibrated rule); every alert; and at the end of
     ``fit()`` one summary line (alerts by kind, updates skipped, rollbacks, the stop checkpoint).
 
@@ -184,6 +189,8 @@ class StableAttentionCallback(Callback):
         self.engine.setup(pl_module, _world(trainer))  # models built in ``configure_model`` (FSDP) exist now
         # trainer.log_dir broadcasts rank zero's directory: a collective, so every rank calls it here.
         self.engine.start(trainer.log_dir or trainer.default_root_dir, trainer.log_every_n_steps)
+        if trainer.is_global_zero:
+            log.warning("%s: %s", self.engine.name, self.engine.config.spike_line())
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainables = _trainables(trainer, pl_module)

@@ -332,6 +332,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             output_dir = args.output_dir or "."
             stop_path = lambda step: os.path.join(output_dir, names.trainer_checkpoint(step))  # the Trainer's save
             self.engine.start(output_dir, self._every, stop_path)
+            if world.is_zero:
+                log.warning("%s: %s", self.engine.name, self.engine.config.spike_line())
             trainables = self._trainables(state, model, optimizer, lr_scheduler)
             self.engine.train_start(trainables)
         except BaseException:
