@@ -3,7 +3,7 @@
 The main job of the project: real text, a real tokenizer, a real ``transformers`` model, Lightning, the
 stabilized attention kernel and :class:`~stable_attn.callbacks.StableAttentionCallback`.
 
-    python examples/train_gpt2.py                      # about 3 minutes on a CPU, no download
+    python examples/train_gpt2.py                      # about 5 minutes on a 2-core CPU, no download
     python examples/train_gpt2.py --inject-spike-at 200  # one corrupted batch: an alert, the update skipped
     stable-attn report runs/gpt2-<timestamp>            # rebuild the plots from the CSV and JSONL
 

@@ -159,6 +159,41 @@ def dense_problem(q: Any, k: Any, v: Any, key_padding_mask: Any = None, attn_mas
     return None
 
 
+# Models rarely have more than 128 attention heads (Llama 3.1 405B and DeepSeek-V3 have 128), and "heads" this
+# many times the queries per head, on more than 64 of them, read more like a sequence axis: the layout doubt below.
+COMMON_MAX_HEADS = 128
+HEADS_PER_QUERY = 16
+
+
+def layout_doubt(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
+    """Why q, k of a call that :func:`dense_problem` accepts as ``[B, H, N, D]`` look like FlashAttention's
+    ``[B, N, H, D]`` instead (a phrase for a WARNING), or None. Shapes only: no tensor data is read.
+
+    Only when the other reading is a valid call too (its heads ``q.shape[2]`` a multiple of ``k.shape[2]``,
+    at least 2 of them, and with ``causal`` no query without a key) and one of these holds:
+
+    - ``causal`` with ``Nq > Nk`` leaves the first ``Nq - Nk`` query rows of every head without a key (their
+      output is zeros): what FlashAttention's GQA tensors ``[B, N, Hq, D]``, ``[B, N, Hkv, D]`` give;
+    - more than :data:`COMMON_MAX_HEADS` / 2 heads and at least :data:`HEADS_PER_QUERY` times as many heads as
+      queries per head (or more than :data:`COMMON_MAX_HEADS` heads and 8 times).
+
+    Decoding (``Nq == 1``), GQA prompts (``Hq != Hkv`` with ``causal``), long sequences with few heads and
+    short prompts of models with up to 64 heads never raise it.
+    """
+    _, H, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    other_valid = Nq >= 2 and Nk >= 1 and Nq % Nk == 0 and (not causal or H <= Hkv)
+    if not other_valid:
+        return None
+    read = f"{H} heads of {Nq} queries over {Nk} keys"
+    if causal and Nq > Nk:
+        return (f"{read}, and causal leaves {Nq - Nk} of every head's {Nq} query rows without a key (their output "
+                "is zeros)")
+    if (H > COMMON_MAX_HEADS // 2 and H >= HEADS_PER_QUERY * Nq) or (H > COMMON_MAX_HEADS and H >= 8 * Nq):
+        return f"{read}: more heads than models use, with few queries each"
+    return None
+
+
 def packed_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
                    max_seqlen_k: Any) -> Problem | None:
     """What is wrong with the shapes, dtypes and devices of an ``attention_varlen()`` call, or None."""

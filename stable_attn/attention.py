@@ -8,10 +8,12 @@ options are checked in options.py, the tensors in _checks.py (:func:`stable_attn
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import _ops
-from ._checks import dense_problem, raise_problem, unit_last_stride
+from ._checks import dense_problem, layout_doubt, raise_problem, unit_last_stride
 from ._ops import autocast_inputs, check_stats, draw_seed, resolve_backend
 from .kernels import reference
 from .options import DEFAULTS, Options, Stabilize
@@ -39,6 +41,30 @@ _attention_fwd, _attention_bwd = _ops.define(
     "attention", "Tensor? key_padding_mask, Tensor? attn_mask", _forward, _backward,
     rows=lambda q: (q.shape[:3], q.shape[:3]),
 )
+
+
+def warn_layout(q: torch.Tensor, k: torch.Tensor, causal: bool, flash: bool = False) -> None:
+    """One WARNING per shape when the ``[B, H, N, D]`` q, k that :func:`attention` receives look like
+    FlashAttention's ``[B, N, H, D]`` (:func:`_checks.layout_doubt`). ``flash``: the caller is
+    ``flash_attn_func``, which passes the transposes of its own ``[B, N, H, D]`` inputs; the message then
+    speaks of those (and :func:`attention`'s own check of the same call stays silent: same key)."""
+    doubt = layout_doubt(q, k, causal)
+    if doubt is None:
+        return
+    B, H, N = q.shape[0], q.shape[1], q.shape[2]
+    fix = "q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)"
+    if flash:  # the caller's tensors are the transposes: its N is our H, its H our N
+        given, shapes, layout = "stable_attn.flash_attn_func", (q.transpose(1, 2).shape, k.transpose(1, 2).shape), \
+            "[B, N, H, D]"
+        advice = (f"If they are [B, H, N, D] (batch {B}, {N} heads, {H} tokens), call stable_attn.attention, which "
+                  f"takes that layout, or pass {fix}")
+    else:
+        given, shapes, layout = "stable_attn.attention", (q.shape, k.shape), "[B, H, N, D]"
+        advice = (f"If they are FlashAttention's [B, N, H, D] (batch {B}, {H} tokens, {N} heads), call "
+                  f"stable_attn.flash_attn_func, which takes that layout, or pass {fix}")
+    _ops.log_once(f"layout {tuple(q.shape)} {tuple(k.shape)} {causal}",
+                  f"{given} reads q {tuple(shapes[0])} and k {tuple(shapes[1])} as {layout}: {doubt}. {advice} "
+                  "(logged once per shape)", logging.WARNING)
 
 
 def attention(
@@ -96,6 +122,8 @@ def attention(
     """
     q, k, v = autocast_inputs(q, k, v)
     raise_problem(dense_problem(q, k, v, key_padding_mask, attn_mask))
+    if not torch.compiler.is_compiling():  # a log call would break the graph; eager calls are where shapes go wrong
+        warn_layout(q, k, causal)
     opts = Options.create(head_dim=q.shape[-1], causal=causal, scale=scale, window=window, softcap=softcap,
                           dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n)
     check_stats(stats)

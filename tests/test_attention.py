@@ -5,10 +5,13 @@ What the op computes is tested on both backends in tests/kernels/test_correctnes
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import stable_attn
+from stable_attn import _checks
 
 
 def test_autocast_runs_in_lower_precision():
@@ -168,3 +171,79 @@ def test_an_empty_batch_gives_empty_outputs_and_gradients(backend, monkeypatch):
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     assert st.empty  # no rows were seen
+
+
+def _layout_warnings(caplog, q, k, causal):
+    from stable_attn import _ops
+
+    _ops._logged_once.clear()
+    with caplog.at_level(logging.WARNING, logger="stable_attn"):
+        caplog.clear()
+        out = stable_attn.attention(q, k, k, causal=causal)
+        stable_attn.attention(q, k, k, causal=causal)  # the same shape again: logged once
+    return out, [r.getMessage() for r in caplog.records if "reads q" in r.getMessage()]
+
+
+def test_flash_attention_layout_passed_as_bhnd_warns_once_naming_both_layouts(caplog):
+    # FlashAttention's GQA tensors [B, N, H, D] = q 2x128x4, k 2x128x2: read as 128 heads of 4 queries over 2
+    # keys, bottom-right causal leaves 2 of each head's 4 rows (512 of 1024) without a key
+    q, k = torch.randn(2, 128, 4, 8), torch.randn(2, 128, 2, 8)
+    out, warned = _layout_warnings(caplog, q, k, causal=True)
+    assert int((out.abs().sum(-1) == 0).sum()) == 512
+    assert len(warned) == 1, warned
+    assert "[B, H, N, D]" in warned[0] and "128 heads of 4 queries over 2 keys" in warned[0]
+    assert "2 of every head's 4 query rows without a key" in warned[0]
+    assert "flash_attn_func" in warned[0] and "batch 2, 128 tokens, 4 heads" in warned[0]
+    # multi-head tensors of the same mistake leave no row without a key: the head count gives them away
+    for shape in ((2, 128, 4, 8), (1, 1024, 16, 8), (1, 4096, 8, 8), (1, 256, 32, 8)):
+        t = torch.randn(*shape)
+        assert len(_layout_warnings(caplog, t, t, causal=True)[1]) == 1, shape
+        assert len(_layout_warnings(caplog, t, t, causal=False)[1]) == 1, shape
+    # the right layout of the same tensors is silent
+    assert _layout_warnings(caplog, q.transpose(1, 2), k.transpose(1, 2), causal=True)[1] == []
+
+
+def test_bhnd_tensors_passed_to_flash_attn_func_warn_once_in_its_terms(caplog):
+    from stable_attn import _ops, flash_attn_func
+
+    q, k = torch.randn(2, 4, 128, 8), torch.randn(2, 2, 128, 8)  # [B, H, N, D] given to the [B, N, H, D] function
+    _ops._logged_once.clear()
+    with caplog.at_level(logging.WARNING, logger="stable_attn"):
+        flash_attn_func(q, k, k, causal=True)
+        flash_attn_func(q, k, k, causal=True)
+    (warned,) = [r.getMessage() for r in caplog.records if "reads q" in r.getMessage()]
+    assert warned.startswith("stable_attn.flash_attn_func reads q (2, 4, 128, 8) and k (2, 2, 128, 8) as "
+                             "[B, N, H, D]: 128 heads of 4 queries over 2 keys")
+    assert "If they are [B, H, N, D] (batch 2, 4 heads, 128 tokens), call stable_attn.attention" in warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stable_attn"):
+        flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), causal=True)
+    assert not [r for r in caplog.records if "reads q" in r.getMessage()]
+
+
+@pytest.mark.parametrize("q_shape, k_shape, causal", [
+    ((1, 32, 1, 8), (1, 8, 40, 8), True),     # decoding one token with GQA
+    ((1, 32, 1, 8), (1, 32, 1, 8), True),     # decoding from a one-token prompt, MHA
+    ((1, 128, 1, 8), (1, 128, 7, 8), True),   # decoding, 128 heads
+    ((1, 32, 5, 8), (1, 8, 5, 8), True),      # a short GQA prompt
+    ((1, 32, 4, 8), (1, 32, 4, 8), True),     # a short MHA prompt, 32 heads
+    ((1, 64, 4, 8), (1, 64, 4, 8), False),    # 64 heads, 4 tokens (an encoder)
+    ((1, 4, 4096, 8), (1, 4, 4096, 8), True),  # a long sequence with few heads
+    ((1, 2, 2048, 8), (1, 1, 2048, 8), True),  # long, MQA
+    ((2, 12, 128, 8), (2, 12, 128, 8), True),  # GPT-2
+    ((1, 32, 16, 8), (1, 32, 80, 8), True),    # chunked prefill over a cache
+])
+def test_legitimate_shapes_do_not_warn_about_the_layout(caplog, q_shape, k_shape, causal):
+    q, k = torch.empty(q_shape, device="meta"), torch.empty(k_shape, device="meta")
+    assert _checks.dense_problem(q, k, k) is None
+    assert _checks.layout_doubt(q, k, causal) is None  # what attention() warns on, shapes only
+    # and the warning's wiring stays silent on a short prompt of the same kind
+    small_q, small_k = (*q_shape[:2], min(q_shape[2], 16), 8), (*k_shape[:2], min(k_shape[2], 16), 8)
+    assert _layout_warnings(caplog, torch.randn(small_q), torch.randn(small_k), causal)[1] == []
+
+
+def test_the_layout_check_does_not_break_a_compiled_graph():
+    # logging inside a traced function would break the graph: compiled calls skip the (eager-only) warning
+    q, k = torch.randn(2, 128, 4, 8), torch.randn(2, 128, 2, 8)
+    compiled = torch.compile(lambda q, k: stable_attn.attention(q, k, k, causal=True), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k), stable_attn.attention(q, k, k, causal=True))

@@ -194,11 +194,25 @@ def test_missing_columns_nan_loss_and_no_alerts(tmp_path: Path) -> None:
     assert "No per-layer stable_attn metrics were logged." in md
 
 
-def test_empty_run_dir_gives_a_report_with_notes(tmp_path: Path) -> None:
+def test_a_folder_without_a_run_is_refused_with_one_line_naming_what_was_looked_for(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes.txt").write_text("not a run")
+    with pytest.raises(FileNotFoundError, match="no training run in"):
+        build_report(tmp_path)
+    assert main(["report", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"stable-attn report: error: no training run in {str(tmp_path)!r}: looked for metrics.csv, "
+                            f"trainer_state.json, {ALERTS_FILE}, alerts.jsonl in it and below it and found none\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no report.md, no plots
+
+
+def test_a_run_with_only_an_alerts_file_gets_a_report_with_notes(tmp_path: Path) -> None:
+    JsonlChannel(tmp_path / ALERTS_FILE).send(Alert(step=3, kind="spike", metric="train/loss", value=9.0))
     md = build_report(tmp_path).read_text()
     assert "No metrics.csv found" in md
-    assert f"No {ALERTS_FILE} found" in md
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]
+    assert table_row(md, "alerts: spike")[1] == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ALERTS_FILE, "report.md"])
 
 
 def test_newest_metrics_file_wins_and_bad_alert_lines_are_counted(tmp_path: Path) -> None:
@@ -322,3 +336,45 @@ def test_cli_report_skips_a_bad_alert_line_with_one_line_saying_so(tmp_path: Pat
     alerts, bad = read_alerts(run / "alerts.jsonl")
     assert [a["step"] for a in alerts] == [SPIKE_STEP, WARNING_STEP] and bad == 2
     assert "| 37 | spike |" in (run / "report.md").read_text()
+
+
+def _pixels(path: Path, rgb: tuple[int, int, int], tol: float = 0.06) -> int:
+    image = imread(path)[..., :3]
+    return int((np.abs(image - np.array(rgb) / 255).max(axis=-1) < tol).sum())
+
+
+def test_plots_draw_the_detectors_levels_and_titles_say_what_happened(tmp_path: Path, monkeypatch) -> None:
+    from matplotlib.axes import Axes
+
+    from stable_attn.monitor import SurgeDetector
+    from stable_attn.report import plots
+
+    # the levels are the detectors' own defaults
+    assert [v for v, _ in plots.LEVELS["saturation"]] == [SurgeDetector.saturation().min_level]
+    assert [v for v, _ in plots.LEVELS["max_logit"]] == [SurgeDetector.max_logit().min_level,
+                                                         SurgeDetector.max_logit().alarm_level]
+    titles: list[str] = []
+    original = Axes.set_title
+    monkeypatch.setattr(Axes, "set_title", lambda ax, text, *a, **k: (titles.append(text), original(ax, text, *a, **k)))
+
+    quiet = tmp_path / "quiet"
+    write_run(quiet, seed=1, alerts=[])
+    md = build_report(quiet).read_text()
+    assert titles[0] == "Loss: no alerts"
+    assert titles[1].startswith("Attention saturation") and titles[1].endswith("no alerts on it")
+    assert titles[2].startswith("Max attention logit per layer: peak ") and titles[2].endswith("no alerts on it")
+    # olive: the max-logit floor (50), pink: its alarm level (1000), cyan: the saturation floor on the colour bar
+    assert _pixels(quiet / "max_logit.png", (188, 189, 34)) > 100
+    assert _pixels(quiet / "max_logit.png", (227, 119, 194)) > 100
+    assert _pixels(quiet / "saturation_heatmap.png", (23, 190, 207)) > 30
+    how = md.split("## How to read this", 1)[1].split("\n## ", 1)[0]
+    assert "early-warning floor 0.1" in how and "early-warning floor 50" in how and "alarm 1000" in how
+
+    titles.clear()
+    noisy = tmp_path / "noisy"
+    warning = dict(alert(WARNING_STEP, "early_warning", 0.4), metric="stable_attn/saturation/layer3")
+    write_run(noisy, seed=1, alerts=[alert(SPIKE_STEP, "spike", 9.7), alert(40, "spike", 9.0), warning])
+    build_report(noisy)
+    assert titles[0] == f"Loss: 3 alerts (spike 2, early_warning 1) at steps {SPIKE_STEP}, 40, {WARNING_STEP}"
+    assert titles[1].endswith(f"; 1 alert (early_warning 1) at step {WARNING_STEP} on it")
+    assert titles[2].endswith("no alerts on it")

@@ -21,6 +21,7 @@ module maps Lightning's hooks onto it (automatic optimization):
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +32,10 @@ from ..monitor import names
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
-from ..monitor.resume_checks import check_resumed_snapshot, check_resumed_state
 
 __all__ = ["StableAttentionCallback"]
+
+log = logging.getLogger("stable_attn")
 
 if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
     from typing_extensions import Unpack
@@ -151,7 +153,9 @@ class StableAttentionCallback(Callback):
     ``<log_dir>/stable_attn-stop-step=<step>.ckpt``). A step that trains ends the streak.
 
     **What the user sees.** WARNING lines on the ``stable_attn`` logger (Python prints WARNING and
-    above even without any logging set up): the swap; for each watched metric, when spike detection
+    above even without any logging set up): the swap; what a spike does (``on a spike: warn only, the
+    update is applied (on_spike='warn', the default; ...)``, from
+    :meth:`~stable_attn.monitor.config.MonitorConfig.spike_line`); for each watched metric, when spike detection
     becomes active (the gross-jump rule, then the calibrated rule); every alert; and at the end of
     ``fit()`` one summary line (alerts by kind, updates skipped, rollbacks, the stop checkpoint).
 
@@ -185,10 +189,11 @@ class StableAttentionCallback(Callback):
         self.engine.setup(pl_module, _world(trainer))  # models built in ``configure_model`` (FSDP) exist now
         # trainer.log_dir broadcasts rank zero's directory: a collective, so every rank calls it here.
         self.engine.start(trainer.log_dir or trainer.default_root_dir, trainer.log_every_n_steps)
+        if trainer.is_global_zero:
+            log.warning("%s: %s", self.engine.name, self.engine.config.spike_line())
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainables = _trainables(trainer, pl_module)
-        check_resumed_snapshot(self.engine, trainables)
         self.engine.train_start(trainables)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -245,8 +250,8 @@ class StableAttentionCallback(Callback):
         return self.engine.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_resumed_state(self.engine, state_dict, f"{type(self).__name__} state")
-        self.engine.load_state_dict(state_dict)  # the snapshot's fields are checked there (snapshot_from_state)
+        # Every field is checked there before any is loaded, the snapshot against the run at train_start.
+        self.engine.load_state_dict(state_dict, f"{type(self).__name__} state")
 
 
 MonitorConfig.document(StableAttentionCallback, log_every="the Trainer's ``log_every_n_steps``",

@@ -24,11 +24,19 @@ from . import alerting, names
 from .alerts import Alert
 from .spikes import SpikeDetector
 
-__all__ = ["ACTIONS", "MonitorConfig", "SpikeAction"]
+__all__ = ["ACTIONS", "ACTION_WORDS", "MonitorConfig", "SpikeAction"]
 
 SpikeAction = Literal["warn", "skip", "rollback", "stop"]
 #: What ``on_spike`` accepts, in the order the docs give them.
 ACTIONS = ("warn", "skip", "rollback", "stop")
+#: What each ``on_spike`` does to the update of a step whose loss or gradient norm spikes, in the words of the
+#: callbacks' start-up line (:meth:`MonitorConfig.spike_line`) and README.
+ACTION_WORDS = {
+    "warn": "warn only, the update is applied",
+    "skip": "skip the update",
+    "rollback": "roll back to the last snapshot",
+    "stop": "stop with a checkpoint",
+}
 
 
 def _arg(default: Any, doc: str, *, saved: bool = True) -> Any:
@@ -173,6 +181,21 @@ class MonitorConfig:
         """Every argument as the engine keeps it: as given, but ``on_alert`` a list of callables,
         ``webhook_timeout`` a float and ``webhook_headers`` a dict."""
         return {name: self._checked.get(name, getattr(self, name)) for name in self.names()}
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of the argument ``name`` (the one place it is written is its field above)."""
+        for f in fields(cls):
+            if f.init and f.name == name:
+                return f.default
+        raise ValueError(f"name={name!r} is not an argument of MonitorConfig; use one of {cls.names()}")
+
+    def spike_line(self) -> str:
+        """What a spike does in this run, for the callbacks' start-up line: ``on a spike: skip the update
+        (on_spike='skip')``, with ``the default`` when it is one, and that NaN/inf updates are never applied."""
+        default = ", the default" if self.on_spike == self.default("on_spike") else ""
+        return (f"on a spike: {ACTION_WORDS[self.on_spike]} (on_spike={self.on_spike!r}{default}; "
+                f"choose from {', '.join(map(repr, ACTIONS))}); a NaN or inf loss or gradient is never applied")
 
     @property
     def rolls_back(self) -> bool:

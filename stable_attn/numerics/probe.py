@@ -392,11 +392,13 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="stable_attn backend (default auto: Triton on CUDA, PyTorch on CPU)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", default="probe.json", help="where to write the report JSON")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the report as JSON to PATH (default: print the table only)")
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    """Run ``stable-attn probe``: print the per-layer table, write the JSON; returns the exit status."""
+    """Run ``stable-attn probe``: print the per-layer table, and write the JSON with ``--json PATH``; returns the
+    exit status."""
     if args.batch < 1 or args.seq_len < 2:
         raise ValueError(f"--batch must be >= 1 and --seq-len >= 2, got {args.batch} and {args.seq_len}")
     fixes = [f for f in args.fixes.split(",") if f]
@@ -410,8 +412,9 @@ def run_probe(args: argparse.Namespace) -> int:
     model.to(args.device)
     report = probe(model, ids, fixes=fixes, dtype=_DTYPES[args.dtype], backend=args.backend, seed=args.seed)
     print(report.table())
-    report.write_json(args.json)
-    print(f"wrote {args.json}")
+    if args.json is not None:
+        report.write_json(args.json)
+        print(f"wrote {args.json}")
     return 0
 
 

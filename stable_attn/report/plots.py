@@ -2,7 +2,10 @@
 
 Each ``plot_*`` function writes one PNG of a :class:`~stable_attn.report.read.RunData` and returns
 False, writing nothing, when the run has no data for it. Alerts are drawn as dashed lines in the
-colour of their kind.
+colour of their kind, and each title says what happened (``no alerts`` when there were none). The
+saturation and max-logit plots draw the early-warning detectors' default levels as labelled lines: the
+values are read from :class:`~stable_attn.monitor.SurgeDetector`'s own defaults (:data:`LEVELS`), not
+copied.
 """
 
 from __future__ import annotations
@@ -12,13 +15,27 @@ from pathlib import Path
 
 import numpy as np
 
-from ..monitor.names import LOSS, VAL_LOSS, layer_metric
+from ..monitor.names import LOSS, VAL_LOSS, layer_metric, parse_layer_metric
+from ..monitor.surge import SurgeDetector
 from .read import RunData
 
-__all__ = ["plot_loss", "plot_max_logit", "plot_saturation"]
+__all__ = ["KIND_COLORS", "LEVELS", "alerts_phrase", "plot_loss", "plot_max_logit", "plot_saturation"]
 
-_KIND_COLORS = {"spike": "tab:red", "nonfinite": "black", "early_warning": "tab:orange", "not_training": "tab:brown"}
+_SATURATION, _MAX_LOGIT = SurgeDetector.saturation(), SurgeDetector.max_logit()
+#: The lines drawn on the per-layer plots: (value, label) per statistic, from the surge detectors' defaults.
+LEVELS: dict[str, list[tuple[float, str]]] = {
+    "saturation": [(_SATURATION.min_level, f"early-warning floor {_SATURATION.min_level:g}: a rise to here, "
+                                           "with the loss stalled, alerts")],
+    "max_logit": [(_MAX_LOGIT.min_level, f"early-warning floor {_MAX_LOGIT.min_level:g}: a rise to here, with the "
+                                         "loss stalled, alerts"),
+                  (_MAX_LOGIT.alarm_level, f"alarm {_MAX_LOGIT.alarm_level:g}: alerts whatever the loss does")],
+}
+
+KIND_COLORS = {"spike": "tab:red", "nonfinite": "black", "early_warning": "tab:orange", "not_training": "tab:brown"}
 _MAX_ANNOTATED_ALERTS = 20
+_MAX_TITLE_STEPS = 4
+# Level lines in colours no alert kind uses: the early-warning floor, then the alarm level.
+_LEVEL_COLORS = ("tab:olive", "tab:pink")
 
 
 def _figure(width: float = 8.0, height: float = 4.5):
@@ -36,7 +53,7 @@ def _mark_alerts(ax, alerts: list[dict], annotate: bool) -> None:
     seen: set[str] = set()
     for n, alert in enumerate(alerts):
         kind = str(alert.get("kind", "unknown"))
-        color = _KIND_COLORS.get(kind, "tab:purple")
+        color = KIND_COLORS.get(kind, "tab:purple")
         ax.axvline(
             alert["step"],
             color=color,
@@ -58,6 +75,32 @@ def _mark_alerts(ax, alerts: list[dict], annotate: bool) -> None:
                 fontsize=8,
                 color=color,
             )
+
+
+def alerts_phrase(alerts: list[dict]) -> str:
+    """``no alerts``, or ``3 alerts (spike 2, early_warning 1) at steps 37, 50``: what a plot's title says
+    happened (the steps when there are at most :data:`_MAX_TITLE_STEPS` of them)."""
+    if not alerts:
+        return "no alerts"
+    kinds: dict[str, int] = {}
+    for alert in alerts:
+        kind = str(alert.get("kind", "unknown"))
+        kinds[kind] = kinds.get(kind, 0) + 1
+    listed = ", ".join(f"{kind} {n}" for kind, n in kinds.items())
+    steps = sorted({int(alert["step"]) for alert in alerts})
+    where = f" at step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" \
+        if len(steps) <= _MAX_TITLE_STEPS else ""
+    return f"{len(alerts)} alert{'s' if len(alerts) > 1 else ''} ({listed}){where}"
+
+
+def _stat_alerts(alerts: list[dict], stat: str) -> list[dict]:
+    """The alerts raised on ``stat`` of some layer (early warnings)."""
+    return [a for a in alerts if (parse_layer_metric(str(a.get("metric", ""))) or ("", ""))[0] == stat]
+
+
+def _peak(layers: list[str], steps: np.ndarray, matrix: np.ndarray) -> str:
+    row, col = np.unravel_index(int(np.nanargmax(matrix)), matrix.shape)
+    return f"peak {matrix[row, col]:.3g} ({layers[row]}, step {int(steps[col])})"
 
 
 def plot_loss(run: RunData, path: Path) -> bool:
@@ -93,10 +136,10 @@ def plot_loss(run: RunData, path: Path) -> bool:
         if alert.get("metric") in (LOSS, VAL_LOSS) and isinstance(value, (int, float)):
             if math.isfinite(value):
                 kind = str(alert.get("kind", "unknown"))
-                ax.plot([alert["step"]], [value], "o", color=_KIND_COLORS.get(kind, "tab:purple"), zorder=3)
+                ax.plot([alert["step"]], [value], "o", color=KIND_COLORS.get(kind, "tab:purple"), zorder=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title("Loss, with stable_attn alerts")
+    ax.set_title(f"Loss: {alerts_phrase(run.alerts)}")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     fig.savefig(path)
@@ -138,14 +181,22 @@ def plot_saturation(run: RunData, path: Path) -> bool:
         np.ma.masked_invalid(matrix),
         cmap="magma",
         vmin=0.0,
-        vmax=max(float(np.nanmax(matrix)), 1e-6),
+        # up to the early-warning floor at least, so its line on the colour bar is always in view
+        vmax=max(float(np.nanmax(matrix)), *(level * 1.25 for level, _ in LEVELS["saturation"])),
         shading="flat",
     )
-    fig.colorbar(mesh, ax=ax, label="saturated rows / rows")
+    bar = fig.colorbar(mesh, ax=ax, label="saturated rows / rows")
+    ticks = {float(t): f"{t:.2g}" for t in bar.get_ticks() if 0.0 <= t <= bar.vmax}
+    for level, _ in LEVELS["saturation"]:
+        bar.ax.axhline(level, color="tab:cyan", linewidth=3)  # cyan stands out on magma's dark and light ends
+        ticks = {t: text for t, text in ticks.items() if abs(t - level) > 0.06 * bar.vmax}  # no overlap
+        ticks[level] = f"{level:g}: early-\nwarning floor"
+    bar.set_ticks(sorted(ticks), labels=[ticks[t] for t in sorted(ticks)])
     ax.set_yticks(np.arange(len(layers)), layers)
     _mark_alerts(ax, run.alerts, annotate=False)
     ax.set_xlabel("step")
-    ax.set_title("Attention saturation (two or more keys tied at the row max), per layer")
+    ax.set_title(f"Attention saturation per layer (rows with tied maxima)\n{_peak(layers, steps, matrix)}; "
+                 f"{alerts_phrase(_stat_alerts(run.alerts, 'saturation'))} on it", fontsize=10)
     fig.savefig(path)
     return True
 
@@ -168,10 +219,16 @@ def plot_max_logit(run: RunData, path: Path) -> bool:
             label=layer,
             color=cmap(row / max(1, len(layers) - 1)),
         )
+    # A log axis shows a healthy 5-10 beside the levels 50 and 1000; values <= 0 need a linear one.
+    if np.nanmin(matrix) > 0:
+        ax.set_yscale("log")
+    for (level, label), color in zip(LEVELS["max_logit"], _LEVEL_COLORS):
+        ax.axhline(level, color=color, linestyle=":", linewidth=1.5, label=label)
     _mark_alerts(ax, run.alerts, annotate=False)
     ax.set_xlabel("step")
     ax.set_ylabel("max scaled attention score")
-    ax.set_title("Max attention logit per layer")
+    ax.set_title(f"Max attention logit per layer: {_peak(layers, steps, matrix)}; "
+                 f"{alerts_phrase(_stat_alerts(run.alerts, 'max_logit'))} on it", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncols=max(1, math.ceil(len(layers) / 8)), loc="best")
     fig.savefig(path)

@@ -268,7 +268,8 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Series]:
 
 
 def load_run(run_dir: str | os.PathLike) -> RunData:
-    """Find and read the metrics CSV and the alerts JSONL of ``run_dir``; a missing file is a note."""
+    """Find and read the metrics CSV and the alerts JSONL of ``run_dir``; a missing file is a note, but a
+    directory with neither metrics nor alerts raises FileNotFoundError naming the files looked for."""
     root = Path(run_dir)
     if not root.is_dir():
         raise FileNotFoundError(
@@ -300,6 +301,10 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                 + ", ".join(f"`{display_path(p, root)}`" for p in sorted(others))
             )
     alerts_path = find_alerts_jsonl(root, metrics_path)
+    if metrics_path is None and alerts_path is None:
+        looked_for = ", ".join((METRICS_FILE, TRAINER_STATE_FILE, ALERTS_FILE, *LEGACY_ALERTS_FILES))
+        raise FileNotFoundError(f"no training run in {str(run_dir)!r}: looked for {looked_for} in it and below it "
+                                "and found none")
     alerts: list[dict] = []
     skipped: list[str] = []
     if alerts_path is None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..monitor.alerts import Alert
 from ..monitor.names import LOSS, VAL_LOSS
-from .plots import plot_loss, plot_max_logit, plot_saturation
+from .plots import KIND_COLORS, LEVELS, plot_loss, plot_max_logit, plot_saturation
 from .read import RunData, display_path, load_run
 from .summary import fmt, summarize
 
@@ -44,6 +44,26 @@ def _layer_change(item: object) -> str:
 
 def _loss_cell(entry: tuple[int, float] | None) -> str:
     return "n/a" if entry is None else f"{fmt(entry[1])} (step {entry[0]})"
+
+
+def _how_to_read() -> list[str]:
+    colors = ", ".join(f"{kind} {color.removeprefix('tab:')}" for kind, color in KIND_COLORS.items())
+    sat = "; ".join(label for _, label in LEVELS["saturation"])
+    logit = "; ".join(label for _, label in LEVELS["max_logit"])
+    return [
+        f"- **Loss**: dashed vertical lines are alerts, coloured by kind ({colors}); the title counts them. A "
+        "spike alert marks a step whose loss or gradient norm jumped far above its recent level (with "
+        '`on_spike="skip"` that update was dropped).',
+        "- **Saturation heatmap**: per layer and logged step, the fraction of query rows whose maximum score is "
+        "tied by two or more keys: the state in which BF16 `P V` would round with a bias without stable_attn's "
+        f"fix (README's healthy main job: 0.05-0.11 per layer on average). The cyan line on the colour bar: "
+        f"{sat}.",
+        "- **Max logit**: the largest scaled attention score per layer (log axis when all are positive; README's "
+        f"healthy main job peaks at 2-8). Dotted lines: {logit}.",
+        "- The levels are the early-warning detectors' defaults (`SurgeDetector.saturation()`, "
+        "`SurgeDetector.max_logit()`); a run given other detectors alerts at its own. docs/DETECTORS.md has the "
+        "rules.",
+    ]
 
 
 def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
@@ -105,6 +125,7 @@ def _write(run: RunData, out: Path) -> Path:
     for kind, n in summary.alert_counts.items():
         md.append(f"| alerts: {_cell(kind)} | {n} |")
 
+    md += ["", "## How to read this", ""] + _how_to_read()
     md += ["", "## Alerts", ""]
     if not run.alerts:
         md.append("No alerts were raised." if run.alerts_path is not None else "No alerts file.")

@@ -94,3 +94,21 @@ def test_typed_options_match_the_config():
     want = [(f.name, str(f.type)) for f in fields(MonitorConfig) if f.init]
     got = [(name, getattr(a, "__forward_arg__", a)) for name, a in MonitorOptions.__annotations__.items()]
     assert got == want
+
+
+def test_the_start_up_line_says_what_a_spike_does_and_follows_the_one_default():
+    from stable_attn.monitor.config import ACTION_WORDS, ACTIONS
+
+    assert tuple(ACTION_WORDS) == ACTIONS
+    default = MonitorConfig.default("on_spike")
+    assert default == inspect.signature(StableAttentionCallback).parameters["on_spike"].default
+    line = MonitorConfig().spike_line()
+    assert line.startswith(f"on a spike: {ACTION_WORDS[default]} (on_spike={default!r}, the default;")
+    for action in ACTIONS:
+        line = MonitorConfig(on_spike=action).spike_line()
+        assert line.startswith(f"on a spike: {ACTION_WORDS[action]} (on_spike={action!r}")
+        assert ("the default" in line) == (action == default)
+        assert line.endswith("a NaN or inf loss or gradient is never applied")
+    assert MonitorConfig(on_spike="skip").spike_line().startswith("on a spike: skip the update")
+    with pytest.raises(ValueError, match="name='on_spikes' is not an argument of MonitorConfig"):
+        MonitorConfig.default("on_spikes")

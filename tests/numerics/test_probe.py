@@ -100,3 +100,11 @@ def test_cli_entry_points(tmp_path, capsys):
     assert "layer0" in printed and f"wrote {out}" in printed
     data = json.loads(out.read_text())
     assert data["tokens"] == 16 and set(data["layers"][1]["fixes"]) == {"off", "ours"}
+
+
+def test_cli_writes_json_only_when_asked(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert probe_mod.main(["--config", "gpt2-tiny", "--batch", "1", "--seq-len", "16", "--fixes", "off"]) == 0
+    printed = capsys.readouterr().out
+    assert "layer0" in printed and "wrote" not in printed
+    assert list(tmp_path.iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -11,13 +12,17 @@ from stable_attn.cli import main
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def test_trainer_usage_block_runs_and_reports(tmp_path, monkeypatch):
+def test_trainer_usage_block_runs_and_reports(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     usage = next(b for b in blocks if "StableAttentionTrainerCallback(" in b)
     scope: dict = {}
-    exec(compile(usage, "README.md", "exec"), scope)
+    with caplog.at_level(logging.WARNING, logger="stable_attn"):
+        exec(compile(usage, "README.md", "exec"), scope)
     trainer = scope["trainer"]
+    # the start-up line says what a spike does in this run (the block passes on_spike="skip")
+    assert any(r.getMessage().startswith("StableAttentionTrainerCallback: on a spike: skip the update "
+                                         "(on_spike='skip'; ") for r in caplog.records)
     assert trainer.state.global_step == 8
     assert scope["model"].config._attn_implementation == "stable_attn"
     logged = [e for e in trainer.state.log_history if "loss" in e]

@@ -1,0 +1,150 @@
+"""What the loss and gradient-norm detectors see on real CPU runs: record the traces once, replay them offline.
+
+Run:  python benchmarks/healthy_traces.py                       (3 tasks x 6 data seeds; about 2 minutes, 1 thread)
+      python benchmarks/healthy_traces.py --traces runs.json    (replay a recorded file only)
+
+Not CI. Each task of ``benchmarks/healthy_runs.py`` is trained under ``on_spike="warn"`` (which changes
+nothing in training) three times per data seed: healthy, and with a corrupted batch (every byte's high bit
+set) at step 30 and at step 120. The detectors' inputs are recorded, so a detector variant can be judged on
+the same values in seconds: the table gives, per run, the spike alerts the engine raises with the default
+detectors (healthy runs: false alarms), the gradient-norm jumps it counts but does not alert (the loss did
+not confirm them), and whether the corrupted step is alerted, and then the worst excursions of healthy batches
+beside the corrupted ones: the ratio over the median of the previous 5 losses, and the share of the run's
+progress the value undoes, ``(value - median) / (initial - median)`` with the initial loss the median of the
+first 5. Seeds 0-2 are the ones looked at while the detectors were changed, 3-5 are held out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import healthy_runs  # noqa: E402
+
+from stable_attn.monitor import SpikeDetector, names, spikes  # noqa: E402
+from stable_attn.monitor.verdict import StepJudge  # noqa: E402
+
+CORRUPT_AT = (30, 120)
+
+
+def record(tasks: list[str], seeds: list[int], steps: int) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """``{"task/seed/bad": {metric: [(step, value), ...]}}``, ``bad`` the corrupted step or ``None``."""
+    seen: list[tuple[str, int, float]] = []
+    update = spikes.SpikeDetector.update
+
+    def recording(self, step, value):
+        seen.append((self.metric, int(step), float(value)))
+        return update(self, step, value)
+
+    spikes.SpikeDetector.update = recording
+    try:
+        runs = {}
+        for task in tasks:
+            for seed in seeds:
+                for bad in (None, *CORRUPT_AT):
+                    seen.clear()
+                    healthy_runs.fit(task, steps if bad is None else bad + 2, seed, "warn",
+                                     corrupt=() if bad is None else (bad,))
+                    trace: dict[str, list[tuple[int, float]]] = {}
+                    for metric, step, value in seen:
+                        trace.setdefault(metric, []).append((step, value))
+                    runs[f"{task}/{seed}/{bad}"] = trace
+        return runs
+    finally:
+        spikes.SpikeDetector.update = update
+
+
+def alerts(trace: dict[str, list[tuple[int, float]]], **loss_options) -> tuple[dict[int, list[str]], int]:
+    """The spike alerts the engine raises on a recorded run (its StepJudge under ``on_spike="warn"``, the
+    default detectors), ``{step: [metric, ...]}``, and the gradient-norm jumps the loss did not confirm."""
+    judge = StepJudge("warn", SpikeDetector.loss(**loss_options), SpikeDetector.grad_norm())
+    out: dict[int, list[str]] = {}
+    unconfirmed = 0
+    for (step, loss), (_, norm) in zip(trace[names.LOSS], trace[names.GRAD_NORM]):
+        judged = judge.judge(step, [[loss, norm, 1.0, 0.0]], has_norm=True, scaler=False, lr=math.nan,
+                             note=lambda verdict: "")
+        unconfirmed += judged.unconfirmed
+        for event, _ in judged.spikes:
+            out.setdefault(step, []).append(event.metric.split("/")[-1])
+    return out, unconfirmed
+
+
+def replay(runs: dict, **loss_options) -> None:
+    print("| run | seeds | final loss | spike alerts (step: metrics) | gradient-norm jumps not confirmed | "
+          "corrupted step alerted |")
+    print("|---|---|---|---|---|---|")
+    excursions = []
+    false_alarms = {"looked at": 0, "held out": 0}
+    caught = {"looked at": [0, 0], "held out": [0, 0]}
+    for key, trace in runs.items():
+        task, seed, bad = key.split("/")
+        got, unconfirmed = alerts(trace, **loss_options)
+        held = "held out" if int(seed) >= 3 else "looked at"
+        if bad == "None":
+            hit = "-"
+            false_alarms[held] += len(got)
+        else:
+            hit = "yes" if int(bad) in got else "**no**"
+            caught[held][0] += int(bad) in got
+            caught[held][1] += 1
+        shown = ", ".join(f"{s}: {'+'.join(m)}" for s, m in sorted(got.items())) or "-"
+        values = [v for _, v in trace[names.LOSS]]
+        final = f"{statistics.median(values[-10:]):.3g}" if bad == "None" else "-"  # median of the last 10
+        print(f"| {key} | {held} | {final} | {shown} | {unconfirmed} | {hit} |")
+        initial = statistics.median(values[:5])
+        for i in range(8, len(values)):
+            median = statistics.median(values[i - 5:i])
+            corrupted = bad != "None" and trace[names.LOSS][i][0] == int(bad)
+            if bad == "None" or corrupted:
+                excursions.append((corrupted, task, values[i] / median, (values[i] - median) / (initial - median)))
+    print()
+    for held in ("looked at", "held out"):
+        print(f"seeds {held}: {false_alarms[held]} spike alert(s) on the healthy runs; corrupted batches alerted on "
+              f"their step: {caught[held][0]}/{caught[held][1]}")
+    print()
+    print("| task | healthy batches: largest ratio over the median of 5 | largest share of progress undone | "
+          "corrupted batches: smallest ratio | smallest share undone |")
+    print("|---|---|---|---|---|")
+    for task in sorted({t for _, t, _, _ in excursions}):
+        ok = [(r, m) for c, t, r, m in excursions if t == task and not c]
+        bad = [(r, m) for c, t, r, m in excursions if t == task and c]
+        print(f"| {task} | {max(r for r, _ in ok):.2f} | {max(m for _, m in ok):.2f} | "
+              f"{min(r for r, _ in bad):.2f} | {min(m for _, m in bad):.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seeds", type=int, default=6)
+    parser.add_argument("--tasks", default="memorise,small_batch,text")
+    parser.add_argument("--traces", help="a JSON file of recorded traces: replayed if it exists, else written")
+    parser.add_argument("--min-progress-share", type=float, default=None,
+                        help="replay with SpikeDetector.loss(min_progress_share=...) (default: off, as the callbacks)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for name in ("lightning", "lightning.pytorch", "stable_attn"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    if args.traces and os.path.exists(args.traces):
+        with open(args.traces) as f:
+            runs = json.load(f)
+    else:
+        runs = record(args.tasks.split(","), list(range(args.seeds)), args.steps)
+        if args.traces:
+            with open(args.traces, "w") as f:
+                json.dump(runs, f)
+    replay(runs, **({} if args.min_progress_share is None else {"min_progress_share": args.min_progress_share}))
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s, torch {torch.__version__}, 1 thread")
+
+
+if __name__ == "__main__":
+    main()
