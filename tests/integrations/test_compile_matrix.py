@@ -375,21 +375,24 @@ def generated(model, **kwargs) -> torch.Tensor:
 
 # "forward": the user compiles model.forward (prefill and decoding compiled; a dynamic cache recompiles as it
 # grows); "auto": generate() compiles decoding itself (a static cache and a CompileConfig), the prefill eager.
-# (the CPU suite: "auto"; a compiled prefill into a static cache is the next test's)
-GENERATE_CELLS = [pytest.param("static", "forward", marks=pytest.mark.slow), pytest.param("static", "auto"),
-                  pytest.param("dynamic", "forward", marks=pytest.mark.slow)]
+# (the CPU suite: Llama "auto"; a compiled prefill into a static cache is the next test's). The prompts and the
+# tokens generated are longer than Mistral's and Gemma 2's window.
+GENERATIONS = (("static", "auto"), ("static", "forward"), ("dynamic", "forward"))
+GENERATE_CELLS = [pytest.param(name, cache, how, marks=() if (name, cache, how) == ("llama", "static", "auto")
+                               else pytest.mark.slow)
+                  for name in NAMES for cache, how in GENERATIONS]
 
 
-@pytest.mark.parametrize(("cache", "how"), GENERATE_CELLS)
-def test_generate_compiles_onto_the_fused_op(cache, how):
+@pytest.mark.parametrize(("name", "cache", "how"), GENERATE_CELLS)
+def test_generate_compiles_onto_the_fused_op(name, cache, how):
     """``generate()`` compiled with ``fullgraph=True``: every graph dynamo captured (prefill, decoding steps) calls
-    the fused op once per layer with no 4D mask (a static cache's prefill too: a causal prefix whose length is a
-    tensor), and the tokens are eager sdpa's."""
+    the fused op once per layer with no 4D mask, and the tokens are those of eager sdpa (eager for Gemma 2)."""
     from transformers import CompileConfig
 
     torch._dynamo.reset()
-    want = generated(build("llama", "sdpa").eval(), cache_implementation=None if cache == "dynamic" else cache)
-    model = build("llama", "stable_attn").eval()
+    want = generated(build(name, tiny_models.reference_impl(name)).eval(),
+                     cache_implementation=None if cache == "dynamic" else cache)
+    model = build(name, "stable_attn").eval()
     recorder = Recorder(aot=False)
     kwargs = {"cache_implementation": None if cache == "dynamic" else cache}
     if how == "forward":
@@ -402,7 +405,7 @@ def test_generate_compiles_onto_the_fused_op(cache, how):
     assert recorder.graphs, "nothing was compiled"
     n_layers = len(st.attention_modules(model))
     for i, gm in enumerate(recorder.graphs):
-        assert_every_layer_fused(recorder.attention_calls([gm]), n_layers, f"{cache} {how} graph {i}")
+        assert_every_layer_fused(recorder.attention_calls([gm]), n_layers, f"{name} {cache} {how} graph {i}")
     assert torch.equal(got, want), (got, want)
 
 
