@@ -18,46 +18,23 @@ import copy
 
 import pytest
 import torch
-from transformers import (
-    DataCollatorWithFlattening,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from tiny_models import NAMES, config
+from tiny_models import build as build_model
+from transformers import DataCollatorWithFlattening
 from transformers import masking_utils as mu
 
 import stable_attn.integrations.transformers as st
 
 VOCAB = 64
-WINDOW = 4  # Mistral's sliding window, shorter than the longest document
-DOC_LENGTHS = (7, 1, 12, 5)  # a one-token document, one longer than the window
+DOC_LENGTHS = (7, 1, 12, 5)  # a one-token document, one longer than the window (tiny_models.WINDOW)
 
 st.register()
 
-_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64)
-FAMILIES = {
-    "llama": (LlamaForCausalLM, LlamaConfig(**_SMALL)),
-    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**_SMALL, head_dim=8)),
-    "gpt2": (GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
-    "mistral": (MistralForCausalLM, MistralConfig(**_SMALL, sliding_window=WINDOW)),
-    # layers alternate sliding window / global; a small softcap and scale so that the capping bites
-    "gemma2": (Gemma2ForCausalLM, Gemma2Config(**_SMALL, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=0.5,
-                                               query_pre_attn_scalar=2, initializer_range=0.2)),
-}
+FAMILIES = NAMES
 
 
 def build(name: str, impl: str) -> torch.nn.Module:
-    cls, config = FAMILIES[name]
-    torch.manual_seed(0)
-    return cls._from_config(copy.deepcopy(config), attn_implementation=impl).eval()
+    return build_model(name, impl, VOCAB).eval()
 
 
 def documents(lengths=DOC_LENGTHS, seed: int = 1) -> list[torch.Tensor]:
@@ -182,13 +159,15 @@ def test_packed_mask_is_recognized_and_means_what_masking_utils_builds():
     position_ids = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]])
     B, N = position_ids.shape
     for sliding in (None, 3):
-        config = LlamaConfig(**_SMALL) if sliding is None else MistralConfig(**_SMALL, sliding_window=sliding)
+        cfg = config("llama", VOCAB) if sliding is None else config("mistral", VOCAB)
+        if sliding is not None:
+            cfg.sliding_window = sliding
         embeds = torch.zeros(B, N, 32)
         make = mu.create_causal_mask if sliding is None else mu.create_sliding_window_causal_mask
         masks = {}
         for impl in ("stable_attn", "sdpa"):
-            config._attn_implementation = impl
-            masks[impl] = make(config=config, inputs_embeds=embeds, attention_mask=None, cache=None,
+            cfg._attn_implementation = impl
+            masks[impl] = make(config=cfg, inputs_embeds=embeds, attention_mask=None, cache=None,
                                position_ids=position_ids)
         ours, exact = masks["stable_attn"], masks["sdpa"]
         assert isinstance(ours, st.StableAttnMask) and ours.causal and ours.window == sliding

@@ -131,20 +131,41 @@ def test_other_patterns_get_the_exact_mask(make):
     assert torch.equal(ours, mu.sdpa_mask(**args, allow_is_causal_skip=False))
 
 
-def test_query_positions_the_kernel_cannot_align_get_the_exact_mask():
-    """Several queries at positions the kernel's bottom-right alignment cannot express: the exact mask
-    (transformers 5.0: non-contiguous cache_position; later: a static cache's tensor offset, while tracing)."""
-    if NEW_SIGNATURE:
-        args = dict(batch_size=1, kv_length=8, mask_function=mu.causal_mask_function, q_length=2,
-                    q_offset=torch.tensor(3))
-        with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
-            ours = st.stable_attn_mask(**args)
-    else:
+@pytest.mark.parametrize(("q_offset", "window"), [(0, None), (3, None), (0, 3), (3, 3)])
+def test_traced_static_prefill_is_the_causal_prefix_rotated(q_offset, window):
+    """A static cache's prefill while tracing (its query offset a 0-dim tensor, the keys the whole cache): a
+    causal mask whose filled prefix ends at ``kv_end``; the keys rotated so that it ends at the last key,
+    the empty slots masked, the same attention as sdpa's exact mask (padding and a window included).
+    transformers 5.0 passes ``cache_position`` instead: non-contiguous positions get the exact mask."""
+    from stable_attn import attention
+    from stable_attn.integrations.transformers.masks import rotate_filled_prefix
+
+    if not NEW_SIGNATURE:
         args = dict(batch_size=1, kv_length=8, mask_function=mu.causal_mask_function,
                     cache_position=torch.tensor([3, 5]))
         ours = st.stable_attn_mask(**args)
-    assert isinstance(ours, torch.Tensor)
-    assert torch.equal(ours, mu.sdpa_mask(**args, allow_is_causal_skip=False))
+        assert isinstance(ours, torch.Tensor)
+        assert torch.equal(ours, mu.sdpa_mask(**args, allow_is_causal_skip=False))
+        return
+
+    B, Nq, Nk = 2, 3, 10
+    pad = torch.ones(B, Nk, dtype=torch.bool)
+    pad[1, :2] = False  # left padding of the second row
+    config = LlamaConfig(sliding_window=window)
+    fn = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    args = dict(batch_size=B, kv_length=Nk, mask_function=fn, attention_mask=pad, local_size=window, config=config,
+                q_length=Nq)
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+        ours = st.stable_attn_mask(**args, q_offset=torch.tensor(q_offset), allow_is_causal_skip=True)
+    assert isinstance(ours, st.StableAttnMask) and ours.causal and ours.window == window
+    assert int(ours.kv_end) == q_offset + Nq
+    exact = mu.sdpa_mask(**args, q_offset=q_offset, allow_is_causal_skip=False)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, 2, n, 8, generator=g) for n in (Nq, Nk, Nk))
+    k_rot, v_rot, kpm = rotate_filled_prefix(k, v, ours.key_padding_mask, ours.kv_end)
+    got = attention(q, k_rot, v_rot, causal=True, window=window, key_padding_mask=kpm)
+    want = attention(q, k, v, attn_mask=exact)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not NEW_SIGNATURE, reason="transformers 5.0 passes cache_position")
@@ -343,11 +364,22 @@ def test_traced_recognition_checks_what_it_infers():
     with_blocks = mu.and_masks(mu.or_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, positions),
                                            mu.blockwise_overlay(blocks)), mu.packed_sequence_mask_function(segments))
     with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
-        ours = st.stable_attn_mask(1, 8, mask_function=packed, q_length=8, q_offset=0)
-        assert isinstance(ours, st.StableAttnMask) and ours.doc_starts is not None
+        # masking_utils turns the causal skip off exactly when it packs: that is how a packed closure is told
+        ours = st.stable_attn_mask(1, 8, mask_function=packed, q_length=8, q_offset=0, allow_is_causal_skip=False)
+        assert isinstance(ours, st.StableAttnMask) and ours.causal and ours.window is None
         assert ours.cu_seqlens.tolist()[:4] == [0, 3, 5, 8] and set(ours.cu_seqlens.tolist()[3:]) == {8}
         with pytest.raises(RuntimeError, match="not the causal/window/packed pattern"):
-            st.stable_attn_mask(1, 8, mask_function=with_blocks, q_length=8, q_offset=0)
+            st.stable_attn_mask(1, 8, mask_function=with_blocks, q_length=8, q_offset=0, allow_is_causal_skip=False)
+        # a sliding window with a cache (the skip allowed): not packed, no documents in the mask; its pattern is
+        # checked (a packed closure taken for a plain window fails loudly)
+        window = mu.sliding_window_causal_mask_function(3)
+        config = LlamaConfig(sliding_window=3)
+        plain = st.stable_attn_mask(1, 8, mask_function=window, local_size=3, q_length=8, q_offset=0, config=config,
+                                    allow_is_causal_skip=True)
+        assert isinstance(plain, st.StableAttnMask) and plain.window == 3 and plain.cu_seqlens is None
+        with pytest.raises(RuntimeError, match="not the causal/window/packed pattern"):
+            st.stable_attn_mask(1, 8, mask_function=packed, local_size=3, q_length=8, q_offset=0, config=config,
+                                allow_is_causal_skip=True)
         chunked = mu.chunked_causal_mask_function(3, torch.zeros(1, dtype=torch.long))
         config = LlamaConfig(sliding_window=None)
         # a prefill after 2 cached tokens: not the packed path, and the chunk size is not taken for a window

@@ -10,9 +10,10 @@
   describing them: no ``[B, 1, Nq, Nk]`` tensor is built. The mask ``masking_utils`` builds for packed
   sequences (``position_ids`` that restart, no 2D mask, no cache) over a causal or sliding-window
   pattern is recognized too and becomes a :class:`StableAttnMask` holding the documents' ``cu_seqlens``;
-  a static cache's prefill is causal over its filled prefix, and any single query (decoding) a key mask.
-  Anything else (chunked or block-wise attention, custom ``or``/``and`` mask functions, a static cache's
-  prefill while compiling) gets the exact boolean 4D mask from transformers' own ``sdpa_mask``,
+  a static cache's prefill is causal over its filled prefix (while compiling, a prefix whose length is a
+  tensor: the keys are rotated so that it ends at the last key), and any single query (decoding) a key mask.
+  Anything else (chunked or block-wise attention, custom ``or``/``and`` mask functions) gets the exact
+  boolean 4D mask from transformers' own ``sdpa_mask``,
   which the attention op serves on its PyTorch path (stabilized, slower; the op logs that once).
 - :func:`stable_attn_attention_forward`, the attention function (``AttentionInterface``). It maps the
   model's arguments (``scaling``, ``dropout``, ``softcap``, ``sliding_window``, GQA key/value heads) to

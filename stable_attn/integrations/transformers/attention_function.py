@@ -14,7 +14,12 @@ from torch import nn
 
 from stable_attn.attention import attention
 from stable_attn.integrations.transformers import dispatch
-from stable_attn.integrations.transformers.masks import StableAttnMask, device_documents, position_starts
+from stable_attn.integrations.transformers.masks import (
+    StableAttnMask,
+    device_documents,
+    position_starts,
+    rotate_filled_prefix,
+)
 from stable_attn.integrations.transformers.models import _options, _who
 from stable_attn.varlen import attention_varlen
 
@@ -89,12 +94,11 @@ def stable_attn_attention_forward(
         read_positions, memo = attention_mask.read_positions, attention_mask.memo
         if attention_mask.kv_used is not None:  # a static cache: only its filled prefix can be seen
             key, value = key[:, :, :attention_mask.kv_used], value[:, :, :attention_mask.kv_used]
+        if attention_mask.kv_end is not None:  # the same, traced: the prefix's length is a tensor
+            key, value, key_padding_mask = rotate_filled_prefix(key, value, key_padding_mask, attention_mask.kv_end)
         if attention_mask.cu_seqlens is not None:
             cu, longest = attention_mask.cu_seqlens, attention_mask.max_seqlen
             documents = cu, cu, longest, longest
-            if attention_mask.doc_starts is not None:  # inferred while tracing: add the position_ids' documents
-                documents = _position_documents(kwargs.get("position_ids"), query.shape[0], query.shape[2], memo,
-                                                also=attention_mask.doc_starts) or documents
     elif attention_mask is None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         window = sliding_window
@@ -150,14 +154,15 @@ def _flash_kwargs_documents(kwargs: dict, who: str) -> tuple[torch.Tensor, torch
 
 
 def _position_documents(position_ids: Any, batch_size: int, length: int, memo: dict | None,
-                        also: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+                        ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
     """Documents read from ``position_ids`` (:func:`masks.position_starts`), once per forward: kept in the
-    mask's ``memo``, which every layer of the forward shares (eager and traced alike).
+    mask's ``memo``, which every layer of the forward shares (eager and traced alike). Gradient checkpointing
+    turns the cache off, so its packed batches bring their documents with the packed mask and compiled
+    checkpointed layers do not come here (a memo write from inside one is a side effect dynamo refuses).
 
     Traced: always the varlen op, with the documents found on the device (:func:`masks.device_documents`;
     an unpacked batch is one document per row), so nothing depends on the values. Eager: one host read
     decides whether the batch is packed at all, so that an unpacked batch stays on the dense op.
-    ``also``: document starts to add (the traced packed mask's, :class:`masks.StableAttnMask` ``doc_starts``).
     """
     # other layouts (e.g. multimodal RoPE's [3, B, N]) carry no document boundaries we know how to read
     if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
@@ -168,8 +173,6 @@ def _position_documents(position_ids: Any, batch_size: int, length: int, memo: d
             if seen is position_ids:
                 return documents
     starts = position_starts(position_ids, batch_size)
-    if also is not None:
-        starts = starts | also
     if not torch.compiler.is_compiling() and int(starts.sum()) == batch_size:
         documents = None  # one document per row: not packed
     else:

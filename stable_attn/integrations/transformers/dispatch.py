@@ -48,9 +48,8 @@ def warn_once(key: str, message: str) -> bool:
 _ADVICE = {
     "4d-mask": "a materialized 4D attention mask: the pattern is not one the kernel takes as flags (causal, sliding "
                "window, padding, packed documents); chunked, block-wise (image tokens) and custom mask functions, "
-               "a bidirectional sliding window, a static cache's prefill inside torch.compile and 4D masks passed "
-               "in end up here. To reach the kernel: pass a 2D attention_mask (or none) and the model's own causal "
-               "or sliding pattern; with a static cache, compile only decoding (transformers' default)",
+               "a bidirectional sliding window and 4D masks passed in end up here. To reach the kernel: pass a 2D "
+               "attention_mask (or none) and the model's own causal or sliding pattern",
     "size": "more than 2^31 elements of q, k or v in one batch element (beyond the kernels' 32-bit offsets): "
             "use a smaller batch element or shorter sequences",
 }

@@ -34,12 +34,12 @@ class StableAttnMask:
       offsets, the unused trailing ones equal to the token count, ``max_seqlen = q_length``.
     - ``kv_used``: only the first ``kv_used`` keys can be seen by any query (a static cache's filled
       prefix); the attention function slices the keys to them. None: all ``kv_length`` keys.
+    - ``kv_end``: the same bound as a 0-dim tensor (a static cache's prefill while tracing, where its query
+      offset cannot be read): the attention function rotates the keys so that the filled prefix ends at the
+      last key, where the kernel's bottom-right alignment puts it, and masks the empty slots, now in front,
+      through ``key_padding_mask`` (:func:`rotate_filled_prefix`). None: the prefix length is static.
     - ``read_positions``: whether the attention function may read packed documents from ``position_ids``
       (False when the model got a 2D ``attention_mask``: then, as with sdpa, documents are not separated).
-    - ``doc_starts``: ``[B, q_length]`` bool, where the documents in ``cu_seqlens`` begin, when they were read
-      from a mask function whose pattern was inferred while tracing (a plain sliding-window mask with a
-      cache looks the same as a packed one then): the attention function adds the starts it reads from
-      ``position_ids``, so that compiled code separates the documents eager code separates.
     - ``memo``: per-forward scratch shared by the layers (the documents read from ``position_ids`` once).
     """
 
@@ -51,8 +51,8 @@ class StableAttnMask:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     kv_used: int | None = None
+    kv_end: torch.Tensor | None = None
     read_positions: bool = True
-    doc_starts: torch.Tensor | None = None
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -252,7 +252,8 @@ def _traced_pattern(mask_function: Callable, local_size: int | None, kwargs: dic
     (``local_size``, the config's ``sliding_window``) and the packed-sequence parts; custom ``and``/``or``
     masks come with ``use_vmap``, bidirectional creators pass ``allow_is_bidirectional_skip``, chunked
     attention a ``local_size`` that is the config's ``attention_chunk_size``. What this infers is then
-    checked against the mask function itself (:func:`_check_pattern`).
+    checked against the mask function itself (:func:`_check_pattern`). Whether the closure is the packed mask
+    is :func:`_traced_packed`'s question.
     """
     if getattr(mask_function, "__code__", None) is not _AND_MASK_CODE or "allow_is_bidirectional_skip" in kwargs:
         return None
@@ -264,6 +265,18 @@ def _traced_pattern(mask_function: Callable, local_size: int | None, kwargs: dic
     return None
 
 
+def _traced_packed(kwargs: dict) -> bool:
+    """Whether an ``and_masks`` closure met while tracing is masking_utils' packed-sequence mask, from the call alone.
+
+    masking_utils builds that mask only without a cache and a 2D mask (training), and whenever it does it turns
+    the causal skip off (``allow_is_causal_skip=False``); a sliding window without packing (a cache, or no
+    ``position_ids``) keeps the skip allowed. So the documents of a packed mask are all in the mask function
+    (read from it), and an unpacked window gets its documents from ``position_ids`` in the attention function,
+    as in eager code.
+    """
+    return kwargs.get("allow_is_causal_skip") is False
+
+
 def _evaluate(mask_function: Callable, batch_size: int, q_abs: torch.Tensor, kv_abs: torch.Tensor) -> torch.Tensor:
     """``mask_function`` at the ``[1|B, N]`` pairs ``(q_abs, kv_abs)`` of every batch row: ``[B, N]`` bool."""
     b = torch.arange(batch_size, device=q_abs.device)[:, None]
@@ -271,16 +284,18 @@ def _evaluate(mask_function: Callable, batch_size: int, q_abs: torch.Tensor, kv_
     return mask_function(b, h, q_abs, kv_abs).to(torch.bool).expand(batch_size, q_abs.shape[-1])
 
 
-def _check_pattern(mask_function: Callable, batch_size: int, q_length: int, kv_length: int, q_offset: int,
-                   kv_offset: int, window: int | None, starts: torch.Tensor | None, device: torch.device) -> None:
+def _check_pattern(mask_function: Callable, batch_size: int, q_length: int, kv_length: int, q_offset: Any,
+                   kv_offset: int, window: int | None, starts: torch.Tensor | None, device: torch.device,
+                   kv_end: Any = None) -> None:
     """Assert on the device (``torch._assert_async``: no host read) that ``mask_function`` agrees with causal
-    (+ ``window``) attention, bottom-right aligned, within the documents beginning at ``starts``, at the keys
-    where such masks differ from their neighbours: each query's own position, the next key, the first key
-    it sees and the one before. A transformers mask we mistook (a block-wise image overlay, a bidirectional
-    window) fails here loudly instead of being computed wrong.
+    (+ ``window``) attention, the last query seeing key ``kv_end - 1`` (default: the last key; bottom-right
+    aligned), within the documents beginning at ``starts``, at the keys where such masks differ from their
+    neighbours: each query's own position, the next key, the first key it sees and the one before. A
+    transformers mask we mistook (a block-wise image overlay, a bidirectional window) fails here loudly
+    instead of being computed wrong.
     """
     i = torch.arange(q_length, device=device)[None, :].expand(batch_size, -1)
-    p = i + (kv_length - q_length)  # the query's key index (bottom-right)
+    p = i + ((kv_length if kv_end is None else kv_end) - q_length)  # the query's own key index
     lo = torch.zeros_like(p)
     if starts is not None:
         lo = torch.cummax(torch.where(starts, i, 0), dim=1).values
@@ -319,7 +334,7 @@ def _packed_mask(mask_function: Callable, batch_size: int, length: int, local_si
     pattern is checked there (:func:`_check_pattern`).
     """
     if torch.compiler.is_compiling():
-        pattern = _traced_pattern(mask_function, local_size, kwargs)
+        pattern = _traced_pattern(mask_function, local_size, kwargs) if _traced_packed(kwargs) else None
     else:
         packed = recognize_packed_mask_function(mask_function)
         pattern = None if packed is None else packed[:2]
@@ -335,8 +350,42 @@ def _packed_mask(mask_function: Callable, batch_size: int, length: int, local_si
     starts = _mask_starts(mask_function, batch_size, length, device)
     _check_pattern(mask_function, batch_size, length, length, 0, 0, window, starts, device)
     cu, longest = device_documents(starts)
-    return StableAttnMask(causal, window, None, length, length, cu, longest,
-                          doc_starts=starts if torch.compiler.is_compiling() else None)
+    return StableAttnMask(causal, window, None, length, length, cu, longest)
+
+
+def _traced_prefix_mask(mask_function: Callable, batch_size: int, q_length: int, kv_length: int,
+                        q_offset: torch.Tensor, kv_offset: int, window: int | None,
+                        attention_mask: torch.Tensor | None, read_positions: bool,
+                        device: torch.device) -> StableAttnMask:
+    """A static cache's prefill (several queries) while tracing: causal over the first ``q_offset + q_length``
+    keys, a bound that is a 0-dim tensor (``kv_end``), so no shape depends on it. An inferred window is checked
+    on the device against that bound."""
+    kv_end = (q_offset + q_length - kv_offset).to(device)
+    if window is not None:
+        _check_pattern(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, window, None, device,
+                       kv_end=kv_end)
+    kpm = _key_padding(attention_mask, kv_length, kv_offset)
+    return StableAttnMask(True, window, kpm, q_length, kv_length, kv_end=kv_end, read_positions=read_positions)
+
+
+def rotate_filled_prefix(key: torch.Tensor, value: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                         kv_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys ``[B, H, Nk, D]`` of which only the first ``kv_end`` (0-dim tensor) can be seen, rotated along the key
+    axis so that those end at the last key, and the key-padding mask ``[B, Nk]`` that hides the rest.
+
+    The kernel aligns causal attention bottom-right (query ``i`` sees keys ``j <= i + Nk - Nq``); after the
+    rotation by ``Nk - kv_end`` that is old key ``j - (Nk - kv_end) <= i + kv_end - Nq``, exactly the causal
+    prefix, and the empty slots (in front now) are padding. Static shapes, tensor ops (a gather): the same
+    graph for every offset.
+    """
+    B, n = key.shape[0], key.shape[2]
+    j = torch.arange(n, device=key.device)
+    source = (j - (n - kv_end)) % n  # the old key now at position j
+    key, value = key.index_select(2, source), value.index_select(2, source)
+    filled = (j < kv_end)[None, :].expand(B, n)
+    if key_padding_mask is not None:
+        filled = filled & key_padding_mask
+    return key, value, filled.index_select(1, source).contiguous()
 
 
 def _single_query_mask(batch_size: int, kv_length: int, kv_offset: Any, mask_function: Callable,
@@ -403,9 +452,12 @@ def stable_attn_mask(
             # The kernel aligns causal masks bottom-right: query i sees keys j <= i + (kv_length - q_length).
             # A static cache's keys end after the last query (empty slots no query sees): keep the first `used`.
             # Its query offset is a tensor; eager, it is read (one host read per forward, the prefill's), traced
-            # it cannot be (the exact mask; decoding is served below as a key mask either way).
+            # it cannot be: the prefix's end stays a tensor (kv_end; decoding is served below as a key mask).
+            if isinstance(q_offset, torch.Tensor) and torch.compiler.is_compiling() and q_length > 1:
+                return _traced_prefix_mask(mask_function, batch_size, q_length, int(kv_length), q_offset, kv_offset,
+                                           window, attention_mask, read_positions, device)
             if isinstance(q_offset, torch.Tensor):
-                used = None if torch.compiler.is_compiling() or q_length == 1 else int(q_offset) + q_length - kv_offset
+                used = None if q_length == 1 else int(q_offset) + q_length - kv_offset
             else:
                 used = q_offset + q_length - kv_offset
             if used == kv_length:
