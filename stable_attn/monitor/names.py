@@ -54,7 +54,7 @@ LR = "train/lr"
 VAL_LOSS = "val/loss"
 ALERT_COUNT = "stable_attn/alerts"
 #: Per-layer statistics, logged as ``stable_attn/<stat>/<layer>`` (see :func:`layer_metric`).
-LAYER_STATS = ("saturation", "fixed_rate", "max_logit", "sink_mass")
+LAYER_STATS = ("saturation", "fixed_rate", "max_logit", "sink_mass", "entropy")
 
 # ------------------------------------------------------------------ checkpoints and the Trainer's files
 #: The checkpoint a stop writes (``on_spike="stop"``, or a not-training streak) in the Lightning run's log

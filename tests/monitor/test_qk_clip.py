@@ -1,0 +1,187 @@
+"""monitor/qk_clip.py: QK-Clip on tiny transformers models, the kernel's per-head max logit as S_h.
+
+Each case runs a forward through attn_implementation="stable_attn" (PyTorch path) with statistics, takes a
+real AdamW step, clips at a tau below some heads' max logit and above others', and runs the same batch
+again: every head's max logit is then <= tau (1 + 1e-3), the heads (key-value groups) that were below tau
+and every other parameter are bitwise what they were, and the optimizer's state is untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import stable_attn.integrations.transformers as st
+from stable_attn.monitor.qk_clip import QKClip, head_layout
+
+st.register()
+VOCAB, SEQ = 64, 24
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(7)
+    if name == "gpt2":
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, attn_pdrop=0.0,
+                         resid_pdrop=0.0, embd_pdrop=0.0)
+        model = GPT2LMHeadModel._from_config(cfg, attn_implementation="stable_attn")
+    elif name == "llama-gqa":
+        model = LlamaForCausalLM._from_config(LlamaConfig(**SMALL, num_key_value_heads=2),
+                                              attn_implementation="stable_attn")
+    else:  # qwen2: q and k biases
+        model = Qwen2ForCausalLM._from_config(Qwen2Config(**SMALL, num_key_value_heads=2),
+                                              attn_implementation="stable_attn")
+    st.configure(model, backend="torch")
+    with torch.no_grad():  # sharper attention than the init gives: logits of a few units
+        for _, m in st.attention_modules(model):
+            for p in m.parameters():
+                p.mul_(4.0)
+    return model
+
+
+def _max_logits(model, batch) -> dict[str, torch.Tensor]:
+    stats = st.attach_stats(model)
+    for s in stats.values():
+        s.reset()
+        s.enabled = True
+    with torch.no_grad():
+        model(input_ids=batch)
+    return {name: s.max_logit.clone() for name, s in stats.items()}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama-gqa", "qwen2"])
+def test_clip_bounds_the_max_logit_and_touches_nothing_else(family):
+    model = _model(family)
+    batch = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    before = _max_logits(model, batch)
+    clip = QKClip(tau=1.0)  # placeholder tau, set below from the logits
+    clip.setup(dict(zip(before, (m for _, m in st.attention_modules(model)), strict=True)))
+    layer0 = clip.layouts["layer0"]
+    group_max = before["layer0"].view(layer0.kv_heads, layer0.group).amax(1)
+    assert group_max.min() > 0
+    clip.tau = float(group_max.sort().values[len(group_max) // 2 - 1: len(group_max) // 2 + 1].mean())
+    tau = clip.tau
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = copy.deepcopy(opt.state_dict())
+
+    record = clip.apply(before)
+
+    assert record.clipped_heads > 0 and clip.clip_steps == 1 and clip.alert_due()
+    after = _max_logits(model, batch)
+    # layer 0 sees the same inputs again: its clipped groups' max logit is tau (to rounding), the others'
+    # the same bits. Later layers see layer 0's changed outputs, so only the edit itself is exact there.
+    layout = clip.layouts["layer0"]
+    s0 = before["layer0"].view(layout.kv_heads, layout.group)
+    s1 = after["layer0"].view(layout.kv_heads, layout.group)
+    over0 = s0.amax(1) > tau
+    assert over0.any() and not over0.all()
+    assert (s1.amax(1) <= tau * (1 + 1e-3)).all(), s1
+    assert (s1[over0].amax(1) >= tau * (1 - 1e-3)).all(), s1  # clipped to tau, not below
+    assert torch.equal(s1[~over0], s0[~over0])  # groups below tau: the same logits, bit for bit
+    for name, layout in clip.layouts.items():
+        s0 = before[name].view(layout.kv_heads, layout.group)
+        over = s0.amax(1) > tau
+        assert record.max_logit[name] == pytest.approx(s0.max().item())
+        clipped = set(record.heads.get(name, []))
+        assert clipped == {h for g in over.nonzero().flatten().tolist()
+                           for h in range(g * layout.group, (g + 1) * layout.group)}
+    # only the query and key blocks of clipped heads changed
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, params[n])}
+    allowed = ("c_attn", "q_proj", "k_proj")
+    assert changed and all(any(a in n for a in allowed) for n in changed), changed
+    _unclipped_blocks_are_bitwise_unchanged(model, clip, record, params)
+    new_state = opt.state_dict()
+    for k, v in state["state"].items():
+        for key, t in v.items():
+            assert torch.equal(t, new_state["state"][k][key]), (k, key)
+
+
+def _unclipped_blocks_are_bitwise_unchanged(model, clip, record, params):
+    names = {id(p): n for n, p in model.named_parameters()}
+    for layer, layout in clip.layouts.items():
+        clipped_q = set(record.heads.get(layer, []))
+        clipped_k = {h // layout.group for h in clipped_q}
+        for block, heads, clipped in ((layout.query, layout.heads, clipped_q), (layout.key, layout.kv_heads,
+                                                                               clipped_k)):
+            for h in range(heads):
+                lo = block.offset + h * layout.head_dim
+                now = block.weight.detach().narrow(block.dim, lo, layout.head_dim)
+                was = params[names[id(block.weight)]].narrow(block.dim, lo, layout.head_dim)
+                assert torch.equal(now, was) != (h in clipped), (layer, h)
+                if block.bias is not None:
+                    assert torch.equal(block.bias.detach().narrow(0, lo, layout.head_dim),
+                                       params[names[id(block.bias)]].narrow(0, lo, layout.head_dim)) != (h in clipped)
+
+
+def test_non_positive_unseen_and_nan_logits_never_clip():
+    model = _model("llama-gqa")
+    clip = QKClip(tau=0.5)
+    clip.setup({f"layer{i}": m for i, (_, m) in enumerate(st.attention_modules(model))})
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    record = clip.apply({"layer0": torch.tensor([-3.0, 0.0, -math.inf, math.nan]),
+                         "layer1": torch.full((4,), -math.inf)})
+    assert record.clipped_heads == 0 and clip.clip_steps == 0 and not clip.alert_due()
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_alerts_on_the_first_clip_and_every_100th_and_the_count_survives_a_resume():
+    model = _model("gpt2")
+    modules = {f"layer{i}": m for i, (_, m) in enumerate(st.attention_modules(model))}
+    clip = QKClip(tau=1e-3)
+    clip.setup(modules)
+    due = []
+    for _ in range(3):
+        clip.apply({"layer0": torch.full((4,), 2.0)})
+        due.append(clip.alert_due())
+    assert due == [True, False, False]
+    resumed = QKClip(tau=1e-3)
+    resumed.setup(modules)
+    resumed.load_state_dict(clip.state_dict())
+    for _ in range(98):
+        resumed.apply({"layer0": torch.full((4,), 2.0)})
+    assert resumed.clip_steps == 101 and resumed.alert_due()
+
+
+def test_bf16_weights_are_scaled_in_fp32_and_rounded_once():
+    model = _model("llama-gqa").to(torch.bfloat16)
+    clip = QKClip(tau=1.0, alpha=0.25)
+    clip.setup({"layer0": st.attention_modules(model)[0][1]})
+    q = clip.layouts["layer0"].query.weight
+    was = q.detach().clone()
+    clip.apply({"layer0": torch.tensor([4.0, 1.0, 0.5, 0.5])})  # group 0 (heads 0, 1): eta = 1/4
+    hd = clip.layouts["layer0"].head_dim
+    want = (was[: 2 * hd].float() * 0.25**0.25).to(torch.bfloat16)
+    assert q.dtype == torch.bfloat16 and torch.equal(q[: 2 * hd], want) and torch.equal(q[2 * hd:], was[2 * hd:])
+
+
+def test_layouts_it_cannot_edit_raise_at_setup_naming_the_class():
+    qwen3 = Qwen3ForCausalLM._from_config(Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=8),
+                                          attn_implementation="stable_attn")
+    with pytest.raises(ValueError, match="Qwen3Attention.*q_norm"):
+        QKClip(100.0).setup({"layer0": st.attention_modules(qwen3)[0][1]})
+    with pytest.raises(ValueError, match="Linear: no known query/key layout"):
+        head_layout(torch.nn.Linear(4, 4))
+    for bad in (0.0, -1.0, math.inf, math.nan, True, "100"):
+        with pytest.raises(ValueError, match="qk_clip="):
+            QKClip(bad)
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="qk_clip_alpha="):
+            QKClip(100.0, alpha=bad)
