@@ -14,12 +14,14 @@ def _blocks(lang: str) -> list[str]:
 
 def test_three_step_usage_block_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    usage = next(b for b in _blocks("python") if "StableAttentionCallback()" in b)
+    usage = next(b for b in _blocks("python") if "StableAttentionCallback(" in b)
     scope: dict = {}
     exec(compile(usage, "README.md", "exec"), scope)
     trainer, model = scope["trainer"], scope["model"]
     assert trainer.global_step == 8
     assert model.config._attn_implementation == "stable_attn"
+    (callback,) = (c for c in trainer.callbacks if type(c).__name__ == "StableAttentionCallback")
+    assert callback.engine._qk is not None and callback.engine._qk.tau == 100.0  # the one qk_clip line
 
 
 def test_readme_starts_with_the_two_commands():

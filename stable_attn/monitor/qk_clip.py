@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .config import check_qk_clip
+
 __all__ = ["HeadLayout", "QKClip", "QKClipRecord", "head_layout"]
 
 
@@ -149,20 +151,6 @@ class QKClipRecord:
         return sum(len(h) for h in self.heads.values())
 
 
-def _check_tau(tau: object) -> float:
-    if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau) or tau <= 0:
-        raise ValueError(f"qk_clip={tau!r}: accepted are None (off) or a finite number > 0 (the max logit "
-                         "per head, e.g. 100.0 as in Kimi K2)")
-    return float(tau)
-
-
-def _check_alpha(alpha: object) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"qk_clip_alpha={alpha!r}: accepted is a number in [0, 1] (the share of the scale "
-                         "the queries take; 0.5 splits it evenly)")
-    return float(alpha)
-
-
 class QKClip:
     """Clip per-head max logits to ``tau`` by editing the query and key weights (module docstring).
 
@@ -172,8 +160,10 @@ class QKClip:
     """
 
     def __init__(self, tau: float, alpha: float = 0.5) -> None:
-        self.tau = _check_tau(tau)
-        self.alpha = _check_alpha(alpha)
+        check_qk_clip(tau, alpha)
+        if tau is None:
+            raise ValueError("qk_clip=None: QKClip needs a tau; None switches QK-Clip off in the callbacks")
+        self.tau, self.alpha = float(tau), float(alpha)
         self.layouts: dict[str, HeadLayout] = {}
         self.clip_steps = 0  # steps on which a head was clipped (the alert cadence: first and every 100th)
 

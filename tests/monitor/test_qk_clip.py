@@ -185,3 +185,66 @@ def test_layouts_it_cannot_edit_raise_at_setup_naming_the_class():
     for bad in (-0.1, 1.5, math.nan):
         with pytest.raises(ValueError, match="qk_clip_alpha="):
             QKClip(100.0, alpha=bad)
+
+
+# ------------------------------------------------------------------------------- in the engine's loop
+
+
+def test_engine_clips_applied_steps_only_alerts_and_resumes(tmp_path):
+    """MonitorEngine(qk_clip=tau) in test_engine's plain loop (two micro-batches, AdamW, a skipped spike):
+    every applied step whose max logit passes tau is clipped and logged, the skipped step is not (its weights
+    and moments stay bit for bit), the first clip raises a qk_clip alert, the count survives a resume."""
+    from test_engine import BAD, STEPS, Loop, assert_equal
+
+    from stable_attn.monitor import names
+    from stable_attn.monitor.engine import MonitorEngine
+
+    alerts = []
+    tau = 1e-3  # below every head's max logit: each applied step clips every head of both layers
+    engine = MonitorEngine(on_spike="skip", qk_clip=tau, on_alert=alerts.append)
+    loop = Loop(engine, str(tmp_path))
+    seen = []
+    original = engine._qk.apply
+
+    def spy(max_logits):
+        seen.append({k: v.clone() for k, v in max_logits.items()})
+        return original(max_logits)
+
+    engine._qk.apply = spy
+    loop.run(scale={BAD: 20.0})
+
+    assert engine.skipped_steps == [BAD]
+    assert len(seen) == STEPS - 1  # every applied step is offered to QK-Clip, the skipped one is not
+    assert_equal(loop.states[BAD][0], loop.states[BAD + 1][0])  # the skipped step: no update, no clip
+    applied = [s for s in range(STEPS) if s != BAD]
+    over = {step: sum(int((m > tau).sum()) for m in s.values()) for step, s in zip(applied, seen, strict=True)}
+    assert over[0] == 4 and engine._qk.clip_steps == sum(n > 0 for n in over.values())
+    ends = {e.step: e for e in loop.ends if e.metrics is not None and names.QK_CLIP_HEADS in e.metrics}
+    assert sorted(ends) == [step for step, n in over.items() if n > 0]
+    assert all(ends[step].metrics[names.QK_CLIP_HEADS] == over[step] for step in ends)
+    # after a clip the next step starts from S_h = tau: what it shows is one AdamW step's growth
+    assert all(max(m.max().item() for m in s.values()) < 5 * tau for s in seen[1:])
+    clip_alerts = [a for a in alerts if a.kind == "qk_clip"]
+    assert [a.step for a in clip_alerts] == [0] and "layer0 heads [0, 1]" in clip_alerts[0].message
+    # the statistics ran on every training step (both micro-batches); the entropy only on monitored ones
+    assert all(torch.isfinite(s["layer0"]).all() for s in seen)
+    assert not any(s.enabled for s in engine.layers.stats.values())  # off between steps: eval is not seen
+    state = engine.state_dict()
+    assert state["qk_clip"]["clip_steps"] == engine._qk.clip_steps
+    resumed = MonitorEngine(on_spike="skip", qk_clip=tau)
+    resumed.load_state_dict(state)
+    assert resumed._qk.clip_steps == engine._qk.clip_steps
+
+
+def test_qk_clip_options_are_checked_and_off_by_default():
+    from stable_attn.monitor.config import MonitorConfig
+    from stable_attn.monitor.engine import MonitorEngine
+
+    assert MonitorConfig().qk_clip is None and MonitorConfig().qk_clip_alpha == 0.5
+    assert MonitorEngine()._qk is None
+    with pytest.raises(ValueError, match=r"qk_clip=-1\.0 is not supported"):
+        MonitorEngine(qk_clip=-1.0)
+    with pytest.raises(ValueError, match=r"qk_clip_alpha=2 is not supported"):
+        MonitorEngine(qk_clip=100.0, qk_clip_alpha=2)
+    with pytest.raises(ValueError, match="attention_stats=False"):
+        MonitorEngine(qk_clip=100.0, attention_stats=False)
