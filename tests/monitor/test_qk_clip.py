@@ -248,3 +248,35 @@ def test_qk_clip_options_are_checked_and_off_by_default():
         MonitorEngine(qk_clip=100.0, qk_clip_alpha=2)
     with pytest.raises(ValueError, match="attention_stats=False"):
         MonitorEngine(qk_clip=100.0, attention_stats=False)
+
+
+def test_packed_documents_clip_from_the_varlen_statistics():
+    """DataCollatorWithFlattening packs documents into one row; the model runs attention_varlen, whose
+    per-head max logit feeds QK-Clip the same way: layer 0 then stays at tau on the same packed batch."""
+    from transformers import DataCollatorWithFlattening
+
+    model = _model("llama-gqa")
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (9, 14, 6)]
+    batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d.tolist()} for d in docs])
+    assert batch["input_ids"].shape == (1, 29) and "attention_mask" not in batch
+
+    def max_logits():
+        stats = st.attach_stats(model)
+        for s in stats.values():
+            s.reset()
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        return {name: s.max_logit.clone() for name, s in stats.items()}
+
+    before = max_logits()
+    clip = QKClip(tau=float(before["layer0"].median()))
+    clip.setup({f"layer{i}": m for i, (_, m) in enumerate(st.attention_modules(model))})
+    record = clip.apply(before)
+    after = max_logits()
+    layout = clip.layouts["layer0"]
+    over = before["layer0"].view(layout.kv_heads, layout.group).amax(1) > clip.tau
+    assert record.clipped_heads > 0 and over.any()
+    s1 = after["layer0"].view(layout.kv_heads, layout.group)
+    assert (s1.amax(1) <= clip.tau * (1 + 1e-3)).all()
+    assert torch.equal(s1[~over], before["layer0"].view(layout.kv_heads, layout.group)[~over])
