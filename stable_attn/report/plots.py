@@ -12,12 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..monitor.names import LOSS, VAL_LOSS, layer_metric
+from ..monitor.names import LOSS, QK_CLIP_HEADS, VAL_LOSS, layer_metric
 from .read import RunData
 
-__all__ = ["plot_loss", "plot_max_logit", "plot_saturation"]
+__all__ = ["plot_loss", "plot_max_logit", "plot_qk_clip", "plot_saturation"]
 
-_KIND_COLORS = {"spike": "tab:red", "nonfinite": "black", "early_warning": "tab:orange", "not_training": "tab:brown"}
+_KIND_COLORS = {"spike": "tab:red", "nonfinite": "black", "early_warning": "tab:orange", "not_training": "tab:brown",
+                "qk_clip": "tab:cyan"}
 _MAX_ANNOTATED_ALERTS = 20
 
 
@@ -174,5 +175,23 @@ def plot_max_logit(run: RunData, path: Path) -> bool:
     ax.set_title("Max attention logit per layer")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncols=max(1, math.ceil(len(layers) / 8)), loc="best")
+    fig.savefig(path)
+    return True
+
+
+def plot_qk_clip(run: RunData, path: Path) -> bool:
+    """Query heads QK-Clip clipped per step (``qk_clip/clipped_heads``, logged on the steps that clip)."""
+    series = run.series(QK_CLIP_HEADS)
+    if series is None or not np.isfinite(series.values).any():
+        return False
+    fig = _figure(8.0, 3.5)
+    ax = fig.add_subplot()
+    ax.vlines(series.steps, 0, series.values, color="tab:cyan", linewidth=1.0)
+    ax.plot(series.steps, series.values, ".", color="tab:cyan", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("clipped query heads")
+    ax.set_title("QK-Clip: heads whose max logit passed tau, per step (steps without a bar clipped none)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
     fig.savefig(path)
     return True
