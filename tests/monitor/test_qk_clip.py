@@ -280,3 +280,52 @@ def test_packed_documents_clip_from_the_varlen_statistics():
     s1 = after["layer0"].view(layout.kv_heads, layout.group)
     assert (s1.amax(1) <= clip.tau * (1 + 1e-3)).all()
     assert torch.equal(s1[~over], before["layer0"].view(layout.kv_heads, layout.group)[~over])
+
+
+def test_ranks_clip_from_the_same_max_reduced_logits(tmp_path):
+    """Two ranks (threads with test_engine's all_gather) see different batches: each clips from the MAX over
+    both ranks' per-head max logits, so both make the same edit (same heads, same eta) every step."""
+    import threading
+
+    from test_engine import Loop, ThreadGather
+
+    from stable_attn.monitor.engine import MonitorEngine, World
+
+    gather = ThreadGather(2)
+    engines = {r: MonitorEngine(qk_clip=0.02) for r in (0, 1)}
+    local, used, errors = {0: [], 1: []}, {0: [], 1: []}, []
+
+    def rank(r: int) -> None:
+        try:
+            loop = Loop(engines[r], str(tmp_path), World(rank=r, size=2, all_gather=gather.for_rank(r)), seed=r)
+            qk = engines[r]._qk
+            reduce, apply = qk.reduce, qk.apply
+
+            def spy_reduce(stats, all_gather, device):
+                local[r].append({n: s.max_logit.clone() for n, s in stats.items()})
+                return reduce(stats, all_gather, device)
+
+            def spy_apply(max_logits):
+                record = apply(max_logits)
+                used[r].append(({k: v.clone() for k, v in max_logits.items()}, record.heads, record.eta))
+                return record
+
+            qk.reduce, qk.apply = spy_reduce, spy_apply
+            loop.run(steps=6)
+        except BaseException as exc:
+            errors.append(exc)
+            gather.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and len(used[0]) == len(used[1]) == 6
+    for step in range(6):
+        (s0, heads0, eta0), (s1, heads1, eta1) = used[0][step], used[1][step]
+        assert heads0 == heads1 and eta0 == eta1
+        for name in s0:
+            assert torch.equal(s0[name], s1[name])
+            assert torch.equal(s0[name], torch.maximum(local[0][step][name], local[1][step][name]))
+    assert any(used[0][step][1] for step in range(6))  # it clipped
