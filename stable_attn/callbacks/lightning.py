@@ -31,7 +31,6 @@ from ..monitor import names
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
-from ..monitor.resume_checks import check_resumed_snapshot, check_resumed_state
 
 __all__ = ["StableAttentionCallback"]
 
@@ -188,7 +187,6 @@ class StableAttentionCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainables = _trainables(trainer, pl_module)
-        check_resumed_snapshot(self.engine, trainables)
         self.engine.train_start(trainables)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -245,8 +243,8 @@ class StableAttentionCallback(Callback):
         return self.engine.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_resumed_state(self.engine, state_dict, f"{type(self).__name__} state")
-        self.engine.load_state_dict(state_dict)  # the snapshot's fields are checked there (snapshot_from_state)
+        # Every field is checked there before any is loaded, the snapshot against the run at train_start.
+        self.engine.load_state_dict(state_dict, f"{type(self).__name__} state")
 
 
 MonitorConfig.document(StableAttentionCallback, log_every="the Trainer's ``log_every_n_steps``",

@@ -44,7 +44,6 @@ from ..monitor import names
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
-from ..monitor.resume_checks import check_resumed_snapshot, check_resumed_state
 
 __all__ = ["StableAttentionTrainerCallback"]
 
@@ -285,11 +284,11 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
                 f"trainer_state.json, which does not hold its arguments {saved['unsaved_args']}; resume with "
                 f"restore_callback_states_from_checkpoint=False: {_NAME} restores its own state either way")
         engine = dict(saved["engine"])
-        check_resumed_state(self.engine, engine, f"{_NAME} state in trainer_state.json")
         snapshot = os.path.join(checkpoint, SNAPSHOT_FILE) if checkpoint is not None else None
         if snapshot is not None and self.engine.config.rolls_back and os.path.isfile(snapshot):
             engine["rollback_snapshot"] = torch.load(snapshot, map_location=args.device, weights_only=True)
-        self.engine.load_state_dict(engine)  # the snapshot's fields are checked there (snapshot_from_state)
+        # Every field is checked there before any is loaded, the snapshot against the run at train_start.
+        self.engine.load_state_dict(engine, f"{_NAME} state in trainer_state.json")
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Only a single-process engine keeps its snapshot in its state (one rank's snapshot is not another's).
@@ -334,7 +333,6 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             stop_path = lambda step: os.path.join(output_dir, names.trainer_checkpoint(step))  # the Trainer's save
             self.engine.start(output_dir, self._every, stop_path)
             trainables = self._trainables(state, model, optimizer, lr_scheduler)
-            check_resumed_snapshot(self.engine, trainables)
             self.engine.train_start(trainables)
         except BaseException:
             # Unwrap the Trainer and put back what setup patched: a later train() must not wrap the wrappers.

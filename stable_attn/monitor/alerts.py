@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -49,8 +48,6 @@ __all__ = [
 logger = logging.getLogger("stable_attn")
 
 
-# how the engine's stop note ends an alert's message: "...; stopping, checkpoint <path>" (the path runs to the end)
-_STOP_CHECKPOINT = re.compile(r"(stopping, checkpoint )(.+)$", re.DOTALL)
 
 
 def _encode_float(x: float | None) -> float | str | None:
@@ -89,6 +86,8 @@ class Alert:
             over the recent window; sorted here by ``|change|``, most-changed first.
         action: what training does about it (``"warn"``, ``"skip"``, ``"rollback"``, ``"stop"``).
         message: free text added to the formatted line.
+        checkpoint: the checkpoint a stop writes (a local path; None unless the alert stops the run). The
+            formatted line ends with it; :meth:`for_remote` keeps its file or folder name only.
         time: wall-clock time of the alert, seconds since the epoch.
     """
 
@@ -109,6 +108,7 @@ class Alert:
     layers: list[tuple[str, float]] = field(default_factory=list)
     action: str = "warn"
     message: str = ""
+    checkpoint: str | None = None
     time: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -116,6 +116,8 @@ class Alert:
             raise ValueError(f"kind must be one of {ALERT_KINDS}, got {self.kind!r}")
         if not isinstance(self.metric, str):
             raise TypeError(f"metric must be a str, got {self.metric!r}")
+        if self.checkpoint is not None and not isinstance(self.checkpoint, str):
+            raise TypeError(f"checkpoint must be None or a path (str), got {self.checkpoint!r}")
         self.step = int(self.step)
         for name in self.FLOAT_FIELDS:
             value = getattr(self, name)
@@ -140,6 +142,7 @@ class Alert:
         layers: Iterable[tuple[str, float]] = (),
         action: str = "warn",
         message: str = "",
+        checkpoint: str | None = None,
     ) -> Alert:
         """Build an alert from a detector's :class:`SpikeEvent` plus training context.
 
@@ -159,18 +162,17 @@ class Alert:
             layers=list(layers),
             action=action,
             message=message,
+            checkpoint=checkpoint,
         )
 
     def for_remote(self) -> Alert:
         """This alert as it may leave the machine (the webhook's payload): a stop's checkpoint named by its
-        file or folder name (``; stopping, checkpoint stable_attn-stop-step=25.ckpt``), not its local path.
-        Returns ``self`` when the message names no checkpoint."""
-        match = _STOP_CHECKPOINT.search(self.message)
-        if match is None:
+        file or folder name (``stable_attn-stop-step=25.ckpt``, ``checkpoint-25``), not its local path.
+        Returns ``self`` when the alert names no checkpoint."""
+        if self.checkpoint is None:
             return self
-        path = match.group(2).rstrip("/\\")
-        name = path.replace("\\", "/").rpartition("/")[2] or path
-        return replace(self, message=self.message[:match.start(2)] + name)
+        path = self.checkpoint.rstrip("/\\")
+        return replace(self, checkpoint=path.replace("\\", "/").rpartition("/")[2] or path)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict with the keys :attr:`FIELDS` of the alerts JSONL (non-finite floats as strings)."""
@@ -224,6 +226,8 @@ class Alert:
         parts.append(f"action {self.action}")
         if self.message:
             parts.append(" ".join(self.message.split()))  # one line, whatever the caller passed
+        if self.checkpoint is not None:
+            parts.append(f"checkpoint {self.checkpoint}")
         return "; ".join(parts)
 
     def __str__(self) -> str:

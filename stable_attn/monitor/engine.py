@@ -36,6 +36,7 @@ the adapter's (``StepEnd.metrics``).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -52,7 +53,16 @@ from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
 from .qk_clip import QKClip
-from .rollback import Snapshot, Trainables, restore_snapshot, snapshot_from_state, snapshot_state, take_snapshot
+from .resume_checks import check_resumed_state
+from .rollback import (
+    Snapshot,
+    Trainables,
+    check_snapshot,
+    restore_snapshot,
+    snapshot_from_state,
+    snapshot_state,
+    take_snapshot,
+)
 from .verdict import FIELDS, ActionCap, NotTrainingStreak, PhaseNotes, StepJudge, Verdict
 
 __all__ = ["ACTIONS", "Decision", "MonitorEngine", "StepEnd", "Trainables", "World"]
@@ -161,6 +171,7 @@ class MonitorEngine:
         self.alert_kinds: dict[str, int] = dict.fromkeys(ALERT_KINDS, 0)
         self.skipped_steps: list[int] = []
         self.rollbacks: list[tuple[int, int]] = []  # (spiking step, snapshot step)
+        self.unconfirmed_grad_norm_jumps = 0  # gradient-norm jumps without a loss rise: counted, not alerted
         self.stop_checkpoint: str | None = None
         self.dispatcher: AlertDispatcher | None = None
         # per channel: delivered, failed, dropped, abandoned (closed channels and earlier runs of a resume)
@@ -187,6 +198,8 @@ class MonitorEngine:
         self._snapshot: Snapshot | None = None
         self._snapshot_in_checkpoint = False
         self._loaded_snapshot: Snapshot | None = None
+        self._snapshot_detectors: dict[str, list[dict[str, Any]]] | None = None
+        self._loaded_detectors: dict[str, list[dict[str, Any]]] | None = None
         self._resumed = False
         # QK-Clip (qk_clip=): the weight edits live in qk_clip.py; the engine feeds it each step's max logits
         self._qk = QKClip(config.qk_clip, config.qk_clip_alpha) if config.qk_clip is not None else None
@@ -274,6 +287,8 @@ class MonitorEngine:
         """Training begins with ``state`` (any checkpoint restored): the first rollback snapshot."""
         loaded, self._loaded_snapshot = self._loaded_snapshot, None
         resumed, self._resumed = self._resumed, False
+        if loaded is not None and self.config.rolls_back:
+            check_snapshot(loaded, state)  # shapes and finiteness against this run, before any of it is used
         # A snapshot of one process is the whole state; several ranks (DDP, FSDP) each hold their own, and a
         # checkpoint keeps rank zero's only.
         self._snapshot_in_checkpoint = self.world.size == 1
@@ -281,10 +296,11 @@ class MonitorEngine:
             return
         if loaded is not None:
             self._snapshot = loaded
+            self._snapshot_detectors, self._loaded_detectors = self._loaded_detectors, None
             if self.world.is_zero:
                 log.info("%s: rollback snapshot of global_step %d restored from the checkpoint", self.name, loaded.step)
             return
-        self._snapshot = take_snapshot(state)
+        self._take_snapshot(state)
         if resumed and self.world.is_zero:
             log.warning("%s: rollback history starts afresh at global_step %d: the checkpoint holds no rollback "
                         "snapshot (one is saved only by single-process runs with on_spike='rollback'), so a spike "
@@ -320,6 +336,9 @@ class MonitorEngine:
             shown = ", ".join(map(str, self.skipped_steps[:5])) + (", ..." if len(self.skipped_steps) > 5 else "")
             line += f" (steps {shown})"
         line += f", {len(self.rollbacks)} rollback(s)"
+        if self.unconfirmed_grad_norm_jumps:
+            line += (f"; {self.unconfirmed_grad_norm_jumps} gradient-norm jump(s) the loss did not confirm "
+                     "(not alerted)")
         if self.stop_checkpoint is not None:
             line += f"; stopped, checkpoint {self.stop_checkpoint}"
         if self.alerts_file is not None and self.alert_count and self.log_dir is not None:
@@ -388,12 +407,14 @@ class MonitorEngine:
         judged = self._judge.judge(step, table.cpu().tolist(), has_norm=grad_norm is not None, scaler=scaler,
                                    lr=lr, note=lambda verdict: self._action_note(step, verdict))
         self.last = judged.last
+        self.unconfirmed_grad_norm_jumps += judged.unconfirmed
         watched = [self.loss_detector] + ([self.grad_norm_detector] if self.monitor_grad_norm else [])
         for line in self._phases.update(step, watched):
             if self.world.is_zero:
                 log.warning("%s: %s", self.name, line)
+        stop_path = self._stop_path(step) if judged.verdict.stop else None
         for event, message in judged.spikes:
-            self._alert(event, judged.verdict.action, message)
+            self._alert(event, judged.verdict.action, message, stop_path)
         for alert in judged.alerts:
             self._emit(alert)
         verdict = judged.verdict
@@ -423,7 +444,7 @@ class MonitorEngine:
             at = self._snapshot.step if self._snapshot is not None else "?"
             return f"; rolling back to the state at global_step {at}"
         if verdict.stop:
-            return f"; stopping, checkpoint {self._stop_path(step)}"
+            return "; stopping"
         return ""
 
     def _default_stop_path(self, step: int) -> str:
@@ -448,13 +469,17 @@ class MonitorEngine:
             self._pending_rollback = False
             assert self._snapshot is not None
             restore_snapshot(state, self._snapshot)
+            if self._snapshot_detectors is not None:
+                # The detectors go back with the weights: judged against the level the run had reached after
+                # the restored weights' step, the first losses after a rollback looked like a spike again.
+                self._judge.load_detector_states(self._snapshot_detectors)
             self.rollbacks.append((step, self._snapshot.step))
             rolled_back = True
             if self.world.is_zero:
                 log.warning("%s: rolled back to the state at global_step %d; the batches of steps %d..%d are dropped",
                             self.name, self._snapshot.step, self._snapshot.step, step)
         elif self.config.rolls_back and not self._acted and state.step % self.rollback_every == 0:
-            self._snapshot = take_snapshot(state)
+            self._take_snapshot(state)
 
         stop = None
         if self._pending_stop:
@@ -498,6 +523,11 @@ class MonitorEngine:
                                      f"{detail}"))
         return metrics
 
+    def _take_snapshot(self, state: Trainables) -> None:
+        """The rollback snapshot of ``state``, with the loss and gradient-norm detectors as they are now."""
+        self._snapshot = take_snapshot(state)
+        self._snapshot_detectors = self._judge.detector_states()
+
     def _monitor(self, step: int) -> dict[str, float]:
         metrics = {k: v for k, v in self.last.items() if not (k == names.GRAD_NORM and not self.monitor_grad_norm)}
         gather = self.world.all_gather if self.world.size > 1 else None
@@ -508,10 +538,10 @@ class MonitorEngine:
         metrics[names.ALERT_COUNT] = float(self.alert_count)
         return metrics
 
-    def _alert(self, event: SpikeEvent, action: str, message: str) -> None:
+    def _alert(self, event: SpikeEvent, action: str, message: str, checkpoint: str | None = None) -> None:
         """An alert from a detector's event, with the step's learning rate and the layers that moved."""
         self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=self._watch.most_changed(),
-                                    action=action, message=message.lstrip("; ")))
+                                    action=action, message=message.lstrip("; "), checkpoint=checkpoint))
 
     def _emit(self, alert: Alert) -> None:
         """Count the alert on every rank (the count is shown and logged), deliver it on rank zero."""
@@ -537,11 +567,13 @@ class MonitorEngine:
             "alert_count": self.alert_count,
             "skipped_steps": list(self.skipped_steps),
             "rollbacks": [list(r) for r in self.rollbacks],
+            "unconfirmed_grad_norm_jumps": self.unconfirmed_grad_norm_jumps,
             "stop_checkpoint": self.stop_checkpoint,
             "layers": watch["layers"],
             "alert_delivery": self._delivery(),
             **({"qk_clip": self._qk.state_dict()} if self._qk is not None else {}),
-            **({"rollback_snapshot": snapshot_state(self._snapshot)} if self._snapshot is not None
+            **({"rollback_snapshot": snapshot_state(self._snapshot),
+                "rollback_detectors": copy.deepcopy(self._snapshot_detectors)} if self._snapshot is not None
                and self._snapshot_in_checkpoint and self.config.rolls_back else {}),
         }
 
@@ -550,11 +582,17 @@ class MonitorEngine:
         live = self.dispatcher.delivery() if self.dispatcher is not None else {}
         return alerting.add_counts(self.alert_delivery, {k: v for k, v in live.items() if any(v.values())})
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], where: str = "monitor state") -> None:
+        """Restore :meth:`state_dict`'s output (a resume). Every field is checked first
+        (:func:`~stable_attn.monitor.resume_checks.check_resumed_state`: a ValueError names the field, its
+        value and what is accepted, and nothing is loaded); the rollback snapshot in it is checked against
+        the run's own state at :meth:`train_start`. ``where`` names the state in those errors."""
+        check_resumed_state(self, state_dict, where)
         self._resumed = True
         self.alert_delivery = alerting.add_counts({}, state_dict.get("alert_delivery", {}))
         snapshot = state_dict.get("rollback_snapshot")
         self._loaded_snapshot = snapshot_from_state(snapshot) if snapshot is not None else None
+        self._loaded_detectors = state_dict.get("rollback_detectors") if snapshot is not None else None
         self.loss_detector.load_state_dict(state_dict["loss_detector"])
         self.grad_norm_detector.load_state_dict(state_dict["grad_norm_detector"])
         ranks = self._judge.ranks
@@ -566,6 +604,7 @@ class MonitorEngine:
         self._cap.load_state_dict(state_dict.get("spike_actions", {}))
         self.skipped_steps = list(state_dict.get("skipped_steps", []))
         self.rollbacks = [tuple(r) for r in state_dict.get("rollbacks", [])]
+        self.unconfirmed_grad_norm_jumps = int(state_dict.get("unconfirmed_grad_norm_jumps", 0))
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
         self._watch.load_state_dict(state_dict)  # applied to layers found later too
         if self._qk is not None:

@@ -4,10 +4,11 @@ A checkpoint is a file: it can be damaged or edited. A detector state with a NaN
 negative variance, or a count that is not an int, would load (or fail deep inside with
 ``invalid literal for int()``) and then judge every later value wrongly: a loss detector whose
 variance is inf never fires. :func:`check_engine_state` refuses such a state at resume with a
-ValueError naming the field, its value and what is accepted. The adapters call it on what they hand
-to :meth:`~stable_attn.monitor.engine.MonitorEngine.load_state_dict`; the rollback snapshot in it is
-checked by :func:`~stable_attn.monitor.rollback.snapshot_from_state` and
-:func:`~stable_attn.monitor.rollback.check_snapshot`.
+ValueError naming the field, its value and what is accepted.
+:meth:`~stable_attn.monitor.engine.MonitorEngine.load_state_dict` calls it before it loads anything;
+the rollback snapshot in the state is checked by :func:`~stable_attn.monitor.rollback.snapshot_from_state`
+there, and against the run's own state (shapes, finiteness) by
+:func:`~stable_attn.monitor.rollback.check_snapshot` at :meth:`~stable_attn.monitor.engine.MonitorEngine.train_start`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["check_detector_state", "check_engine_state", "check_resumed_snapshot", "check_resumed_state"]
+__all__ = ["check_detector_state", "check_engine_state", "check_resumed_state"]
 
 _FIX = "resume from a checkpoint this run wrote, or start the detectors afresh without it"
 # Saved detector fields that hold a variance: a finite number >= 0 (or None before the first estimate).
@@ -90,13 +91,22 @@ def check_engine_state(state: Any, spike_template: Mapping[str, Any], surge_temp
             raise _refuse(f"{where}[{key!r}]", others, "a list of detector states")
         for i, other in enumerate(others):
             check_detector_state(other, f"{where}[{key!r}][{i}]", spike_template)
+    saved = state.get("rollback_detectors")
+    if saved is not None:
+        if not isinstance(saved, Mapping):
+            raise _refuse(f"{where}['rollback_detectors']", saved, "a dict of metric names to lists of detector states")
+        for metric, states in saved.items():
+            if not isinstance(states, list):
+                raise _refuse(f"{where}['rollback_detectors'][{metric!r}]", states, "a list of detector states")
+            for i, one in enumerate(states):
+                check_detector_state(one, f"{where}['rollback_detectors'][{metric!r}][{i}]", spike_template)
     surge = state.get("surge", {})
     if not isinstance(surge, Mapping):
         raise _refuse(f"{where}['surge']", surge, "a dict of metric names to detector states")
     if surge_template is not None:
         for metric, saved in surge.items():
             check_detector_state(saved, f"{where}['surge'][{metric!r}]", surge_template)
-    for key in ("alert_count", "not_training_streak"):
+    for key in ("alert_count", "not_training_streak", "unconfirmed_grad_norm_jumps"):
         if key in state and not _count(state[key]):
             raise _refuse(f"{where}[{key!r}]", state[key], "an int >= 0")
     kinds = state.get("alert_kinds", {})
@@ -125,13 +135,3 @@ def check_resumed_state(engine: Any, state: Any, where: str) -> None:
 
     check_engine_state(state, engine.loss_detector.state_dict(), SurgeDetector.saturation("template").state_dict(),
                        where)
-
-
-def check_resumed_snapshot(engine: Any, state: Any) -> None:
-    """:func:`~stable_attn.monitor.rollback.check_snapshot` of the snapshot ``engine`` loaded from a checkpoint
-    (if any) against the run's ``state``, before :meth:`MonitorEngine.train_start` adopts it."""
-    from .rollback import check_snapshot
-
-    loaded = getattr(engine, "_loaded_snapshot", None)
-    if loaded is not None and engine.config.rolls_back:
-        check_snapshot(loaded, state)

@@ -8,6 +8,13 @@ its own copy of each detector), so every rank reaches the same verdict without a
 The rules, in one place:
 
 - a spike (loss or gradient norm, on any rank) drops the update unless ``on_spike="warn"``;
+- a gradient-norm jump (rules ``gross`` and ``jump``) is a spike only when the loss confirms it: the loss
+  is flagged at the same step (any rank), or the rank's loss undoes at least ``GRAD_NORM_CONFIRM_SHARE``
+  (half) of the run's progress (:meth:`SpikeDetector.progress_share`). Alone it is counted
+  (``Judgement.unconfirmed``, the engine's summary), not alerted or acted on: healthy small-batch runs
+  jump 4-30x in one step with an ordinary loss, while every corrupted batch measured raised the loss
+  (``benchmarks/healthy_traces.py``, docs/DETECTORS.md). A gradient-norm drift, and a NaN or inf, need no
+  confirmation;
 - a NaN or inf loss or gradient, on any rank, drops the update whatever ``on_spike`` says (with
   ``"warn"`` the step is skipped); under an fp16 GradScaler inf gradients are the scaler's business;
 - the spike action has a cap: after ``spike_action_cap`` updates dropped for spikes in one streak
@@ -29,11 +36,14 @@ from typing import Any
 
 from . import Alert, SpikeDetector, SpikeEvent, names
 
-__all__ = ["FIELDS", "SPIKE_ACTIONS", "ActionCap", "Judgement", "NotTrainingStreak", "PhaseNotes", "RankDetectors",
+__all__ = ["FIELDS", "GRAD_NORM_CONFIRM_SHARE", "SPIKE_ACTIONS", "ActionCap", "Judgement", "NotTrainingStreak",
+           "PhaseNotes", "RankDetectors",
            "StepJudge", "Verdict"]
 
 # Columns of the per-rank row: loss, gradient norm, has a loss, non-finite gradients.
 FIELDS = 4
+#: The share of the run's progress a rank's loss must undo to confirm a gradient-norm jump on its own.
+GRAD_NORM_CONFIRM_SHARE = 0.5
 #: The metric of the alert that says the spike-action cap was reached.
 SPIKE_ACTIONS = "stable_attn/spike_actions"
 
@@ -61,6 +71,7 @@ class Judgement:
     last: dict[str, float]  # names.LOSS / GRAD_NORM / LR of the step, for logging and alerts
     spikes: list[tuple[SpikeEvent, str]] = field(default_factory=list)  # new events and their alert message
     alerts: list[Alert] = field(default_factory=list)  # alerts with no detector event (non-finite gradients)
+    unconfirmed: int = 0  # gradient-norm jumps the loss did not confirm (ranks), neither alerted nor acted on
 
 
 def worst(values: list[float]) -> float:
@@ -164,6 +175,21 @@ class StepJudge:
         self.cap = cap if cap is not None else ActionCap(None, 1)
         self.ranks = {names.LOSS: RankDetectors(loss), names.GRAD_NORM: RankDetectors(grad_norm)}
         self._grads_were_bad = False
+        self._unconfirmed_ranks: set[int] = set()  # ranks whose last gradient-norm event went unconfirmed
+        self._was_unconfirmed: set[int] = set()  # the same, as of the step before
+
+    def detector_states(self) -> dict[str, list[dict[str, Any]]]:
+        """Every rank's loss and gradient-norm detector states, by metric (what a rollback snapshot keeps)."""
+        return {metric: [d.state_dict() for d in ranks.detectors] for metric, ranks in self.ranks.items()}
+
+    def load_detector_states(self, states: dict[str, list[dict[str, Any]]]) -> None:
+        """Put back :meth:`detector_states`' output (a rollback): ranks it holds no state for start afresh
+        from rank zero's."""
+        for metric, ranks in self.ranks.items():
+            saved = states.get(metric, [])
+            if saved:
+                ranks.detectors[0].load_state_dict(saved[0])
+                ranks.load_other_states(saved[1:])
 
     def judge(self, step: int, rows: list[list[float]], *, has_norm: bool, scaler: bool, lr: float,
               note: Callable[[Verdict], str]) -> Judgement:
@@ -178,6 +204,9 @@ class StepJudge:
             names.LR: lr,
         }
         loss_det, norm_det = self.ranks[names.LOSS], self.ranks[names.GRAD_NORM]
+        # Measured before the loss enters its detector: against the baseline the value is judged by.
+        shares = {rank: loss_det[rank].progress_share(r[0]) for rank, r in enumerate(rows)
+                  if r[2] and math.isfinite(r[0])}
         loss_events = [(rank, loss_det[rank].update(step, r[0])) for rank, r in enumerate(rows) if r[2]]
         norm_events = []
         # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
@@ -186,6 +215,7 @@ class StepJudge:
                            if not (scaler and not math.isfinite(r[1]))]
         loss_events = [(rank, e) for rank, e in loss_events if e is not None]
         norm_events = [(rank, e) for rank, e in norm_events if e is not None]
+        norm_events, unconfirmed = self._confirmed(norm_events, bool(loss_events), shares)
         bad_grad_ranks = [] if scaler else [rank for rank, r in enumerate(rows) if r[3]]
         nonfinite_loss = any(r[2] and not math.isfinite(r[0]) for r in rows)
         nonfinite = nonfinite_loss or bool(bad_grad_ranks)
@@ -205,11 +235,11 @@ class StepJudge:
             said += " (a non-finite update is never applied, whatever on_spike says)"
         if capped:
             said += f" (not acted on: on_spike={self.on_spike!r} has reached spike_action_cap={self.cap.cap})"
-        out = Judgement(verdict, last)
+        out = Judgement(verdict, last, unconfirmed=unconfirmed)
         if escalate:
             out.alerts.append(self.cap.alert(step, self.on_spike, lr))
-        for events in (loss_events, norm_events):
-            new = [(rank, e) for rank, e in events if e.is_new]
+        for events, resumed in ((loss_events, set()), (norm_events, self._was_unconfirmed)):
+            new = [(rank, e) for rank, e in events if e.is_new or rank in resumed]
             if new:
                 out.spikes.append((new[0][1], where([rank for rank, _ in events], world) + said))
         if bad_grad_ranks and not has_norm and not self._grads_were_bad:
@@ -218,6 +248,20 @@ class StepJudge:
                 message=("NaN or inf in the gradients " + where(bad_grad_ranks, world) + said).strip()))
         self._grads_were_bad = bool(bad_grad_ranks) and not has_norm
         return out
+
+    def _confirmed(self, events: list[tuple[int, SpikeEvent]], loss_flagged: bool,
+                   shares: dict[int, float | None]) -> tuple[list[tuple[int, SpikeEvent]], int]:
+        """The gradient-norm events that count as spikes (see the module) and how many did not."""
+        kept = []
+        for rank, event in events:
+            share = shares.get(rank)
+            if (loss_flagged or event.kind == "nonfinite" or event.rule == "drift"
+                    or (share is not None and share >= GRAD_NORM_CONFIRM_SHARE)):
+                kept.append((rank, event))
+        # A confirmed event after unconfirmed ones of the same episode is the first one alerted.
+        self._was_unconfirmed = set(self._unconfirmed_ranks)
+        self._unconfirmed_ranks = {rank for rank, e in events if (rank, e) not in kept}
+        return kept, len(events) - len(kept)
 
 
 class NotTrainingStreak:
@@ -241,13 +285,14 @@ class NotTrainingStreak:
 
     def alert(self, step: int, action: str, lr: float | None, stop_path: str) -> Alert:
         streak, stop = self.streak, self.stop_after
-        then = f"; stopping, checkpoint {stop_path}" if self.stops else (
+        then = "; stopping" if self.stops else (
             f"; the run stops after {stop} such steps" if stop is not None else "")
         return Alert(
             step=step, kind="not_training", metric=names.NOT_TRAINING, value=streak, threshold=self.after, lr=lr,
             action=action,
             message=f"the run is not training: {streak} optimizer steps in a row (steps {step - streak + 1}..{step}) "
-                    f"had their update dropped or a non-finite loss{then}")
+                    f"had their update dropped or a non-finite loss{then}",
+            checkpoint=stop_path if self.stops else None)
 
 
 class PhaseNotes:
@@ -274,6 +319,8 @@ class PhaseNotes:
                 noise = f" and {z:g} sigmas of its measured noise" if z else ""
                 rule = f"a value above {ratio:g}x its recent median{noise}, or NaN/inf, alerts" if ratio else \
                     "NaN/inf alert"
+                if which == names.GRAD_NORM and ratio:
+                    rule += " when the loss confirms it (a loss spike, or a loss back half way to its start)"
                 lines.append(f"spike detection active from step {following} on {which}: {rule}; the calibrated "
                              "rule takes over once it has learnt the run's noise")
             elif now == "calibrated":

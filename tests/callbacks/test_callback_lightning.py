@@ -32,7 +32,7 @@ from stable_attn.monitor import Alert, SpikeDetector
 STEPS = 60
 BAD = 50
 ALERT_KEYS = {"step", "kind", "metric", "value", "baseline", "threshold", "score", "lr", "layers", "action",
-              "message", "time"}
+              "message", "checkpoint", "time"}
 
 
 def make_callback(**kwargs) -> StableAttentionCallback:

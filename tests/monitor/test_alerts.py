@@ -70,7 +70,7 @@ def test_alert_sorts_layers_and_round_trips_through_strict_json() -> None:
     assert data["layers"] == [["layer3", -0.21], ["layer7", 0.05], ["layer1", 0.02]]
     assert set(data) == {
         "step", "kind", "metric", "value", "baseline", "threshold", "score", "lr", "layers", "action", "message",
-        "time",
+        "checkpoint", "time",
     }
     back = Alert.from_dict(data)
     assert math.isnan(back.value) and back.baseline == math.inf and back.threshold == -math.inf
@@ -533,18 +533,21 @@ def test_webhook_payload_names_a_stop_checkpoint_by_its_file_name_only() -> None
     action = streak.update(True)
     local = os.path.join("/home/someone/private run", "stable_attn-stop-step=7.ckpt")
     alert = streak.alert(7, action, 1e-3, local)
-    assert local in alert.message  # the local alerts (log, JSONL, callables) keep the path
+    assert alert.checkpoint == local and local in alert.format()  # the local alerts (log, JSONL, callables) keep it
+    assert local not in alert.message
     with local_server() as server:
         channel = WebhookChannel(f"http://127.0.0.1:{server.server_port}/hook", timeout=5.0)
         channel.send(alert)
         assert channel.flush(5.0) and channel.delivered == 1
         channel.close()
     body = json.loads(server.received[0][2])
-    assert "/home/someone" not in body["message"] and "private run" not in body["message"]
-    assert body["message"].endswith("; stopping, checkpoint stable_attn-stop-step=7.ckpt")
-    trainer_style = Alert(step=7, kind="spike", metric="loss", value=9.0,
-                          message="loss spike; stopping, checkpoint /out/dir/checkpoint-7/")
-    assert trainer_style.for_remote().message == "loss spike; stopping, checkpoint checkpoint-7"
+    sent = server.received[0][2].decode()
+    assert "/home/someone" not in sent and "private run" not in sent
+    assert body["message"].endswith("; stopping") and body["checkpoint"] == "stable_attn-stop-step=7.ckpt"
+    trainer_style = Alert(step=7, kind="spike", metric="loss", value=9.0, message="loss spike; stopping",
+                          checkpoint="/out/dir/checkpoint-7/")
+    assert trainer_style.for_remote().checkpoint == "checkpoint-7"
+    assert trainer_style.for_remote().message == trainer_style.message
     plain = make_alert()
     assert plain.for_remote() is plain
 

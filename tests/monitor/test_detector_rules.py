@@ -124,7 +124,7 @@ def test_first_descent_does_not_inflate_the_noise_scale(phi: float) -> None:
 
 
 # What version 4 added: re-entry buffers, the re-baseline's flag marks, the finite-update count.
-V4_KEYS = ("seen", "marks", "episode", "held", "clean")
+V4_KEYS = ("seen", "marks", "episode", "held", "clean", "first")
 
 
 def test_version_3_state_loads_and_resumes_like_the_saved_detector() -> None:
@@ -148,13 +148,28 @@ def test_version_2_state_loads_with_the_moment_count() -> None:
     det = SpikeDetector()
     run(det, early_loss(7)[:200])
     state = det.state_dict()
-    assert state["version"] == 4 and state["rcount"] > 0
+    assert state["version"] == 5 and state["rcount"] > 0
     for key in ("rcount", *V4_KEYS):
         state.pop(key)
     state["version"] = 2
     restored = SpikeDetector()
     restored.load_state_dict(state)
     assert restored.ready and restored.state_dict()["rcount"] == state["residuals"]
+
+
+def test_version_4_state_loads_without_a_start_and_never_learns_one() -> None:
+    """A state saved before version 5 has no record of the run's start: the next values are not it."""
+    det = SpikeDetector(min_progress_share=0.5)
+    losses = early_loss(7)[:200]
+    run(det, losses)
+    state = det.state_dict()
+    assert state["first"] == [float(v) for v in losses[:5]] and det.progress_share(10.0) > 0.5
+    state.pop("first")
+    state["version"] = 4
+    restored = SpikeDetector(min_progress_share=0.5)
+    restored.load_state_dict(state)
+    run(restored, losses[:10])
+    assert restored.state_dict()["first"] == [] and restored.progress_share(10.0) is None
 
 
 def test_version_1_state_still_loads() -> None:
@@ -275,3 +290,20 @@ def test_calibrated_bar_before_warmup_once_the_forecast_is_unbiased(step: int) -
         values[step] *= math.exp(0.005 * 9)
         events = run(SpikeDetector(), values)
         assert [(e.step, e.rule) for e in events] == [(step, "jump")], seed
+
+
+def test_min_progress_share_ignores_low_loss_spikes_a_corrupted_batch_still_undoes() -> None:
+    """A loss fallen from 5.5 to 0.1 nats: a 3x spike undoes 4% of that progress, a corrupted batch all of it."""
+    rng = np.random.default_rng(3)
+    t = np.arange(300, dtype=np.float64)
+    losses = (0.1 + 5.4 * np.exp(-t / 20.0)) * np.exp(0.05 * rng.standard_normal(len(t)))
+    spiky = losses.copy()
+    spiky[200] = 3.0 * losses[199]
+    corrupted = losses.copy()
+    corrupted[200] = 5.6
+    assert [e.step for e in run(SpikeDetector(), spiky)] == [200]
+    gated = SpikeDetector(min_progress_share=0.1)
+    assert run(gated, spiky) == []
+    assert [e.step for e in run(SpikeDetector(min_progress_share=0.1), corrupted)] == [200]
+    with pytest.raises(ValueError, match="min_progress_share"):
+        SpikeDetector(min_progress_share=-0.1)

@@ -28,7 +28,7 @@ EVERY = 4
 CHECKPOINT_KEYS = {
     "loss_detector", "other_rank_loss_detectors", "grad_norm_detector", "other_rank_grad_norm_detectors",
     "alert_kinds", "not_training_streak", "surge", "alert_count", "skipped_steps", "rollbacks", "stop_checkpoint",
-    "layers", "alert_delivery", "spike_actions",
+    "layers", "alert_delivery", "spike_actions", "unconfirmed_grad_norm_jumps",
 }
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -146,6 +146,30 @@ def test_rollback_restores_the_last_snapshot(tmp_path):
     assert_equal(loop.states[BAD - 1][0], loop.states[8][0])  # after step 10 the state is the one after step 8
     assert_equal(loop.states[BAD - 1][1], loop.states[8][1])
     assert "rollback_snapshot" in engine.state_dict()  # one process: the snapshot goes with the checkpoint
+
+
+def test_a_rollback_puts_the_detectors_back_with_the_weights(tmp_path):
+    """The detectors judged the first losses after a rollback against the level the run had reached since
+    the snapshot: on a falling loss those looked like a spike again, and rollbacks followed one another."""
+    engine = MonitorEngine(on_spike="rollback", rollback_every=4)
+    loop = Loop(engine, str(tmp_path))
+    at_snapshot = {}
+    original = engine._take_snapshot
+
+    def remember(state):
+        original(state)
+        at_snapshot[state.step] = engine._judge.detector_states()
+
+    engine._take_snapshot = remember
+    loop.run(steps=BAD - 1, scale={BAD - 2: 20.0})  # the rollback's end_step is the last one
+    assert engine.rollbacks == [(BAD - 2, 8)]
+    assert engine._judge.detector_states() == at_snapshot[8]
+    saved = engine.state_dict()
+    assert saved["rollback_detectors"] == at_snapshot[8]  # a resumed run rolls back the detectors too
+    resumed = MonitorEngine(on_spike="rollback", rollback_every=4)
+    resumed.load_state_dict(saved)
+    resumed.train_start(loop.trainables(BAD - 1))
+    assert resumed._snapshot_detectors == at_snapshot[8]
 
 
 def test_stop_names_the_checkpoint_and_a_nan_is_never_applied(tmp_path):
