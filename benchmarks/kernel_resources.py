@@ -48,6 +48,7 @@ from stable_attn.kernels.triton_aot import (  # noqa: E402
     sass_of,
 )
 from stable_attn.options import MODE_NAMES  # noqa: E402
+from stable_attn.stats import STATS_ENTROPY  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = {name: mode for mode, name in MODE_NAMES.items()}
@@ -63,6 +64,9 @@ def variants(args) -> list[Variant]:
             out += [Variant("fwd", DTYPES[dt], d, causal, MODES[mode], False, cc, **kw) for mode in args.modes]
             if args.stats:
                 out += [Variant("fwd", DTYPES[dt], d, causal, MODES[mode], True, cc, **kw)
+                        for mode in args.stats_modes if mode in args.modes]
+            if args.entropy:  # the statistics with the entropy (stats.STATS_ENTROPY)
+                out += [Variant("fwd", DTYPES[dt], d, causal, MODES[mode], STATS_ENTROPY, cc, **kw)
                         for mode in args.stats_modes if mode in args.modes]
         out += [Variant(k, DTYPES[dt], d, causal, cc=cc, **kw) for k in ("bwd_dkdv", "bwd_dq") if k in args.kernels]
     return out
@@ -93,6 +97,8 @@ def main() -> None:
     p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[True])
     p.add_argument("--modes", nargs="+", default=["off", "exact", "paper"], choices=sorted(MODES))
     p.add_argument("--no-stats", dest="stats", action="store_false", help="skip the stats-on forward")
+    p.add_argument("--entropy", action="store_true",
+                   help="also compile the stats-on forward with the entropy (its own statistics level)")
     p.add_argument("--stats-modes", nargs="+", default=["exact"], choices=sorted(MODES),
                    help="the modes (of --modes) whose stats-on forward is compiled too")
     p.add_argument("--opcodes", action="store_true",

@@ -4,7 +4,8 @@ torch.library glue, written once.
 :func:`define` registers a forward/backward pair ``stable_attn::<name>_fwd`` / ``_bwd`` with a fake (meta)
 implementation and an autograd formula, so ``torch.compile`` keeps each op in the graph as one opaque call
 and autograd never traces through a reference implementation. Both ops take ``q, k, v``, then their own
-inputs (the masks, or ``cu_seqlens`` and the lengths), the dropout seed as a tensor, ``with_stats`` and the
+inputs (the masks, or ``cu_seqlens`` and the lengths), the dropout seed as a tensor, ``with_stats``
+(a ``stats.STATS_*`` level) and the
 fields of :class:`stable_attn.options.Options` by name (``options.op_schema``); the forward returns
 ``out, lse`` and the statistics (:class:`stable_attn.stats.RowStats`, empty placeholders when none are
 collected); the backward returns ``dq, dk, dv``.
@@ -21,7 +22,7 @@ import torch
 
 from ._checks import interpreting
 from .options import Options, op_schema
-from .stats import AttentionStats, RowStats
+from .stats import STATS_ENTROPY, AttentionStats, RowStats, stats_level
 
 logger = logging.getLogger("stable_attn")
 
@@ -104,7 +105,7 @@ def define(name: str, inputs: str, forward: Callable, backward: Callable,
     is_tensor = tuple(arg.split()[0].startswith("Tensor") for arg in inputs.split(","))
     n = len(is_tensor)
     options = op_schema()
-    fwd_schema = (f"(Tensor q, Tensor k, Tensor v, {inputs}, Tensor? seed, bool with_stats, {options}) "
+    fwd_schema = (f"(Tensor q, Tensor k, Tensor v, {inputs}, Tensor? seed, int with_stats, {options}) "
                   f"-> (Tensor, Tensor, {RowStats.SCHEMA})")
     bwd_schema = (f"(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {inputs}, Tensor? seed, "
                   f"{options}) -> (Tensor, Tensor, Tensor)")
@@ -124,7 +125,8 @@ def define(name: str, inputs: str, forward: Callable, backward: Callable,
     @fwd.register_fake
     def _(q, k, v, *args):
         lse_rows, stats_rows = rows(q)
-        row_stats = RowStats.like(q, stats_rows) if args[n + 1] else RowStats.like(q)
+        level = args[n + 1]
+        row_stats = RowStats.like(q, stats_rows, entropy=level == STATS_ENTROPY) if level else RowStats.like(q)
         return torch.empty_like(q), q.new_empty(lse_rows, dtype=torch.float32), *row_stats.tensors()
 
     @bwd.register_fake
@@ -153,8 +155,8 @@ def define(name: str, inputs: str, forward: Callable, backward: Callable,
 def run(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: tuple, seed: torch.Tensor | None,
         opts: Options, backend: str, stats: AttentionStats | None) -> torch.Tensor:
     """Call a forward op of :func:`define` on ``backend`` and fold its statistics into ``stats``."""
-    collect = stats is not None and stats.enabled
-    outs = op(q, k, v, *inputs, seed, collect, *opts.replace(backend=backend).op_args())
-    if collect and outs[2].numel() > 0:  # an empty batch has no rows to fold in
+    level = stats_level(stats)
+    outs = op(q, k, v, *inputs, seed, level, *opts.replace(backend=backend).op_args())
+    if level and outs[2].numel() > 0:  # an empty batch has no rows to fold in
         stats.update(RowStats(*outs[2:]))
     return outs[0]

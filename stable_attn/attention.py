@@ -20,7 +20,7 @@ from .options import DEFAULTS, Options, Stabilize
 from .stats import AttentionStats, RowStats
 
 
-def _forward(q, k, v, key_padding_mask, attn_mask, opts: Options, with_stats: bool,
+def _forward(q, k, v, key_padding_mask, attn_mask, opts: Options, with_stats: int,
              ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     if opts.backend == "triton":
         from .kernels import triton_attention

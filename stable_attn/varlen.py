@@ -141,7 +141,7 @@ def launch_extent(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_se
     return cu, cu, min(max_seqlen_q, max(longest, 1)), min(max_seqlen_k, max(longest, 1))
 
 
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: Options, with_stats: bool,
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: Options, with_stats: int,
              ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = launch_extent(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

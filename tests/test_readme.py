@@ -46,7 +46,7 @@ def test_every_python_block_runs_as_pasted(line, code, tmp_path, monkeypatch, ca
             exec(compile(code, f"README.md:{line}", "exec"), scope)
     finally:
         torch.set_num_threads(threads)
-    if "StableAttentionCallback()" in code:  # the three-step block: the defaults, as README's first screen says
+    if "callbacks=[StableAttentionCallback(" in code:  # the three-step block: defaults as on the first screen
         from stable_attn.monitor.config import ACTION_WORDS, MonitorConfig
 
         assert scope["trainer"].global_step == 8
@@ -54,6 +54,8 @@ def test_every_python_block_runs_as_pasted(line, code, tmp_path, monkeypatch, ca
         default = MonitorConfig.default("on_spike")
         assert any(r.getMessage().startswith(f"StableAttentionCallback: on a spike: {ACTION_WORDS[default]} "
                                              f"(on_spike={default!r}, the default;") for r in caplog.records)
+        (callback,) = (c for c in scope["trainer"].callbacks if type(c).__name__ == "StableAttentionCallback")
+        assert callback.engine._qk is not None and callback.engine._qk.tau == 100.0  # the one qk_clip line
     if "set_attn_implementation" in code:  # the switch README gives for generating with sdpa works both ways
         assert scope["model"].config._attn_implementation == "stable_attn"
         scope["model"].set_attn_implementation("sdpa")

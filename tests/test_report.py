@@ -378,3 +378,21 @@ def test_plots_draw_the_detectors_levels_and_titles_say_what_happened(tmp_path: 
     assert titles[0] == f"Loss: 3 alerts (spike 2, early_warning 1) at steps {SPIKE_STEP}, 40, {WARNING_STEP}"
     assert titles[1].endswith(f"; 1 alert (early_warning 1) at step {WARNING_STEP} on it")
     assert titles[2].endswith("no alerts on it")
+
+
+def test_report_plots_the_heads_qk_clip_clipped_per_step(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    logger = CSVLogger(save_dir=str(run), name="csv")
+    for step in range(30):
+        logger.log_metrics({"train/loss": 3.0 - step / 100}, step=step)
+        if step >= 5 and step % 3 == 0:  # logged on the steps that clip
+            logger.log_metrics({"qk_clip/clipped_heads": float(step % 4 + 1), "qk_clip/max_logit/layer0": 120.0},
+                               step=step)
+    logger.save()
+    out = tmp_path / "out"
+    report = build_report(run, out)
+    assert (out / "qk_clip.png").is_file() and "![QK-Clip: clipped heads per step](qk_clip.png)" in report.read_text()
+    plain = tmp_path / "plain"
+    write_run(plain, seed=3)
+    build_report(plain, tmp_path / "plain_out")
+    assert not (tmp_path / "plain_out" / "qk_clip.png").exists()  # no qk_clip metric: no plot

@@ -45,16 +45,13 @@ def probabilities(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(s) & any_key, p, torch.zeros_like(p))
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+def scores(
+    q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
     window: int | None = None, softcap: float | None = None,
-) -> torch.Tensor:
-    """``[B, Hq, Nq, D]`` float64 output of q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nk, D]``.
-
-    Arguments mean what they mean for :func:`stable_attn.attention`. A row that sees no key
-    outputs 0 and gets zero gradients (as the kernels do).
-    """
+) -> list[torch.Tensor]:
+    """Per batch element, the ``[Hq, Nq, Nk]`` float64 scores softmax sees (after scale, softcap and masks;
+    hidden entries ``-inf``); arguments as for :func:`attention`."""
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     group = Hq // k.shape[1]
@@ -63,10 +60,9 @@ def attention(
     mask = None
     if attn_mask is not None:
         mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    outs = []
+    out = []
     for b in range(B):  # one batch element at a time: [Hq, Nq, Nk] is the largest tensor
         kb = k[b].double().repeat_interleave(group, dim=0)
-        vb = v[b].double().repeat_interleave(group, dim=0)
         s = torch.matmul(q[b].double(), kb.transpose(-1, -2)) * scale
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
@@ -77,6 +73,39 @@ def attention(
                 vis = vis & mb
             else:
                 s = s + mb.double()
-        s = s.masked_fill(~vis, -math.inf)
-        outs.append(torch.matmul(probabilities(s), vb))
+        out.append(s.masked_fill(~vis, -math.inf))
+    return out
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+    window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:
+    """``[B, Hq, Nq, D]`` float64 output of q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nk, D]``.
+
+    Arguments mean what they mean for :func:`stable_attn.attention`. A row that sees no key
+    outputs 0 and gets zero gradients (as the kernels do).
+    """
+    group = q.shape[1] // k.shape[1]
+    per_batch = scores(q, k, causal=causal, scale=scale, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                       window=window, softcap=softcap)
+    outs = [torch.matmul(probabilities(s), v[b].double().repeat_interleave(group, dim=0))
+            for b, s in enumerate(per_batch)]
     return torch.stack(outs)
+
+
+def entropy(
+    q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+    window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:
+    """``[B, Hq, Nq]`` float64: each row's attention entropy ``-sum_j p_j ln p_j`` in nats, 0 for a row that
+    sees no key (the statistics' convention); arguments as for :func:`attention`."""
+    per_batch = scores(q, k, causal=causal, scale=scale, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                       window=window, softcap=softcap)
+    out = []
+    for s in per_batch:
+        p = probabilities(s)
+        out.append(-torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum(-1))
+    return torch.stack(out)

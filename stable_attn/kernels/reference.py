@@ -21,7 +21,7 @@ import math
 import torch
 
 from ..options import Options
-from ..stats import RowStats
+from ..stats import STATS_ENTROPY, RowStats
 from . import rules
 from .philox import keep_mask
 
@@ -193,8 +193,9 @@ def _grouped(x: torch.Tensor, p: _Problem) -> torch.Tensor:
 
 
 def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Options = _DEFAULT_OPTIONS,
-                      with_stats: bool = False):
-    """Forward pass. Returns ``(out, lse2, row_stats)``; ``row_stats`` is None unless requested."""
+                      with_stats: int = False):
+    """Forward pass. Returns ``(out, lse2, row_stats)``; ``row_stats`` is None unless requested
+    (``with_stats``: a ``stats.STATS_*`` level; True collects the row statistics without the entropy)."""
     p = _Problem(q, k, key_padding_mask, attn_mask, opts)
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     dtype = q.dtype
@@ -207,8 +208,9 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
     out = torch.empty_like(q)
     outg = _grouped(out, p)
     lse2 = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
+    entropy_on = with_stats == STATS_ENTROPY  # with_stats: a stats.STATS_* level (True: without the entropy)
     if with_stats:
-        st = RowStats.empty((B, Hkv, G, Nq), q.device)
+        st = RowStats.empty((B, Hkv, G, Nq), q.device, entropy=entropy_on)
 
     for q0 in range(0, Nq, p.chunk):
         q1 = min(q0 + p.chunk, Nq)
@@ -223,6 +225,9 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         acc = torch.zeros(B, Hkv, G * cq, D, device=q.device)
         fixed = torch.zeros(row, dtype=torch.int32, device=q.device) if with_stats else None
         m2 = torch.full(row, neg_inf, device=q.device) if with_stats else None  # running second-largest score
+        # sums of P-bar_j * (s2_j - r) and of P-bar_j over the keys seen (entropy, ALGORITHM.md "Statistics")
+        ent = torch.zeros(row, device=q.device) if entropy_on else None
+        ent_l = torch.zeros(row, device=q.device) if entropy_on else None
         s_first = torch.full(row, neg_inf, device=q.device)
 
         for j0, j1 in p.key_blocks(q0, q1):
@@ -248,9 +253,16 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
 
             alpha = torch.exp2(r - r_new)  # 0 (or 1 on zeros) while no key was seen
             # P-bar = exp2(x * c - r) rounded once where fused (the kernel's tl.fma), else exp2(fl(s2 - r))
-            p_bar = torch.exp2(fma_f32(s, c, -r_new[..., None]) if fused else s - r_new[..., None])
+            t = fma_f32(s, c, -r_new[..., None]) if fused else s - r_new[..., None]  # log2 of P-bar, unrounded
+            p_bar = torch.exp2(t)
             # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
             p_cast = p_bar.to(dtype).float()
+            if entropy_on:
+                # the entropy of softmax itself: fp32 P-bar over its own sum ent_l (triton_forward.fwd_weights
+                # says why not l); moving the offset from r to r_new adds (r - r_new) to every earlier t, and
+                # alpha scales their P-bar; masked keys (t = -inf, P-bar = 0) add 0, not 0 * inf
+                ent = alpha * (ent + (r - r_new) * ent_l) + (p_bar * t.clamp(min=-rules.FP32_MAX)).sum(-1)
+                ent_l = ent_l * alpha + p_bar.sum(-1)
             # our rule: the row sum adds exactly the weights that multiply V (consistent
             # normalisation); FA2 and the paper sum the unrounded P-bar (ALGORITHM.md, step 6)
             l_blk = (p_cast if opts.mode == rules.MODE_EXACT else p_bar).sum(-1)
@@ -277,6 +289,11 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             st.fixed_blocks[..., q0:q1] = fixed
             st.max_logit[..., q0:q1] = m / rules.LOG2E
             st.sink_mass[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])
+            if entropy_on:
+                # H = ln 2 * (log2 L - ent / L) with L = ent_l: -sum_j (P-bar_j / L) log2(P-bar_j / L), in nats;
+                # 0 where every P-bar underflowed (L = 0): only the published rule's unbounded offset does that
+                entropy = (torch.log2(ent_l) - ent / ent_l) / rules.LOG2E
+                st.entropy[..., q0:q1] = torch.where(seen & (ent_l > 0), entropy, torch.zeros_like(entropy))
 
     lse2 = lse2.view(B, p.Hq, Nq)
     row_stats = st.view(B, p.Hq, Nq) if with_stats else None

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..options import Options
-from ..stats import RowStats
+from ..stats import STATS_ENTROPY, RowStats
 from . import reference
 
 
@@ -35,12 +35,12 @@ def _dense(x: torch.Tensor, s: int, e: int) -> torch.Tensor:
 
 def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, opts: Options,
-                   with_stats: bool) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
+                   with_stats: int) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     """``(out [total_q, Hq, D], lse2 [Hq, total_q], row_stats [1, Hq, total_q] | None)``."""
     total_q, Hq, _ = q.shape
     out = torch.zeros_like(q)
     lse2 = torch.full((Hq, total_q), math.inf, dtype=torch.float32, device=q.device)
-    st = RowStats.unseen((1, Hq, total_q), q.device) if with_stats else None
+    st = RowStats.unseen((1, Hq, total_q), q.device, entropy=with_stats == STATS_ENTROPY) if with_stats else None
     for b, ((qs, qe), (ks, ke)) in enumerate(zip(_bounds(cu_seqlens_q), _bounds(cu_seqlens_k), strict=True)):
         if qe == qs or ke == ks:
             continue  # no rows, or rows that see no key: the initial values are the answer

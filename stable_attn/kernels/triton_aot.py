@@ -50,7 +50,7 @@ from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 SHARED_LIMIT = {80: 166912, 90: 232448}
 
 _PTR = {"KPM": "*u8", "Lse": "*fp32", "Delta": "*fp32", "StSat": "*i8", "StFixed": "*i32", "StMax": "*fp32",
-        "StSink": "*fp32", "CuQ": "*i32", "CuK": "*i32"}
+        "StSink": "*fp32", "StEnt": "*fp32", "CuQ": "*i32", "CuK": "*i32"}
 _INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q", "b_first"}
 KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
 _KERNELS = {"fwd": attn_fwd_kernel, "bwd_pre": attn_bwd_preprocess, "bwd_dkdv": attn_bwd_dkdv_kernel,
@@ -68,7 +68,7 @@ class Variant:
     head_dim: int
     causal: bool = True
     mode: int = rules.MODE_EXACT
-    stats: bool = False
+    stats: int = False  # a stats.STATS_* level: False/0 none, True/1 the row statistics, 2 also the entropy
     cc: int = 90
     block_n: int = BLOCK_N
     features: bool = False  # window, softcap, key padding mask (not with varlen) and dropout all on
@@ -84,7 +84,7 @@ class Variant:
         dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
         parts = [self.kind, dt, f"D{self.head_dim}", "causal" if self.causal else "full"]
         if self.kind == "fwd":
-            parts += [mode, "stats" if self.stats else "nostats"]
+            parts += [mode, {0: "nostats", 1: "stats", 2: "stats+entropy"}[int(self.stats)]]
         if self.features:
             parts.append("window-softcap-dropout" if self.varlen else "window-softcap-kpm-dropout")
         if self.varlen:

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .._checks import interpreting
 from ..options import BLOCK_N, Options
-from ..stats import RowStats
+from ..stats import STATS_ENTROPY, RowStats
 from . import rules
 from .triton_backward import (
     attn_bwd_dkdv_kernel,
@@ -259,7 +259,7 @@ def _features(opts: Options) -> dict:
 
 def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, causal: bool, window: bool,
                      softcap: bool, dropout: bool, kpm: bool | None, mode: int = rules.MODE_EXACT,
-                     stats: bool = False, block_n: int = BLOCK_N, forced_block_n: bool = False, tma: bool = True,
+                     stats: int = False, block_n: int = BLOCK_N, forced_block_n: bool = False, tma: bool = True,
                      upcast: bool = False, config: FwdConfig | BwdConfig | None = None) -> tuple[dict, dict]:
     """``(constexprs, compile options)`` of the kernel ``kind`` (``"fwd"``, ``"bwd_dkdv"`` or ``"bwd_dq"``, dense
     or varlen): what the launchers below pass and what ``triton_aot`` compiles (benchmarks/kernel_resources.py
@@ -285,7 +285,7 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
         if tile_n not in (block_n, 2 * block_n):
             raise ValueError(f"config.tile_n={cfg.tile_n} with key blocks of {block_n}: accepted are None, {block_n} "
                              f"and {2 * block_n} (one or two blocks of the partition per key tile)")
-        consts.update(MODE=mode, STATS=stats, BLOCK_M=cfg.block_m, BLOCK_N=block_n, TILE_N=tile_n, TMA=cfg.tma)
+        consts.update(MODE=mode, STATS=int(stats), BLOCK_M=cfg.block_m, BLOCK_N=block_n, TILE_N=tile_n, TMA=cfg.tma)
         return consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
     if kind not in ("bwd_dkdv", "bwd_dq"):
         raise ValueError(f"kind={kind!r}: one of 'fwd', 'bwd_dkdv', 'bwd_dq'")
@@ -405,6 +405,7 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
         raise ValueError(f"block_n={block_n} with head dim {D} ({dtype}) needs K and V tiles of "
                          f"{2 * block_n * block_d * q.element_size()} bytes, more than the {_MAX_KV_TILE_BYTES} "
                          f"bytes of shared memory the kernel may use; use a smaller block_n (64 is the default)")
+    with_stats = int(with_stats)  # a stats.STATS_* level (True: the row statistics without the entropy)
     consts, compile_opts = launch_constants(
         "fwd", D, dtype, _capability(q.device), **_features(opts),
         kpm=(key_padding_mask is not None) if packed is None else None, mode=opts.mode, stats=with_stats,
@@ -414,10 +415,12 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
     out = _empty_like(q)
     lse2 = _empty(rows, torch.float32, q.device)
     if with_stats:
-        st = RowStats.empty(rows, q.device, alloc=_empty)
-        sat, fixed, max_logit, sink = st.saturated.view(torch.int8), *st.tensors()[1:]
+        st = RowStats.empty(rows, q.device, alloc=_empty, entropy=with_stats == STATS_ENTROPY)
+        sat, fixed, max_logit, sink, entropy = st.saturated.view(torch.int8), *st.tensors()[1:]
+        if not st.has_entropy:
+            entropy = lse2  # never touched: STATS is a compile-time 1
     else:
-        sat = fixed = max_logit = sink = lse2  # never touched: STATS is a compile-time False
+        sat = fixed = max_logit = sink = entropy = lse2  # never touched: STATS is a compile-time False
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
     sc = _scalars(opts, dtype)
     scalars = (sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, rules.sat_tolerance2(dtype), min_shift2,
@@ -431,14 +434,14 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
         kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
         for b_first, nb in _batches(B):
             attn_fwd_kernel[(n_m, Hq, nb)](
-                q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, sink,
+                q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, sink, entropy,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
                 Hq, Hq // Hkv, Nq, Nk, sc["window"], b_first, *scalars, **consts, **compile_opts,
             )
     elif min(n_m, Hq, B) > 0:
         attn_fwd_varlen_kernel[(n_m, Hq, B)](
-            q, k_in, v_in, out, lse2, sat, fixed, max_logit, sink, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
+            q, k_in, v_in, out, lse2, sat, fixed, max_logit, sink, entropy, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
             Hq, Hq // Hkv, sc["window"], q.shape[0], *scalars, **consts, **compile_opts,
         )
         rows = (1, *rows)  # the statistics as one batch element: what AttentionStats.update reads

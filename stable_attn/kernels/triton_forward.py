@@ -39,6 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import stats as _stats
 from . import rules
 from .triton_tiles import TMA_PACKED, key_range, load_tile, round_to, scores_tile, varlen_bounds
 
@@ -49,6 +50,7 @@ MODE_PAPER = tl.constexpr(rules.MODE_PAPER)
 PAPER_ROW_SUM_FLOOR = tl.constexpr(rules.PAPER_ROW_SUM_FLOOR)
 FP32_MAX = tl.constexpr(rules.FP32_MAX)
 LOG2E = tl.constexpr(rules.LOG2E)
+STATS_ENTROPY = tl.constexpr(_stats.STATS_ENTROPY)  # STATS: 0 none, 1 row statistics, 2 also the entropy
 L_COLS = tl.constexpr(8)  # columns of the tensor-core row sum: wgmma's smallest N
 
 
@@ -216,18 +218,30 @@ def fwd_decide(m_i, r_i, m2_i, fixed, s, top1, top2, qk_scale2, tie2, min_shift2
 
 
 @triton.jit
-def fwd_weights(l_i, s, m_blk, r_i, r_new, start_n, offs_n0, qk_scale2, seed, drop_p, drop_row,
-                SOFTCAP: tl.constexpr, MODE: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_D: tl.constexpr,
-                DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def fwd_weights(l_i, ent_i, ent_l, s, m_blk, r_i, r_new, start_n, offs_n0, qk_scale2, seed, drop_p, drop_row,
+                MASK: tl.constexpr, SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
+                DROPOUT: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+                PREC: tl.constexpr):
     """P-bar of one block under the offset ``r_new`` ``fwd_decide`` chose (the row's previous offset
-    ``r_i``), rounded, dropout applied, and the row sum: ``(p_cast, alpha, l_i)``; ``fwd_pv`` adds
-    ``P-bar V``."""
+    ``r_i``), rounded, dropout applied, and the row sum: ``(p_cast, alpha, l_i, ent_i, ent_l)``; ``fwd_pv``
+    adds ``P-bar V``. ``STATS``: the entropy's running sums ``ent_i = sum_j P-bar_j (s2_j - r)`` and
+    ``ent_l = sum_j P-bar_j`` of the unrounded fp32 ``P-bar``, rescaled to ``r_new``."""
     # r starts at -FP32_MAX (fwd_program), so r - r_new and s - r are never inf - inf: no guard here
     alpha = tl.exp2(r_i - r_new)  # 0 (or 1 on zeros) while the row has seen no key
     if SOFTCAP:
-        p = tl.exp2(s - r_new[:, None])
+        t = s - r_new[:, None]
     else:  # P-bar = exp2(x * qk_scale2 - r), rounded once (reference.fma_f32 on the PyTorch path)
-        p = tl.exp2(tl.fma(s, qk_scale2, -r_new[:, None]))
+        t = tl.fma(s, qk_scale2, -r_new[:, None])
+    p = tl.exp2(t)
+    if STATS == STATS_ENTROPY:
+        # the entropy of softmax itself (reference.py, the same): fp32 P-bar over its own fp32 sum. The row
+        # sum l would not do: in exact mode it adds the rounded P-bar, and under the stabilization's shift
+        # (up to MAX_SHIFT) the mismatch would put that shift times bf16's rounding error into the entropy.
+        # Moving the offset to r_new adds r_i - r_new to every earlier key's t, and alpha rescales P-bar.
+        if MASK:  # masked keys: t = -inf and P-bar = 0 add 0 (not 0 * inf); unmasked stretches have none
+            t = tl.maximum(t, -FP32_MAX)
+        ent_i = alpha * (ent_i + (r_i - r_new) * ent_l) + tl.sum(p * t, 1)
+        ent_l = ent_l * alpha + tl.sum(p, 1)
     # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
     p_cast = round_to(p, DTYPE, UPCAST)
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
@@ -246,7 +260,7 @@ def fwd_weights(l_i, s, m_blk, r_i, r_new, start_n, offs_n0, qk_scale2, seed, dr
     if DROPOUT:  # a 0/1 mask keeps P-bar exact; 1/(1-p) is applied once, at the end
         keep = tl.rand(seed, drop_row[:, None] + (start_n + offs_n0)[None, :].to(tl.int64)) >= drop_p
         p_cast = tl.where(keep, p_cast, tl.zeros_like(p_cast))
-    return p_cast, alpha, l_i
+    return p_cast, alpha, l_i, ent_i, ent_l
 
 
 @triton.jit
@@ -270,7 +284,8 @@ def fwd_pv(acc, p_cast, alpha, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, o
 
 
 @triton.jit
-def fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, s, top1, top2, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d,
+def fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s, top1, top2, kv_mask, tile_b, hkv, v_ptrs, start_n,
+               offs_n0, offs_d,
                stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                MASK: tl.constexpr, SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
@@ -279,15 +294,17 @@ def fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, s, top1, top2, kv_mask, tile_b, 
     updated row state."""
     m_blk, m_new, r_new, m2_i, fixed = fwd_decide(m_i, r_i, m2_i, fixed, s, top1, top2, qk_scale2, tie2, min_shift2,
                                                   max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
-    p_cast, alpha, l_i = fwd_weights(l_i, s, m_blk, r_i, r_new, start_n, offs_n0, qk_scale2, seed, drop_p, drop_row,
-                                     SOFTCAP, MODE, DROPOUT, BLOCK_D, DTYPE, UPCAST, PREC)
+    p_cast, alpha, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s, m_blk, r_i, r_new, start_n, offs_n0,
+                                                   qk_scale2, seed,
+                                            drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, BLOCK_D, DTYPE,
+                                            UPCAST, PREC)
     acc = fwd_pv(acc, p_cast, alpha, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d, stride_vn, Nk, MASK,
                  HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
-    return acc, l_i, m_new, r_new, m2_i, fixed
+    return acc, l_i, m_new, r_new, m2_i, fixed, ent_i, ent_l
 
 
 @triton.jit
-def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
               offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
               tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -301,14 +318,16 @@ def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, k
     s, kv_mask = fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
                             qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP,
                             HAS_KPM, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
-    return fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, s, None, None, kv_mask, tile_b, hkv, v_ptrs, start_n,
+    return fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s, None, None, kv_mask, tile_b, hkv, v_ptrs,
+                      start_n,
                       offs_n0, offs_d, stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed,
                       drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC,
                       TMA)
 
 
 @triton.jit
-def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_t0,
+def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+             offs_t0,
              offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
              tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
              MASK: tl.constexpr, BOTH: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
@@ -345,25 +364,31 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kp
                                                  max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
         mb_b, m_i, r_b, m2_i, fixed = fwd_decide(m_i, r_a, m2_i, fixed, s_b, t1b, t2b, qk_scale2, tie2, min_shift2,
                                                  max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
-        p_a, alpha_a, l_i = fwd_weights(l_i, s_a, mb_a, r_i, r_a, start_n, offs_n0, qk_scale2, seed, drop_p,
-                                        drop_row, SOFTCAP, MODE, DROPOUT, BLOCK_D, DTYPE, UPCAST, PREC)
-        p_b, alpha_b, l_i = fwd_weights(l_i, s_b, mb_b, r_a, r_b, start_b, offs_n0, qk_scale2, seed, drop_p,
-                                        drop_row, SOFTCAP, MODE, DROPOUT, BLOCK_D, DTYPE, UPCAST, PREC)
+        p_a, alpha_a, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s_a, mb_a, r_i, r_a, start_n, offs_n0,
+                                                      qk_scale2, seed,
+                                               drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, BLOCK_D,
+                                               DTYPE, UPCAST, PREC)
+        p_b, alpha_b, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s_b, mb_b, r_a, r_b, start_b, offs_n0,
+                                                      qk_scale2, seed,
+                                               drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, BLOCK_D,
+                                               DTYPE, UPCAST, PREC)
         r_i = r_b
         acc = fwd_pv(acc, p_a, alpha_a, mask_a, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d, stride_vn, Nk,
                      MASK, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
         acc = fwd_pv(acc, p_b, alpha_b, kv_tile_mask(start_b + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D), tile_b,
                      hkv, v_ptrs, start_b, offs_n0, offs_d, stride_vn, Nk, MASK, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
     else:
-        acc, l_i, m_i, r_i, m2_i, fixed = fwd_update(
-            acc, l_i, m_i, r_i, m2_i, fixed, s_a, t1a, t2a, mask_a, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d,
+        acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_update(
+            acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s_a, t1a, t2a, mask_a, tile_b, hkv, v_ptrs, start_n,
+            offs_n0, offs_d,
             stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK,
             SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
-    return acc, l_i, m_i, r_i, m2_i, fixed
+    return acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l
 
 
 @triton.jit
-def fwd_blocks(m_i, r_i, l_i, acc, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_n0,
+def fwd_blocks(m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi,
+               offs_m, offs_n0,
                offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
                min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -379,17 +404,18 @@ def fwd_blocks(m_i, r_i, l_i, acc, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, 
     one-block variant is unchanged by the move, benchmarks/kernel_resources.py).
     """
     for start_n in range(lo, hi, offs_n0.shape[0]):
-        acc, l_i, m_i, r_i, m2_i, fixed = fwd_block(
-            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+        acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_block(
+            acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC, TMA)
-    return acc, l_i, m_i, r_i, m2_i, fixed
+    return acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l
 
 
 @triton.jit
-def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_t0,
+def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi,
+                offs_m, offs_t0,
                 offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
                 tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -402,33 +428,36 @@ def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs,
     the key tile."""
     TILE_N: tl.constexpr = offs_t0.shape[0]
     if TILE_N == offs_n0.shape[0]:
-        acc, l_i, m_i, r_i, m2_i, fixed = fwd_blocks(
-            m_i, r_i, l_i, acc, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m, offs_n0,
+        acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_blocks(
+            m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m,
+            offs_n0,
             offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
             min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE,
             STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
     else:
         tiles_hi = lo + (hi - lo) // TILE_N * TILE_N
         for start_n in range(lo, tiles_hi, TILE_N):
-            acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
-                acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
+            acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_tile(
+                acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n,
+                offs_m,
                 offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
                 window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, True, CAUSAL, WINDOW,
                 SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
         if MASK:
             if tiles_hi < hi:
-                acc, l_i, m_i, r_i, m2_i, fixed = fwd_tile(
-                    acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi, offs_m,
+                acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_tile(
+                    acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi,
+                    offs_m,
                     offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk,
                     pos_offset, window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, False,
                     CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC,
                     TMA)
-    return acc, l_i, m_i, r_i, m2_i, fixed
+    return acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l
 
 
 @triton.jit
 def fwd_program(
-    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink,
+    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink, StEnt,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
     Hq, G, Nq, Nk, window, q_start, k_start, total_q, b_first,
@@ -491,6 +520,8 @@ def fwd_program(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m2_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # second-largest score (statistics)
     fixed = tl.zeros([BLOCK_M], tl.int32)
+    ent_i = tl.zeros([BLOCK_M], tl.float32)  # the entropy's running sums (statistics, fwd_weights)
+    ent_l = tl.zeros([BLOCK_M], tl.float32)
 
     lo, mid_lo, mid_hi, hi_al = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     if TILE_N > BLOCK_N:  # two blocks of the partition per key tile: K and the padding mask span the tile
@@ -513,20 +544,24 @@ def fwd_program(
     # same PTX then, but one call site inlined twice with MASK (window edge and diagonal) places the debug
     # labels elsewhere, and ptxas assigned other registers (sm_90 D = 64 off with window etc.)
     if WINDOW:  # cut by the window's left edge (masked)
-        acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(
-            acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo, offs_m,
+        acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_stretch(
+            acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo,
+            offs_m,
             offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
             True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
             UPCAST, PREC, TMA)
-    acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(  # seen in full by every row (unmasked)
-        acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, full_hi, offs_m,
+    acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_stretch(  # seen in full by every row (unmasked)
+        acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, full_hi,
+        offs_m,
         offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
         window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
         False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
         UPCAST, PREC, TMA)
-    acc, l_i, m_i, r_i, m2_i, fixed = fwd_stretch(  # cut by the causal diagonal or the end of the keys (masked)
-        acc, l_i, m_i, r_i, m2_i, fixed, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, full_hi, hi_al, offs_m,
+    # cut by the causal diagonal or the end of the keys (masked)
+    acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_stretch(
+        acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, full_hi, hi_al,
+        offs_m,
         offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
         window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
         True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
@@ -551,6 +586,11 @@ def fwd_program(
         tl.store(StSat + row_ptr, ((m2_i >= m_i - sat2) & seen).to(tl.int8), mask=row_ok)
         tl.store(StFixed + row_ptr, fixed, mask=row_ok)
         tl.store(StMax + row_ptr, m_i / LOG2E, mask=row_ok)
+        # H = ln 2 * (log2 L - ent / L) nats with L = ent_l; 0 where no key is seen, and where every P-bar
+        # underflowed (L = 0: only the published rule's unbounded offset does that)
+        if STATS == STATS_ENTROPY:
+            ent_ok = seen & (ent_l > 0)
+            tl.store(StEnt + row_ptr, tl.where(ent_ok, (tl.log2(ent_l) - ent_i / ent_l) / LOG2E, 0.0), mask=row_ok)
         # the sink's score, recomputed from key 0 alone: the loops then carry no test for block 0
         # (fp32 sum in another order than the tile's dot: within summation-order differences)
         # (varlen: a sequence without keys has no key 0; the next sequence's must not be read)
@@ -579,7 +619,7 @@ def fwd_program(
 
 @triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "b_first", "seed"])
 def attn_fwd_kernel(
-    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink,
+    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink, StEnt,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
     Hq, G, Nq, Nk, window, b_first,
@@ -592,7 +632,7 @@ def attn_fwd_kernel(
 ):
     """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V``
     are descriptors (blocks ``[1, 1, TILE_N, BLOCK_D]`` and ``[1, 1, BLOCK_N, BLOCK_D]``)."""
-    fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink,
+    fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink, StEnt,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
@@ -602,7 +642,7 @@ def attn_fwd_kernel(
 
 @triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
 def attn_fwd_varlen_kernel(
-    Q, K, V, Out, Lse, StSat, StFixed, StMax, StSink, CuQ, CuK,
+    Q, K, V, Out, Lse, StSat, StFixed, StMax, StSink, StEnt, CuQ, CuK,
     stride_qh, stride_qn, stride_kh, stride_kn, stride_vh, stride_vn, stride_oh, stride_on,
     Hq, G, window, total_q,
     qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
@@ -623,7 +663,7 @@ def attn_fwd_varlen_kernel(
     q_start, k_start, Nq, Nk = varlen_bounds(CuQ, CuK, b)
     if tl.program_id(0) * BLOCK_M >= Nq:
         return
-    fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StSink,
+    fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StSink, StEnt,
                 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh, stride_vn,
                 0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q, 0,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,

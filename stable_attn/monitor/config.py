@@ -53,6 +53,22 @@ def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) ->
         raise ValueError(f"{name}={value!r} is not supported; use {accepted}")
 
 
+def check_qk_clip(tau: Any, alpha: Any, attention_stats: bool = True) -> None:
+    """QK-Clip's arguments: ``tau`` None or a finite number > 0, ``alpha`` in [0, 1]; it reads the statistics."""
+    import math
+
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau)
+                            or tau <= 0):
+        raise ValueError(f"qk_clip={tau!r} is not supported; use None (off) or a finite number > 0 (the bound on "
+                         "each head's max logit, e.g. 100.0 as in Kimi K2)")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"qk_clip_alpha={alpha!r} is not supported; use a number in [0, 1] (the queries' share "
+                         "of the scale; 0.5 splits it evenly)")
+    if tau is not None and not attention_stats:
+        raise ValueError(f"qk_clip={tau!r} with attention_stats=False is not supported: QK-Clip reads each head's "
+                         "max logit from the attention statistics; use attention_stats=True or qk_clip=None")
+
+
 @dataclass(frozen=True)
 class MonitorConfig:
     """The arguments of the monitoring engine and of both callbacks, checked at construction.
@@ -112,6 +128,14 @@ class MonitorConfig:
         applied). None: no cap.""")
     spike_action_cooldown: int = _arg(20, """optimizer steps in a row without a spike that end a streak of
         spike actions (acting resumes).""")
+    # QK-Clip (issue 25): monitor/qk_clip.py
+    qk_clip: float | None = _arg(None, """QK-Clip's ``tau``: after each applied optimizer step, every attention
+        head (key-value group) whose max scaled logit over the step's training forwards (all micro-batches and
+        ranks) exceeds ``tau`` has its query and key weights scaled so that it is ``tau`` (Kimi K2: 100.0);
+        statistics are then collected every step (without the entropy off monitored steps). None: off.
+        Layouts: :mod:`stable_attn.monitor.qk_clip`; one it cannot edit raises at setup.""")
+    qk_clip_alpha: float = _arg(0.5, """the queries' share of QK-Clip's scale ``eta = tau / S_h``: queries by
+        ``eta ** alpha``, keys by ``eta ** (1 - alpha)``; in [0, 1].""")
 
     # The arguments as the engine keeps them (see checked()); not an argument itself.
     _checked: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
@@ -136,6 +160,7 @@ class MonitorConfig:
             det = getattr(self, arg)
             if det is not None and not isinstance(det, SpikeDetector):
                 raise TypeError(f"{arg}={det!r} is not supported; use a stable_attn.monitor.SpikeDetector or None")
+        check_qk_clip(self.qk_clip, self.qk_clip_alpha, self.attention_stats)
         callbacks = alerting.check_on_alert(self.on_alert)
         timeout, headers = alerting.check_webhook(self.webhook_url, self.webhook_timeout, self.webhook_headers)
         alerting.check_alerts_file(self.alerts_file)

@@ -52,6 +52,7 @@ from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAct
 from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
+from .qk_clip import QKClip
 from .resume_checks import check_resumed_state
 from .rollback import (
     Snapshot,
@@ -200,6 +201,9 @@ class MonitorEngine:
         self._snapshot_detectors: dict[str, list[dict[str, Any]]] | None = None
         self._loaded_detectors: dict[str, list[dict[str, Any]]] | None = None
         self._resumed = False
+        # QK-Clip (qk_clip=): the weight edits live in qk_clip.py; the engine feeds it each step's max logits
+        self._qk = QKClip(config.qk_clip, config.qk_clip_alpha) if config.qk_clip is not None else None
+        self._qk_modules: dict[str, torch.nn.Module] = {}
 
     @property
     def layers(self) -> LayerStats | None:
@@ -249,9 +253,14 @@ class MonitorEngine:
         for path, model in models.items():
             self._swapped[id(model)] = path
             if self.attention_stats:
-                stats.update({f"{path or 'model'}.{layer}" if several else layer: s
-                              for layer, s in attach_stats(model).items()})
+                layers = {f"{path or 'model'}.{layer}" if several else layer: s
+                          for layer, s in attach_stats(model).items()}
+                stats.update(layers)
+                if self._qk is not None:  # attach_stats names the layers in attention_modules' order
+                    self._qk_modules.update(zip(layers, (m for _, m in attention_modules(model)), strict=True))
         self._watch.add(stats)
+        if self._qk is not None:
+            self._qk.setup(self._qk_modules)  # raises on a layout it cannot edit, naming the module class
         if self.world.is_zero:
             n_attention = sum(len(attention_modules(m)) for m in models.values())
             found = ", ".join(type(m).__name__ for m in models.values())
@@ -352,6 +361,9 @@ class MonitorEngine:
         self._alerts_at_start = self.alert_count
         self._monitor_now = monitor if monitor is not None else self._every > 0 and (step + 1) % self._every == 0
         self._watch.enable(self._monitor_now)
+        if self._qk is not None:  # QK-Clip reads the max logits of every step; the entropy only when monitored
+            for s in self._layer_stats().values():
+                s.enabled, s.with_entropy = True, self._monitor_now
         return self._monitor_now
 
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -447,7 +459,10 @@ class MonitorEngine:
         if not self._stepped:
             return StepEnd(step=step)  # accumulating gradients: the optimizer step has not happened yet
         self._stepped = False
+        clipped = self._qk_clip(step) if self._qk is not None else None
         metrics = self._monitor(step) if self._monitor_now else None
+        if clipped:
+            metrics = {**(metrics or {}), **clipped}
 
         rolled_back = False
         if self._pending_rollback:
@@ -475,6 +490,38 @@ class MonitorEngine:
         self._watch.enable(False)
         return StepEnd(step=step, metrics=metrics, stop_checkpoint=stop, rolled_back=rolled_back,
                        alert_count_changed=self.alert_count != self._alerts_at_start)
+
+    # ---------------------------------------------------------------- QK-Clip
+    def _layer_stats(self) -> dict[str, Any]:
+        return self._watch.layers.stats if self._watch.layers is not None else {}
+
+    def _qk_clip(self, step: int) -> dict[str, float]:
+        """QK-Clip after the optimizer step, on every rank: the step's per-head max logits MAX-reduced over ranks
+        (one collective, whatever the step did), then the edit, unless the update was dropped (a skipped,
+        rolled-back or stopped step is not clipped). Returns the step's ``qk_clip/`` metrics (empty: no clip)."""
+        assert self._qk is not None
+        stats = self._layer_stats()
+        gather = self.world.all_gather if self.world.size > 1 else None
+        max_logits = self._qk.reduce(stats, gather, self.world.device)
+        if not self._monitor_now:  # a monitored step's statistics are collected, then reset, by _monitor
+            for s in stats.values():
+                s.reset()
+        if self._acted:
+            return {}
+        record = self._qk.apply(max_logits)
+        if not record.heads:
+            return {}
+        metrics = {names.QK_CLIP_HEADS: float(record.clipped_heads)}
+        metrics.update({names.qk_clip_metric(layer): record.max_logit[layer] for layer in record.heads})
+        if self._qk.alert_due():
+            worst = max(record.heads, key=lambda layer: record.max_logit[layer])
+            detail = "; ".join(f"{layer} heads {record.heads[layer]} S_h {record.max_logit[layer]:.4g} eta "
+                               f"{min(record.eta[layer]):.4g}" for layer in record.heads)
+            self._emit(Alert(step=step, kind="qk_clip", metric=names.qk_clip_metric(worst),
+                             value=record.max_logit[worst], threshold=self._qk.tau, lr=self.last.get(names.LR),
+                             message=f"QK-Clip #{self._qk.clip_steps} clipped {record.clipped_heads} query head(s): "
+                                     f"{detail}"))
+        return metrics
 
     def _take_snapshot(self, state: Trainables) -> None:
         """The rollback snapshot of ``state``, with the loss and gradient-norm detectors as they are now."""
@@ -524,6 +571,7 @@ class MonitorEngine:
             "stop_checkpoint": self.stop_checkpoint,
             "layers": watch["layers"],
             "alert_delivery": self._delivery(),
+            **({"qk_clip": self._qk.state_dict()} if self._qk is not None else {}),
             **({"rollback_snapshot": snapshot_state(self._snapshot),
                 "rollback_detectors": copy.deepcopy(self._snapshot_detectors)} if self._snapshot is not None
                and self._snapshot_in_checkpoint and self.config.rolls_back else {}),
@@ -559,6 +607,8 @@ class MonitorEngine:
         self.unconfirmed_grad_norm_jumps = int(state_dict.get("unconfirmed_grad_norm_jumps", 0))
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
         self._watch.load_state_dict(state_dict)  # applied to layers found later too
+        if self._qk is not None:
+            self._qk.load_state_dict(state_dict.get("qk_clip", {}))
 
 
 MonitorConfig.document(MonitorEngine, log_every="the ``log_every_n_steps`` given to :meth:`MonitorEngine.start`",

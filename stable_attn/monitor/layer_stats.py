@@ -20,8 +20,9 @@ from .names import LAYER_STATS
 __all__ = ["LayerStats", "STAT_NAMES"]
 
 STAT_NAMES = LAYER_STATS  # the order of the logged per-layer metrics
-# Columns of the tensor gathered across ranks: the sums are summed over ranks, the max is maxed.
-_ROWS, _SATURATED, _FIXED, _FIRST_KEY_PROB, _MAX_LOGIT = range(5)
+# Columns of the tensor gathered across ranks: the sums are summed over ranks, the max (last) is maxed.
+_ROWS, _SATURATED, _FIXED, _FIRST_KEY_PROB, _ENTROPY, _ENTROPY_ROWS, _MAX_LOGIT = range(7)
+_COLUMNS = _MAX_LOGIT + 1
 
 
 class LayerStats:
@@ -49,18 +50,19 @@ class LayerStats:
             s.reset()
 
     def _local_sums(self, device: torch.device) -> torch.Tensor:
-        """``[layers, 5]`` float64: rows, saturated rows, fixed blocks, sum of key-0 probability, max logit.
+        """``[layers, 7]`` float64: rows, saturated rows, fixed blocks, sum of key-0 probability, sum of the
+        entropy and the rows it was collected on, max logit.
 
         Built with a handful of stacked operations rather than a few per layer: on a GPU each small
         operation is a kernel launch, and a 48-layer model would otherwise pay hundreds per monitored step.
         """
-        out = torch.zeros(len(self.stats), 5, dtype=torch.float64, device=device)
+        out = torch.zeros(len(self.stats), _COLUMNS, dtype=torch.float64, device=device)
         out[:, _MAX_LOGIT] = -math.inf
         filled = [(i, s.state_dict()) for i, s in enumerate(self.stats.values()) if not s.empty]
         if not filled:
             return out
         index = torch.tensor([i for i, _ in filled], device=device)
-        fields = ("rows", "saturated_rows", "fixed_blocks", "sink_mass_sum")
+        fields = ("rows", "saturated_rows", "fixed_blocks", "sink_mass_sum", "entropy_sum", "entropy_rows")
         same_heads = len({st["rows"].shape for _, st in filled}) == 1
         for col, field in enumerate(fields):
             tensors = [st[field] for _, st in filled]
@@ -98,6 +100,8 @@ class LayerStats:
                 "max_logit": mx,
                 "sink_mass": row[_FIRST_KEY_PROB] / rows,
             }
+            if row[_ENTROPY_ROWS] > 0:  # absent where no call collected it (AttentionStats.with_entropy)
+                result[name]["entropy"] = row[_ENTROPY] / row[_ENTROPY_ROWS]
         if result:
             self.history.append(result)
         return result

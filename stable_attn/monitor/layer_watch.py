@@ -68,7 +68,8 @@ class LayerWatch:
             return metrics, events
         for layer, values in self.layers.collect(step, all_gather, device).items():
             for stat in STAT_NAMES:
-                metrics[names.layer_metric(stat, layer)] = values[stat]
+                if stat in values:  # the entropy only where it was collected
+                    metrics[names.layer_metric(stat, layer)] = values[stat]
             for stat, _ in _SURGES:
                 detector = self.surge_detectors.get(names.layer_metric(stat, layer))
                 # a NaN loss is ignored by the detector

@@ -24,16 +24,19 @@ __all__ = [
     "LR",
     "METRICS_FILE",
     "NOT_TRAINING",
+    "QK_CLIP_HEADS",
     "VAL_LOSS",
     "layer_metric",
     "parse_layer_metric",
+    "qk_clip_metric",
 ]
 
 # ---------------------------------------------------------------------------------------- alert kinds
 #: ``spike``: a loss or gradient-norm jump or drift; ``nonfinite``: a NaN or inf loss, gradient norm or
 #: attention statistic; ``early_warning``: a per-layer attention statistic surged; ``not_training``:
-#: many optimizer steps in a row had their update dropped or a non-finite loss (the run is not learning).
-ALERT_KINDS = ("spike", "nonfinite", "early_warning", "not_training")
+#: many optimizer steps in a row had their update dropped or a non-finite loss (the run is not learning);
+#: ``qk_clip``: QK-Clip edited the weights of heads whose max logit passed ``qk_clip`` (first and every 100th).
+ALERT_KINDS = ("spike", "nonfinite", "early_warning", "not_training", "qk_clip")
 
 # ---------------------------------------------------------------------------------------------- files
 #: The callback's default alerts file, written in the run's log directory (``trainer.log_dir``).
@@ -54,7 +57,17 @@ LR = "train/lr"
 VAL_LOSS = "val/loss"
 ALERT_COUNT = "stable_attn/alerts"
 #: Per-layer statistics, logged as ``stable_attn/<stat>/<layer>`` (see :func:`layer_metric`).
-LAYER_STATS = ("saturation", "fixed_rate", "max_logit", "sink_mass")
+LAYER_STATS = ("saturation", "fixed_rate", "max_logit", "sink_mass", "entropy")
+
+#: QK-Clip (``qk_clip=``): query heads clipped at a step, and per layer ``qk_clip/max_logit/<layer>``, the
+#: largest pre-clip max logit (logged on the steps that clip; see :func:`qk_clip_metric`).
+QK_CLIP_HEADS = "qk_clip/clipped_heads"
+
+
+def qk_clip_metric(layer: str) -> str:
+    """``qk_clip/max_logit/<layer>``: the layer's largest max logit before QK-Clip edited it."""
+    return f"qk_clip/max_logit/{layer}"
+
 
 # ------------------------------------------------------------------ checkpoints and the Trainer's files
 #: The checkpoint a stop writes (``on_spike="stop"``, or a not-training streak) in the Lightning run's log

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..monitor.names import LOSS, VAL_LOSS, layer_metric, parse_layer_metric
+from ..monitor.names import LOSS, QK_CLIP_HEADS, VAL_LOSS, layer_metric, parse_layer_metric
 from ..monitor.surge import SurgeDetector
 from .read import RunData
 
-__all__ = ["KIND_COLORS", "LEVELS", "alerts_phrase", "plot_loss", "plot_max_logit", "plot_saturation"]
+__all__ = ["KIND_COLORS", "LEVELS", "alerts_phrase", "plot_loss", "plot_max_logit", "plot_qk_clip", "plot_saturation"]
 
 _SATURATION, _MAX_LOGIT = SurgeDetector.saturation(), SurgeDetector.max_logit()
 #: The lines drawn on the per-layer plots: (value, label) per statistic, from the surge detectors' defaults.
@@ -31,7 +31,8 @@ LEVELS: dict[str, list[tuple[float, str]]] = {
                   (_MAX_LOGIT.alarm_level, f"alarm {_MAX_LOGIT.alarm_level:g}: alerts whatever the loss does")],
 }
 
-KIND_COLORS = {"spike": "tab:red", "nonfinite": "black", "early_warning": "tab:orange", "not_training": "tab:brown"}
+KIND_COLORS = {"spike": "tab:red", "nonfinite": "black", "early_warning": "tab:orange", "not_training": "tab:brown",
+               "qk_clip": "tab:gray"}
 _MAX_ANNOTATED_ALERTS = 20
 _MAX_TITLE_STEPS = 4
 # Level lines in colours no alert kind uses: the early-warning floor, then the alarm level.
@@ -231,5 +232,23 @@ def plot_max_logit(run: RunData, path: Path) -> bool:
                  f"{alerts_phrase(_stat_alerts(run.alerts, 'max_logit'))} on it", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncols=max(1, math.ceil(len(layers) / 8)), loc="best")
+    fig.savefig(path)
+    return True
+
+
+def plot_qk_clip(run: RunData, path: Path) -> bool:
+    """Query heads QK-Clip clipped per step (``qk_clip/clipped_heads``, logged on the steps that clip)."""
+    series = run.series(QK_CLIP_HEADS)
+    if series is None or not np.isfinite(series.values).any():
+        return False
+    fig = _figure(8.0, 3.5)
+    ax = fig.add_subplot()
+    ax.vlines(series.steps, 0, series.values, color="tab:cyan", linewidth=1.0)
+    ax.plot(series.steps, series.values, ".", color="tab:cyan", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("clipped query heads")
+    ax.set_title("QK-Clip: heads whose max logit passed tau, per step (steps without a bar clipped none)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
     fig.savefig(path)
     return True

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..monitor.alerts import Alert
 from ..monitor.names import LOSS, VAL_LOSS
-from .plots import KIND_COLORS, LEVELS, plot_loss, plot_max_logit, plot_saturation
+from .plots import KIND_COLORS, LEVELS, plot_loss, plot_max_logit, plot_qk_clip, plot_saturation
 from .read import RunData, display_path, load_run
 from .summary import fmt, summarize
 
@@ -20,6 +20,7 @@ REPORT_FILE = "report.md"
 LOSS_PNG = "loss.png"
 SATURATION_PNG = "saturation_heatmap.png"
 MAX_LOGIT_PNG = "max_logit.png"
+QK_CLIP_PNG = "qk_clip.png"  # only where the run used qk_clip= and it clipped
 
 _MAX_ALERT_ROWS = 100
 # The alerts table shows every field of an alert but the learning rate and the wall-clock time.
@@ -91,6 +92,7 @@ def _write(run: RunData, out: Path) -> Path:
         LOSS_PNG: plot_loss(run, out / LOSS_PNG),
         SATURATION_PNG: plot_saturation(run, out / SATURATION_PNG),
         MAX_LOGIT_PNG: plot_max_logit(run, out / MAX_LOGIT_PNG),
+        QK_CLIP_PNG: plot_qk_clip(run, out / QK_CLIP_PNG),
     }
     if run.metrics_path is not None:
         if run.series(LOSS) is None:
@@ -164,6 +166,8 @@ def _write(run: RunData, out: Path) -> Path:
         md += ["", f"![saturation heatmap]({SATURATION_PNG})"]
     if plots[MAX_LOGIT_PNG]:
         md += ["", f"![max logit per layer]({MAX_LOGIT_PNG})"]
+    if plots[QK_CLIP_PNG]:
+        md += ["", f"![QK-Clip: clipped heads per step]({QK_CLIP_PNG})"]
     if notes:
         md += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     path = out / REPORT_FILE

@@ -58,8 +58,7 @@ class RowCapture(stable_attn.AttentionStats):
     last: RowStats
 
     def update(self, rows: RowStats) -> None:
-        self.last = RowStats(*(t.detach().cpu() for t in (rows.saturated, rows.fixed_blocks, rows.max_logit,
-                                                            rows.sink_mass)))
+        self.last = RowStats(*(t.detach().cpu() for t in rows.tensors()))
         super().update(rows)
 
 
@@ -125,6 +124,16 @@ def run(backend, q, k, v, do=None, exact=None, grad_ulps=4, grad_floor=1e-6, **k
         assert torch.equal(res.rows.fixed_blocks[keep], ref.rows.fixed_blocks[keep]), "fixed_blocks differs"
         torch.testing.assert_close(res.rows.max_logit, ref.rows.max_logit, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(res.rows.sink_mass, ref.rows.sink_mass, rtol=1e-4, atol=1e-6)
+        # the same sum of the same terms in another order (rows whose decisions agree: the same offsets).
+        # Not where the published rule's offset (beta m, or 0 for m < 0) sends P-bar below fp32's normal
+        # range (|m| from about 60 nats: e^-87 is the smallest normal): subnormals carry a few bits, and
+        # that output is wrong anyway (test_paper_mode_is_the_published_rule)
+        keep_e = keep
+        if kw.get("stabilize") == "paper":
+            keep_e = keep & (ref.rows.max_logit.abs() * max(kw.get("beta", 2.0) - 1.0, 1.0) < 60.0)
+        diff = (res.rows.entropy[keep_e].double() - ref.rows.entropy[keep_e].double()).abs()
+        bound = entropy_tolerance(q, k, ref.rows, **kw)[keep_e]
+        assert (diff <= bound).all(), f"entropy: backends differ by {diff.max():.3g} (bound {bound.min():.3g})"
         if exact is not None:
             o64, g64 = exact
             no_worse_than_reference(res.out, ref.out, o64, dtype, "out")
@@ -132,6 +141,79 @@ def run(backend, q, k, v, do=None, exact=None, grad_ulps=4, grad_floor=1e-6, **k
                 for name, a, b, x in zip(names, res.grads, ref.grads, g64, strict=True):
                     no_worse_than_reference(a, b, x, dtype, name)
     return res
+
+
+# ------------------------------------------------------------------------------------------- entropy
+
+
+def entropy_tolerance(q, k, rows: RowStats, **kw) -> torch.Tensor:
+    """Per row, how far a computed entropy (nats) may lie from the fp64 oracle's, or from another fp32
+    summation order's. The statistic is the entropy of the fp32 ``P-bar`` over its own fp32 sum (not of the
+    rounded weights), so no 16-bit rounding enters:
+
+    - the scores' summation-order error ``E <= 2 gamma_D sum_d |q_d k_d| * scale`` (margins.py):
+      ``|dH| <= sum_j |dH/ds_j| E = sum_j p_j |ln p_j + H| E <= 2 H E``;
+    - the fp32 running sums: about ``Nk`` roundings of terms of size ``(H + shift + ln Nk)``, the shift
+      being the stabilization's (at most ``MAX_SHIFT``, paper mode ``|m|``).
+    """
+    scale = kw.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+    group = q.shape[1] // k.shape[1]
+    qa = q.detach().double().cpu().abs()
+    ka = k.detach().double().cpu().abs().repeat_interleave(group, dim=1)
+    d = q.shape[-1]
+    gamma = d * 2.0**-24 / (1 - d * 2.0**-24)
+    err = 2 * gamma * torch.matmul(qa, ka.transpose(-1, -2)).amax(-1) * scale
+    h = rows.entropy.double().abs()
+    nk = k.shape[2]
+    shift = max(rules.MAX_SHIFT.values()) + rows.max_logit.double().abs().nan_to_num(0.0, 0.0, 0.0)
+    fp32_sums = (nk * 2.0**-24 + 2.0**-20) * (2 + h + shift + math.log(nk))
+    return 2 * h * err + 2 * fp32_sums + 1e-6
+
+
+def assert_entropy_matches_oracle(res: Result, q, k, **kw) -> None:
+    """The rows' entropies against the fp64 oracle's (0 where a row sees no key), and AttentionStats.entropy
+    against the oracle's mean over the rows that see a key."""
+    mask_kw = {a: kw[a] for a in MASK_ARGS if kw.get(a) is not None}
+    want = naive.entropy(q.double(), k.double(), **mask_kw)
+    got = res.rows.entropy.double()
+    bound = entropy_tolerance(q, k, res.rows, **kw)
+    worst = ((got - want).abs() - bound).max()
+    assert worst <= 0, f"entropy off the oracle by {worst:.3g} more than the bound"
+    seen = torch.isfinite(res.rows.max_logit)
+    assert (got[~seen] == 0).all()
+    mean = (want * seen).sum(dim=(0, 2)) / seen.sum(dim=(0, 2)).clamp(min=1)
+    bound_mean = (bound * seen).sum(dim=(0, 2)) / seen.sum(dim=(0, 2)).clamp(min=1)
+    assert ((res.stats.entropy.double().cpu() - mean).abs() <= bound_mean + 1e-6).all()
+
+
+# Triton: one 16-bit and one fp32 case (every dtype's rounding point is exercised on torch)
+@on_backends(("dtype", "nq", "nk", "stabilize"),
+             [(dt, 77, 77, True) for dt in DTYPES] + [(torch.bfloat16, 33, 131, False),
+                                                      (torch.bfloat16, 33, 131, "paper")],
+             [(torch.bfloat16, 77, 77, True), (torch.float32, 33, 131, True)])
+def test_entropy_matches_the_oracle_on_random_inputs(backend, dtype, nq, nk, stabilize):
+    """Fresh inputs (seed used nowhere else), sharp rows (q x 3), GQA, odd lengths, bottom-right causal."""
+    g = torch.Generator().manual_seed(2511 + nq)
+    q = (3 * torch.randn(2, 4, nq, 24, generator=g)).to(dtype)
+    k, v = (torch.randn(2, 2, nk, 24, generator=g).to(dtype) for _ in range(2))
+    kw = dict(causal=True, block_n=32, stabilize=stabilize)
+    res = run(backend, q, k, v, **kw)
+    assert_entropy_matches_oracle(res, q, k, **kw)
+    assert res.rows.entropy.max() > 1.0 and res.rows.entropy[..., -1].min() < 0.9 * math.log(nk)  # not flat
+
+
+def test_entropy_of_uniform_attention_is_log_of_the_keys_seen(backend):
+    """q = 0: every visible key has the same score, so row i (causal, Nq = Nk) has entropy ln(i + 1) exactly;
+    all keys tie at the max, so the stabilization fires (ties at 0) and the shift must cancel out."""
+    n = 70
+    q = torch.zeros(1, 2, n, 16, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16)
+            for s in (1, 2))
+    res = run(backend, q, k, v, causal=True, block_n=16)
+    want = torch.log(torch.arange(1, n + 1, dtype=torch.float64)).expand(1, 2, n)
+    assert (res.rows.fixed_blocks[..., 1:] > 0).all()  # row 0 sees one key: no tie
+    torch.testing.assert_close(res.rows.entropy.double(), want, atol=2e-5, rtol=2e-6)
+    torch.testing.assert_close(res.stats.entropy.double(), want.mean(-1)[0], atol=2e-5, rtol=2e-6)
 
 
 # ---------------------------------------------------------------------------------------------- ties
@@ -190,6 +272,8 @@ def test_ties_at_the_max(backend, sign, dtype):
     for h in range(q.shape[1]):
         assert torch.equal(paper[0, h], published_rule(q[0, h], k[0, h], v[0, h], **kw)[1])
     on, off = res[True], res[False]
+    for r in (on, off):  # four tied keys, the rest far below: ties at the max, with the shift and without
+        assert_entropy_matches_oracle(r, q, k, **kw)
     assert torch.isfinite(on.out).all() and all(torch.isfinite(g).all() for g in on.grads)
     e_on, e_off = rel_rms(on.out, exact[0]), rel_rms(off.out, exact[0])
     assert e_on <= 1.25 * e_off + FLOOR, (e_on, e_off)
@@ -225,6 +309,7 @@ def test_huge_logits_with_ties(backend, dtype):
     assert torch.isfinite(ours.out).all() and all(torch.isfinite(g).all() for g in ours.grads)
     tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
     torch.testing.assert_close(ours.out.double(), exact[0], atol=tol, rtol=tol)
+    assert_entropy_matches_oracle(ours, q, k, **kw)
     paper = run(backend, q, k, v, do, stabilize="paper", **kw)
     # the published rule's offset is 2e4 or 0: every P-bar underflows where the tied max is +-1e4, and
     # its floored row sum (1e-10) makes those rows 0: finite and wrong, where ours is right
@@ -245,6 +330,7 @@ def test_causal_bottom_right_for_unequal_lengths(backend, nq, nk):
     do = torch.ones(2, 2, nq, 32)
     res = run(backend, q, k, v, do, causal=True)
     torch.testing.assert_close(res.out.double(), oracle(q, k, v, causal=True)[0], atol=2e-6, rtol=1e-5)
+    assert_entropy_matches_oracle(res, q, k, causal=True)
     if nq > nk:  # the first nq - nk queries see no key: zeros, and no gradient
         assert (res.out[:, :, : nq - nk] == 0).all()
         assert (res.grads[0][:, :, : nq - nk] == 0).all()
@@ -270,6 +356,7 @@ def test_key_padding_with_fully_masked_rows(backend, dtype):
     assert (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
     assert (dk[~kpm[:, None, :, None].expand_as(dk)] == 0).all()  # masked keys get no gradient
     assert (res.rows.max_logit[1] == -math.inf).all() and not res.rows.saturated[1].any()
+    assert_entropy_matches_oracle(res, q, k, key_padding_mask=kpm)
 
 
 def test_rows_that_see_no_key_are_neither_counted_nor_saturated(backend):
@@ -315,6 +402,7 @@ def test_window_and_softcap_match_oracle(backend, window, softcap):
     res = run(backend, q, k, v, do, grad_floor=1e-5, **kw)
     o64, g64 = oracle(q, k, v, do, **kw)
     torch.testing.assert_close(res.out.double(), o64, atol=3e-6, rtol=1e-5)
+    assert_entropy_matches_oracle(res, q, k, **kw)
     for a, b in zip(res.grads, g64, strict=True):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-4)
 

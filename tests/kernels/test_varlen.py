@@ -25,9 +25,9 @@ import stable_attn
 from stable_attn import varlen
 from stable_attn.kernels import naive, reference, reference_varlen
 from stable_attn.options import Options
-from stable_attn.stats import RowStats
+from stable_attn.stats import STATS_ENTROPY, RowStats
 
-FIELDS = ("saturated", "fixed_blocks", "max_logit", "sink_mass")
+FIELDS = RowStats.FIELDS  # the entropy included: per sequence the same sums in the same order
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # fp64 oracle tolerances (outputs: absolute/relative; gradients: max error relative to the largest entry)
 OUT_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-6}
@@ -131,6 +131,7 @@ def test_varlen_is_attention_on_each_sequence_bit_for_bit(backend, name, dtype):
     for f in ("rows", "saturated_rows", "fixed_blocks", "max_logit"):
         assert torch.equal(getattr(st, f), getattr(st1, f)), f
     torch.testing.assert_close(st.sink_mass, st1.sink_mass, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(st.entropy, st1.entropy, rtol=1e-6, atol=1e-7)
     if name == "tied":  # the case exercises the rule: rows saturate and it fires
         assert st.saturated_rows.sum() > 0 and st.fixed_blocks.sum() > 0
 
@@ -230,7 +231,8 @@ def test_reference_varlen_returns_what_the_triton_launchers_return():
     """C2's shapes: lse [Hq, total_q] (base 2, +inf for rows without keys), statistics [1, Hq, total_q]."""
     lens_q, lens_k = [2, 7, 0], [3, 0, 4]
     q, k, v, _ = packed_inputs(lens_q, lens_k, 4, 2, 8, torch.float16, seed=10)
-    out, lse, rs = reference_varlen.forward_varlen(q, k, v, cu(lens_q), cu(lens_k), 7, 4, Options(scale=0.3), True)
+    out, lse, rs = reference_varlen.forward_varlen(q, k, v, cu(lens_q), cu(lens_k), 7, 4, Options(scale=0.3),
+                                                   STATS_ENTROPY)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (4, 9) and lse.dtype == torch.float32
     assert (lse[:, 2:] == torch.inf).all() and torch.isfinite(lse[:, :2]).all()

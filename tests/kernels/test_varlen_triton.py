@@ -23,11 +23,12 @@ from closeness import FLOOR, no_worse_than_reference
 from stable_attn.kernels import naive, reference, rules
 from stable_attn.kernels import triton_attention as ta
 from stable_attn.options import Options
+from stable_attn.stats import STATS_ENTROPY, RowStats
 
 DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
 SMALL = ta.FwdConfig(block_m=32, num_warps=4, num_stages=1)  # several query blocks per sequence
 SMALL_BWD = ta.BwdConfig(m1=16, n1=32, warps1=4, stages1=1, m2=32, n2=16, warps2=4, stages2=1)
-FIELDS = ("saturated", "fixed_blocks", "max_logit", "sink_mass")
+FIELDS = RowStats.FIELDS  # the entropy included: per sequence the same sums in the same order
 
 
 def random_lengths(n: int, hi: int, seed: int) -> list[int]:
@@ -62,13 +63,13 @@ def run_varlen(lens_q, lens_k, Hq, Hkv, D, dtype, opts, *, seed=0, qk_std=1.0, t
     q, k, v, do = packed_inputs(lens_q, lens_k, Hq, Hkv, D, dtype, seed, qk_std=qk_std, tied=tied)
     cu_q, cu_k = cu(lens_q), cu(lens_k)
     mq, mk = max(lens_q), max(lens_k)
-    out, lse, st = ta.forward_varlen(q, k, v, cu_q, cu_k, mq, mk, opts, True, config=config)
+    out, lse, st = ta.forward_varlen(q, k, v, cu_q, cu_k, mq, mk, opts, STATS_ENTROPY, config=config)
     dq, dk, dv = ta.backward_varlen(do, q, k, v, out, lse, cu_q, cu_k, mq, mk, opts, config=bwd_config)
     assert lse.shape == (Hq, q.shape[0]) and all(getattr(st, f).shape == (1, Hq, q.shape[0]) for f in FIELDS)
     for b, sq, sk in sequences(cu_q, cu_k):
         ob = dataclasses.replace(opts, seed=opts.seed + b)
         qb, kb, vb, dob = dense(q[sq]), dense(k[sk]), dense(v[sk]), dense(do[sq])
-        o1, l1, s1 = ta.forward(qb, kb, vb, None, ob, True, config=config)
+        o1, l1, s1 = ta.forward(qb, kb, vb, None, ob, STATS_ENTROPY, config=config)
         assert torch.equal(out[sq], o1[0].transpose(0, 1)), f"out of sequence {b}"
         assert torch.equal(lse[:, sq], l1[0]), f"lse of sequence {b}"
         for f in FIELDS:

@@ -32,10 +32,10 @@ def test_layer_metric_round_trip(stat, layer):
 
 
 def test_layer_metric_rejects_what_it_cannot_round_trip():
-    for name in ("stable_attn/alerts", "stable_attn/entropy/layer0", "train/loss", "stable_attn/saturation/a/b"):
+    for name in ("stable_attn/alerts", "stable_attn/temperature/layer0", "train/loss", "stable_attn/saturation/a/b"):
         assert names.parse_layer_metric(name) is None, name
-    with pytest.raises(ValueError, match="stat='entropy'"):
-        names.layer_metric("entropy", "layer0")
+    with pytest.raises(ValueError, match="stat='temperature'"):
+        names.layer_metric("temperature", "layer0")
     with pytest.raises(ValueError, match="layer='a/b'"):
         names.layer_metric("saturation", "a/b")
 
