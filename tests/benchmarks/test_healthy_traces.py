@@ -1,0 +1,39 @@
+"""benchmarks/healthy_traces.py's replay on constructed runs: what the engine alerts, and the excursion table."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+_spec = importlib.util.spec_from_file_location("healthy_traces", os.path.join(ROOT, "benchmarks", "healthy_traces.py"))
+ht = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ht)
+
+
+def _run(bad: int | None, norm_jump: int | None = None) -> dict:
+    loss = [(s, 0.2 + 5.3 * math.exp(-s / 15.0) * (1.0 + 0.02 * (-1) ** s)) for s in range(60)]
+    norm = [(s, 1.0 + 0.05 * (-1) ** s) for s in range(60)]
+    if bad is not None:
+        loss[bad] = (bad, 5.6)
+        norm[bad] = (bad, 20.0)
+    if norm_jump is not None:
+        norm[norm_jump] = (norm_jump, 30.0)  # the loss stays ordinary
+    return {"train/loss": loss, "train/grad_norm": norm}
+
+
+def test_replay_reports_the_engines_alerts_and_the_unconfirmed_gradient_norm_jumps(capsys):
+    runs = {"text/0/None": _run(None, norm_jump=45), "text/0/50": _run(50), "text/3/None": _run(None)}
+    got, unconfirmed = ht.alerts(runs["text/0/None"])
+    assert got == {} and unconfirmed == 1  # a gradient-norm jump alone is counted, not alerted
+    got, _ = ht.alerts(runs["text/0/50"])
+    assert set(got) == {50} and set(got[50]) == {"loss", "grad_norm"}
+    ht.replay(runs)
+    out = capsys.readouterr().out
+    assert "| text/0/None | looked at | " in out and "| text/0/50 | looked at | - | 50: " in out
+    assert "seeds looked at: 0 spike alert(s) on the healthy runs; corrupted batches alerted on their step: 1/1" in out
+    assert "seeds held out: 0 spike alert(s) on the healthy runs; corrupted batches alerted on their step: 0/0" in out
+    assert "| text |" in out.split("corrupted batches: smallest ratio")[1]
