@@ -136,7 +136,7 @@ class ProbeReport:
             sampled = [f"{x.name} {x.rows}/{x.rows_total}" for x in self.layers]
             blocks = ", ".join(f"{f} {r.key_block}" for f, r in self.layers[0].fixes.items()) if self.layers else ""
             lines.append(f"emulated rows per layer (sampled uniformly over batch, heads and positions, at most "
-                         f"{self.max_rows}): {', '.join(sampled)}; key blocks: {blocks}; "
+                         f"{self.max_rows}): {', '.join(sampled)}; key blocks: {blocks}; replay "
                          f"{sum(x.seconds for x in self.layers):.1f} s")
         lines += [head, "-" * len(head)]
         for layer in self.layers:
