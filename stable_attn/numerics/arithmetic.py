@@ -55,6 +55,8 @@ class ModelOutput:
     pbar_ones: torch.Tensor | None
     # key blocks per row where the stabilization shifted the offset (mean over rows)
     fired_rate: float
+    # the key partition the model walked (tensor-core models; None where the kernel chose it itself)
+    key_block: int | None = None
 
 
 def _check(scores: torch.Tensor, values: torch.Tensor, fix: str) -> None:
@@ -326,7 +328,7 @@ def tensor_core_forward(x: torch.Tensor, values: torch.Tensor, fix: str, *, qk_s
             fired[rows] += fire.double()
     seen = m > -float("inf")
     o = torch.where(seen[:, None], acc / l[:, None], torch.zeros_like(acc)).to(out_dtype)
-    return ModelOutput(o.double(), ones, fired.mean().item())
+    return ModelOutput(o.double(), ones, fired.mean().item(), block_n)
 
 
 def tensor_core_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = 64,

@@ -18,6 +18,11 @@ and the RMS error, in units of one bf16 rounding (``2^-8`` times the row's RMS o
 ``sum |dO * O|`` for ``delta``). Rows are treated as independent samples; rows of one layer share
 weights, so read ``|t|`` as a screening statistic, not a calibrated test.
 
+With ``arithmetic="h100"`` (``"a100"``, ``"ieee"``; CLI ``--arithmetic``) step 2 replays ``O`` of up to
+``max_rows`` sampled rows a layer on the numerics lab's tensor-core models instead
+(:func:`stable_attn.numerics.arithmetic.tensor_core_attention`: ``q.k^T``, ``P-bar V`` and our rule's row
+sum as the Triton forward issues them on that GPU), and :func:`verdict` reads the layers into one line.
+
 CLI: ``stable-attn probe --config gpt2-tiny --text FILE`` (see :func:`add_probe_arguments`).
 """
 
@@ -318,9 +323,7 @@ def _replay(call: _Call, name: str, dtype: torch.dtype, fixes: Sequence[str], ba
             o_rows = out.reshape(-1, D)[sel]
         else:
             res = lab.tensor_core_attention(q, k, v, rows3, fix, model=arithmetic, **kw)
-            o_rows, fixed_rate = res.out.to(dtype), res.fired_rate
-            key_block = lab.kernel_key_block(arithmetic, fix, dtype, D,
-                                             kw.get("window") is None and kw.get("key_padding_mask") is None)
+            o_rows, fixed_rate, key_block = res.out.to(dtype), res.fired_rate, res.key_block
         # delta as the kernel's backward computes it: fp32 sum of dO * O, both in the compute dtype
         delta = (do_rows.to(dtype).float() * o_rows.float()).sum(dim=-1, keepdim=True)
         report.fixes[fix] = FixResult(
