@@ -31,6 +31,7 @@ capped shift, rules.py) or ``"paper"`` (the published rule: 1e-3 window, ``beta*
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -368,11 +369,12 @@ def kernel_key_block(model: str, fix: str, dtype: torch.dtype, head_dim: int, pl
     return cfg.block_n or BLOCK_N
 
 
-def tensor_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, fix: str, *,
-                          model: str = "h100", causal: bool = False, scale: float | None = None,
-                          key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                          window: int | None = None, softcap: float | None = None,
-                          block_n: int | None = None, k_chunk: int = TC_K_CHUNK) -> ModelOutput:
+def tensor_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                          fixes: Sequence[str] = FIXES, *, model: str = "h100", causal: bool = False,
+                          scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                          attn_mask: torch.Tensor | None = None, window: int | None = None,
+                          softcap: float | None = None, block_n: int | None = None,
+                          k_chunk: int = TC_K_CHUNK) -> dict[str, ModelOutput]:
     """Our kernel's forward for some query rows of one attention call, every product on tensor cores.
 
     ``q`` ``[B, Hq, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]`` (bf16 or fp16; GQA as in
@@ -381,8 +383,9 @@ def tensor_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row
     ``x = q.k`` are ``tl.dot(q, k^T)``: a chain of ``k_chunk``-wide MMA instructions over the head dim
     from ``C = 0``; keys a row does not see are ``-inf`` (:func:`stable_attn.kernels.naive.visibility`
     and a boolean ``attn_mask``); then :func:`tensor_core_forward` on the key partition of
-    :func:`kernel_key_block` (or ``block_n``). Returns ``O`` ``[R, D]`` (as float64).
-    Softcap and additive masks are not modelled (their scores are not ``x * qk_scale2``).
+    :func:`kernel_key_block` (or ``block_n``), once per fix of ``fixes`` on the same scores. Returns
+    ``{fix: ModelOutput}`` with ``O`` ``[R, D]`` (as float64). Softcap and additive masks are not
+    modelled (their scores are not ``x * qk_scale2``).
     """
     if softcap is not None or (attn_mask is not None and attn_mask.dtype != torch.bool):
         raise ValueError("softcap and additive (float) attn_mask are not modelled by the tensor-core forward; "
@@ -392,10 +395,12 @@ def tensor_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row
                         f"{v.dtype}")
     if rows.dim() != 2 or rows.shape[1] != 3:
         raise ValueError(f"rows must be [R, 3] (batch, query head, query position), got {tuple(rows.shape)}")
+    bad = [f for f in fixes if f not in FIXES]
+    if bad or not fixes:
+        raise ValueError(f"fixes={list(fixes)!r}: use a non-empty subset of {list(FIXES)}")
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    opts = Options.create(head_dim=D, causal=causal, scale=scale, window=window, stabilize=FIX_NAMES[fix])
     q, k, v, rows = q.cpu(), k.cpu(), v.cpu(), rows.cpu()
     b, h, i = rows.unbind(1)
     vis = naive.visibility(Nq, Nk, causal=causal, window=window, key_padding_mask=key_padding_mask)
@@ -415,9 +420,13 @@ def tensor_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row
             x[sel] = _tc_chain(qs, kt, torch.zeros(qs.shape[0], Nk), model, k_chunk)
     x = x.masked_fill(~seen, -float("inf"))
     plain = window is None and key_padding_mask is None
-    bn = block_n or kernel_key_block(model, fix, q.dtype, D, plain)
-    return tensor_core_forward(x, v.reshape(B * Hkv, Nk, D), fix, qk_scale2=opts.qk_scale2, model=model,
-                               block_n=bn, k_chunk=k_chunk, group=group, beta=opts.beta, out_dtype=q.dtype)
+    out = {}
+    for fix in fixes:
+        opts = Options.create(head_dim=D, causal=causal, scale=scale, window=window, stabilize=FIX_NAMES[fix])
+        bn = block_n or kernel_key_block(model, fix, q.dtype, D, plain)
+        out[fix] = tensor_core_forward(x, v.reshape(B * Hkv, Nk, D), fix, qk_scale2=opts.qk_scale2, model=model,
+                                       block_n=bn, k_chunk=k_chunk, group=group, beta=opts.beta, out_dtype=q.dtype)
+    return out
 
 
 def fp8_values(values: torch.Tensor) -> torch.Tensor:

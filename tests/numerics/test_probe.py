@@ -143,9 +143,9 @@ def test_probe_h100_reports_every_layer_from_the_labs_functions(monkeypatch):
     calls = []
     real = probe_mod.lab.tensor_core_attention
 
-    def spy(q, k, v, rows, fix, **kw):
-        res = real(q, k, v, rows, fix, **kw)
-        calls.append((q, k, v, rows, fix, kw, res.out))
+    def spy(q, k, v, rows, fixes, **kw):
+        res = real(q, k, v, rows, fixes, **kw)
+        calls.extend((q, k, v, rows, fix, kw, res[fix].out) for fix in fixes)
         return res
 
     monkeypatch.setattr(probe_mod.lab, "tensor_core_attention", spy)

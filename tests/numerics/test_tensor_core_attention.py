@@ -83,8 +83,8 @@ def test_tensor_core_attention_fp32_matmul_is_the_torch_path(fix):
     kpm[1, :20] = False
     ref = attention(q, k, v, causal=True, key_padding_mask=kpm, stabilize=arithmetic.FIX_NAMES[fix], backend="torch")
     pick = rows[::7]  # a sample of rows, in no particular grouping
-    out = arithmetic.tensor_core_attention(q, k, v, pick, fix, model="fp32_matmul", causal=True,
-                                           key_padding_mask=kpm).out
+    out = arithmetic.tensor_core_attention(q, k, v, pick, (fix,), model="fp32_matmul", causal=True,
+                                           key_padding_mask=kpm)[fix].out
     assert torch.equal(out, ref[pick[:, 0], pick[:, 1], pick[:, 2]].double())
 
 
@@ -92,9 +92,10 @@ def test_tensor_core_attention_scores_are_tensor_core_products():
     # q.k^T of one row equals the mma chain over the head dim; a row's result does not depend on
     # which other rows are computed with it
     q, k, v, rows = attention_inputs(B=1, Hq=2, Hkv=1, N=70, D=32, seed=2)
-    one = arithmetic.tensor_core_attention(q, k, v, rows[5:6], "off", model="a100").out
-    many = arithmetic.tensor_core_attention(q, k, v, rows, "off", model="a100").out
-    assert torch.equal(one[0], many[5])
+    one = arithmetic.tensor_core_attention(q, k, v, rows[5:6], ("off",), model="a100")["off"].out
+    many = arithmetic.tensor_core_attention(q, k, v, rows, model="a100")  # every fix on the same scores
+    assert set(many) == set(arithmetic.FIXES)
+    assert torch.equal(one[0], many["off"].out[5])
     x = tensor_core.mma(q[0, 0, 5:6, :16], k[0, 0, :, :16].T.contiguous(), torch.zeros(1, 70), "a100")
     x = tensor_core.mma(q[0, 0, 5:6, 16:], k[0, 0, :, 16:].T.contiguous(), x, "a100")
     direct = arithmetic.tensor_core_forward(x, v[0, 0][None], "off", qk_scale2=32**-0.5 * 1.4426950408889634,
@@ -114,9 +115,11 @@ def test_kernel_key_block_follows_the_launcher():
 def test_tensor_core_attention_rejects_what_it_does_not_model():
     q, k, v, rows = attention_inputs(B=1, N=8)
     with pytest.raises(ValueError, match="softcap"):
-        arithmetic.tensor_core_attention(q, k, v, rows, "off", softcap=30.0)
+        arithmetic.tensor_core_attention(q, k, v, rows, softcap=30.0)
     with pytest.raises(ValueError, match=r"rows must be \[R, 3\]"):
-        arithmetic.tensor_core_attention(q, k, v, rows[:, :2], "off")
+        arithmetic.tensor_core_attention(q, k, v, rows[:, :2])
+    with pytest.raises(ValueError, match=r"fixes=\['on'\]"):
+        arithmetic.tensor_core_attention(q, k, v, rows, ("on",))
 
 
 def test_fp8_rule_constants_and_model():
