@@ -22,6 +22,14 @@ over trials; ``|t| >= 3`` counts as biased.
 
     python benchmarks/bias_study.py                   # CPU, 1 thread, 1000 trials a cell
     python benchmarks/bias_study.py --device cuda     # GPU: Triton kernel and bf16 tensor-core matmuls
+    python benchmarks/bias_study.py --pbar e4m3       # FP8: P-bar and V in E4M3 for the product
+
+``--pbar e4m3`` is the FP8 study (issue 23, item 6): model (d) with ``P-bar`` rounded to E4M3 for the
+product and ``V`` in E4M3 (as FP8 attention kernels take them), on the H100 model's fp8 path
+(``e_fp8_h100``: 32 products a fused block, 13 fraction bits, truncation) and, to separate the two,
+with exact products and fp32 round-to-nearest-even in order (``e_fp8_ieee``); ``O`` stays bf16. Our
+rule's trigger is E4M3's (arithmetic.rule_constants). Errors are against the oracle on the E4M3
+values, so only ``P-bar``'s rounding and the accumulation count.
 """
 
 from __future__ import annotations
@@ -69,8 +77,19 @@ TC_MODELS = {
 }
 
 
-def models_for(device: str) -> dict[str, object]:
-    """Model name -> ``f(scores, values, fix) -> ModelOutput`` for the device."""
+# (e) FP8: P-bar and V in E4M3 for the product, on the H100 model's fp8 path and on exact fp32 arithmetic
+FP8_MODELS = {
+    "e_fp8_h100": lambda s, v, fix: arithmetic.tensor_core_model(s, v, fix, model="h100",
+                                                                 pbar_dtype=torch.float8_e4m3fn),
+    "e_fp8_ieee": lambda s, v, fix: arithmetic.tensor_core_model(s, v, fix, model="ieee",
+                                                                 pbar_dtype=torch.float8_e4m3fn),
+}
+
+
+def models_for(device: str, pbar: str = "bf16") -> dict[str, object]:
+    """Model name -> ``f(scores, values, fix) -> ModelOutput`` for the device (``pbar="e4m3"``: the FP8 study)."""
+    if pbar == "e4m3":
+        return dict(FP8_MODELS)
     if device == "cpu":
         return {
             "a_kernel": lambda s, v, fix: arithmetic.kernel_model(s, v, fix, backend="torch"),
@@ -118,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pbar", default="bf16", choices=("bf16", "e4m3"),
+                    help="dtype P-bar (for e4m3 also V) is cast to for the product (default bf16; e4m3: FP8)")
     ap.add_argument("--json", default="bias_study.json", help="where to write the results (default bias_study.json)")
     args = ap.parse_args(argv)
     inputs = [x for x in args.inputs.split(",") if x]
@@ -129,18 +150,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
     torch.set_num_threads(args.threads)
-    models = models_for(args.device)
+    models = models_for(args.device, args.pbar)
     t_start = time.perf_counter()
     cells, verdicts = [], []
     header = (f"{'input':<12} {'model':<24} {'fix':<6} {'mean':>8} {'t':>8} {'rms':>7} {'max':>7} "
               f"{'P=1 rows':>8} {'fired':>6} biased")
-    print(f"bias study: {args.trials} trials/cell, N={args.keys}, D={args.head_dim}, device={args.device}")
+    print(f"bias study: {args.trials} trials/cell, N={args.keys}, D={args.head_dim}, device={args.device}, "
+          f"P-bar {args.pbar}")
     print("errors vs float64 oracle in units of 2^-8 * rms(O_row); t = mean / s.e.; biased = |t| >= 3")
     print(header)
     print("-" * len(header))
     for i, kind in enumerate(inputs):
         gen = torch.Generator().manual_seed(args.seed * 1000 + i)
         scores, values = make_inputs(kind, args.trials, args.keys, args.head_dim, gen)
+        if args.pbar == "e4m3":  # the FP8 study's V: the E4M3 values, which the oracle sees too
+            values = arithmetic.fp8_values(values)
         exact = arithmetic.oracle(scores, values)
         unit = row_unit(exact)
         base = error_stats(exact.to(torch.bfloat16).double(), exact, unit)
@@ -175,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "benchmarks/bias_study.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine(args.device),
         "config": {"trials": args.trials, "keys": args.keys, "head_dim": args.head_dim, "device": args.device,
+                   "pbar": args.pbar,
                    "seed": args.seed, "threads": args.threads, "unit": "2^-8 * rms(O_row)", "bias_t": 3.0},
         "seconds": elapsed,
         "cells": cells,

@@ -8,5 +8,6 @@
 - :mod:`.tensor_core`: bit-level models of one A100/H100 tensor-core MMA (``mma``), after Fasi et al.
   (2021) and Khattak & Mikaitis (2025), with an IEEE fp32 reference; arithmetic model (d) runs the
   kernel's ``P-bar V`` on them;
-- :mod:`.probe`: the per-layer probe of a transformers model (``stable-attn probe``).
+- :mod:`.probe`: the per-layer probe of a transformers model (``stable-attn probe``; ``--arithmetic h100``
+  replays it on the tensor-core models through :func:`.arithmetic.tensor_core_attention`).
 """

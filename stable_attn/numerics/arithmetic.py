@@ -30,13 +30,15 @@ capped shift, rules.py) or ``"paper"`` (the published rule: 1e-3 window, ``beta*
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..attention import attention
 from ..kernels import naive, reference, rules
-from ..options import FIX_NAMES
+from ..options import BLOCK_N, FIX_NAMES, Options
 from ..stats import AttentionStats
 from . import tensor_core
 
@@ -54,6 +56,8 @@ class ModelOutput:
     pbar_ones: torch.Tensor | None
     # key blocks per row where the stabilization shifted the offset (mean over rows)
     fired_rate: float
+    # the key partition the model walked (tensor-core models; None where the kernel chose it itself)
+    key_block: int | None = None
 
 
 def _check(scores: torch.Tensor, values: torch.Tensor, fix: str) -> None:
@@ -221,39 +225,61 @@ def rounded_rowsum_model(scores: torch.Tensor, values: torch.Tensor, fix: str) -
 
 TC_K_CHUNK = 16  # K of one bf16 MMA instruction (mma.sync m16n8k16 on A100, wgmma k16 on H100)
 
+# The lab's rule constants for P-bar cast to fp8 E4M3 (the FP8 study; the product has no fp8 path, so
+# rules.py has none). The trigger is the exact one of rules.tie_tolerance for E4M3's 3 stored bits:
+# P-bar rounds to 1.0 iff s - r >= log(1 - 2^-5). The shift is floored as in bf16 (MIN_SHIFT) and
+# capped at 2 nats like fp16's, since E4M3's smallest normal, 2^-6 = e^-4.2, is nearer still.
+FP8_STORED_BITS = 3
+FP8_MAX_SHIFT = 2.0
 
-def tensor_core_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = 64,
-                      model: str = "h100", k_chunk: int = TC_K_CHUNK) -> ModelOutput:
-    """(d) Our kernel's forward with ``P-bar V`` on a model of a GPU's tensor cores.
 
-    Per key block, as ``triton_forward.fwd_weights``/``fwd_pv`` (and ``reference.attention_forward``,
-    whose steps and helper functions this reuses) run it, for one query row per trial with the scores
-    planted as in :func:`kernel_model` (``x = q.k = s``, ``scale = 1``): the running max and the
-    offset ``r`` of the rule (``reference.block_offset``), ``alpha = exp2(r - r_new)``,
-    ``P-bar = exp2(fma(x, log2 e, -r_new))`` in fp32, cast to bf16 (round to nearest even), then
+def rule_constants(dtype: torch.dtype, mode: int) -> tuple[float, float, float]:
+    """``(tie2, min_shift2, max_shift2)`` for ``P-bar`` cast to ``dtype``: rules.py's, and the lab's for E4M3."""
+    if dtype != torch.float8_e4m3fn or mode == rules.MODE_PAPER:
+        return rules.rule_constants(torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype, mode)
+    tie = -math.log1p(-(2.0 ** -(FP8_STORED_BITS + 2)))
+    return tie * rules.LOG2E, rules.MIN_SHIFT * rules.LOG2E, FP8_MAX_SHIFT * rules.LOG2E
+
+
+def tensor_core_forward(x: torch.Tensor, values: torch.Tensor, fix: str, *, qk_scale2: float,
+                        model: str = "h100", block_n: int = 64, k_chunk: int = TC_K_CHUNK,
+                        group: torch.Tensor | None = None, beta: float = 2.0,
+                        out_dtype: torch.dtype = _BF16) -> ModelOutput:
+    """Our kernel's forward for independent query rows with ``P-bar V`` on a model of tensor cores.
+
+    ``x`` ``[T, N]`` fp32: the products ``q.k`` of each row with every key, unscaled, keys the row does
+    not see ``-inf`` (as the kernel's ``scores_tile`` masks them); ``values`` ``[G, N, D]`` (bf16, fp16 or
+    fp8 E4M3: ``P-bar`` is cast to this dtype before the product, as the kernel casts it to the input
+    dtype); ``group`` ``[T]``: which of the ``G`` value sets row ``t`` reads (None: ``G = T``, row ``t``
+    reads ``values[t]``). Per key block, as ``triton_forward.fwd_decide``/``fwd_weights``/``fwd_pv`` (and
+    ``reference.attention_forward``, whose helper functions this reuses) run it: the running max and
+    the offset ``r`` of the rule (``reference.block_offset``), ``alpha = exp2(r - r_new)``,
+    ``P-bar = exp2(fma(x, qk_scale2, -r_new))`` in fp32, rounded to nearest even in ``values.dtype``, then
     ``acc = tl.dot(P-bar, V, acc * alpha)``: the fp32 accumulator, rescaled by ``alpha`` (one fp32
-    rounding), is the ``C`` of the first MMA instruction, and the block's keys run through
-    instructions of ``k_chunk`` keys, each one's ``D`` the next one's ``C``; each instruction is
-    :func:`tensor_core.mma` under ``model`` (which splits it into its fused blocks). For
-    ``fix="ours"`` the row sum is ``tl.dot(P-bar, 1, l * alpha)`` on the tensor cores too
-    (``tensor_core_row_sum``: head dim <= 128, no dropout), else ``l * alpha + sum(P-bar)`` in fp32
-    (the unrounded P-bar for ``"off"`` and ``"paper"``, with the paper's floor). ``O = acc / l``,
-    stored in bf16.
+    rounding), is the ``C`` of the first MMA instruction, and the block's keys run through instructions
+    of ``k_chunk`` keys, each one's ``D`` the next one's ``C``; each instruction is
+    :func:`tensor_core.mma` under ``model`` (which splits it into its fused blocks). For ``fix="ours"``
+    the row sum is ``tl.dot(P-bar, 1, l * alpha)`` on the tensor cores too (``tensor_core_row_sum``:
+    head dim <= 128), else ``l * alpha + sum(P-bar)`` in fp32 (the unrounded P-bar for ``"off"`` and
+    ``"paper"``, with the paper's floor). ``O = acc / l``, stored in ``out_dtype``.
 
-    ``model="fp32_matmul"`` replaces the MMA by ``acc * alpha + P-bar @ V`` in fp32 and the row sum
-    by an fp32 sum: the PyTorch path's arithmetic (the cross-check against :func:`kernel_model`).
+    A row that sees no key of a block keeps its state bit for bit (``r_new = r``, ``alpha = 1``, zero
+    products), so such rows skip the block here, as the kernel skips blocks no row of its tile sees.
+    ``model="fp32_matmul"`` replaces the MMA by ``acc * alpha + P-bar @ V`` in fp32 and the row sum by
+    an fp32 sum: the PyTorch path's arithmetic (the cross-check against :func:`kernel_model`).
     """
-    _check(scores, values, fix)
     if model != "fp32_matmul" and model not in tensor_core.MODELS:
         raise ValueError(f"model={model!r}; accepted values: {(*tensor_core.MODELS, 'fp32_matmul')}")
+    if fix not in FIXES:
+        raise ValueError(f"fix={fix!r} is not supported; use one of {FIXES}")
     if k_chunk < 1 or block_n < 1:
         raise ValueError(f"k_chunk={k_chunk} and block_n={block_n} must be >= 1")
-    T, N, D = values.shape
-    scores, values = scores.cpu(), values.cpu()
+    T, N = x.shape
+    D = values.shape[-1]
+    x, values = x.cpu().float(), values.cpu()
+    dtype = values.dtype
     mode = options_mode(fix)
-    tie2, min_shift2, max_shift2 = rules.rule_constants(_BF16, mode)
-    c = 1.0 * rules.LOG2E  # Options.qk_scale2 with scale = 1
-    x = scores.float()
+    tie2, min_shift2, max_shift2 = rule_constants(dtype, mode)
     m = torch.full((T,), -float("inf"))
     r = torch.full((T,), -rules.FP32_MAX)
     l = torch.zeros(T)
@@ -265,31 +291,147 @@ def tensor_core_model(scores: torch.Tensor, values: torch.Tensor, fix: str, bloc
         s = x[:, j0:j0 + block_n]
         n = s.shape[1]
         m_blk, m2_blk = reference.row_top2(s)
-        m_blk, m2_blk = m_blk * c, m2_blk * c
-        m_new = torch.maximum(m, m_blk)
-        r_new, fire = reference.block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, 2.0, mode)
-        fired += fire.double()
-        alpha = torch.exp2(r - r_new)
-        p_bar = torch.exp2(reference.fma_f32(s, c, -r_new[:, None]))
-        p_cast = p_bar.to(_BF16)
-        ones = torch.maximum(ones, (p_cast == 1.0).sum(dim=-1))
-        v = values[:, j0:j0 + n]
+        m_blk, m2_blk = m_blk * qk_scale2, m2_blk * qk_scale2
+        live = m_blk > -float("inf")
+        if not bool(live.any()):
+            continue
+        rows = None if bool(live.all()) else live.nonzero()[:, 0]
+        m_i, r_i, l_i, acc_i, m_blk, m2_blk, s = (t if rows is None else t[rows]
+                                                  for t in (m, r, l, acc, m_blk, m2_blk, s))
+        m_new = torch.maximum(m_i, m_blk)
+        r_new, fire = reference.block_offset(r_i, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, mode)
+        alpha = torch.exp2(r_i - r_new)
+        p_bar = torch.exp2(reference.fma_f32(s, qk_scale2, -r_new[:, None]))
+        p_cast = p_bar.to(dtype)
+        g = torch.arange(T) if group is None else group
+        v = values[g if rows is None else g[rows], j0:j0 + n]
         if tc_row_sum:
-            l = _tc_chain(p_cast[:, None, :], torch.ones(T, n, 1, dtype=_BF16), (l * alpha)[:, None, None],
-                          model, k_chunk)[:, 0, 0]
+            l_i = _tc_chain(p_cast[:, None, :], torch.ones(p_cast.shape[0], n, 1, dtype=dtype),
+                            (l_i * alpha)[:, None, None], model, k_chunk)[:, 0, 0]
         else:
             l_blk = (p_cast.float() if mode == rules.MODE_EXACT else p_bar).sum(-1)
             if mode == rules.MODE_PAPER:
-                l_blk = torch.where(m_blk > -float("inf"), l_blk.clamp(min=rules.PAPER_ROW_SUM_FLOOR), l_blk)
-            l = l * alpha + l_blk
-        c_acc = acc * alpha[:, None]
+                l_blk = l_blk.clamp(min=rules.PAPER_ROW_SUM_FLOOR)  # every row here sees a key of the block
+            l_i = l_i * alpha + l_blk
+        c_acc = acc_i * alpha[:, None]
         if model == "fp32_matmul":
-            acc = c_acc + torch.matmul(p_cast.float()[:, None, :], v.float())[:, 0]
+            acc_i = c_acc + torch.matmul(p_cast.float()[:, None, :], v.float())[:, 0]
         else:
-            acc = _tc_chain(p_cast[:, None, :], v, c_acc[:, None, :], model, k_chunk)[:, 0]
-        m, r = m_new, r_new
-    o = (acc / l[:, None]).to(_BF16)
-    return ModelOutput(o.double(), ones, fired.mean().item())
+            acc_i = _tc_chain(p_cast[:, None, :], v, c_acc[:, None, :], model, k_chunk)[:, 0]
+        block_ones = (p_cast == 1.0).sum(dim=-1)
+        if rows is None:
+            m, r, l, acc = m_new, r_new, l_i, acc_i
+            ones = torch.maximum(ones, block_ones)
+            fired += fire.double()
+        else:
+            m[rows], r[rows], l[rows], acc[rows] = m_new, r_new, l_i, acc_i
+            ones[rows] = torch.maximum(ones[rows], block_ones)
+            fired[rows] += fire.double()
+    seen = m > -float("inf")
+    o = torch.where(seen[:, None], acc / l[:, None], torch.zeros_like(acc)).to(out_dtype)
+    return ModelOutput(o.double(), ones, fired.mean().item(), block_n)
+
+
+def tensor_core_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = 64,
+                      model: str = "h100", k_chunk: int = TC_K_CHUNK,
+                      pbar_dtype: torch.dtype = _BF16) -> ModelOutput:
+    """(d) Our kernel's forward with ``P-bar V`` on a model of a GPU's tensor cores, one query row per trial.
+
+    The scores are planted as in :func:`kernel_model` (``x = q.k = s``, ``scale = 1``) and the rows run
+    through :func:`tensor_core_forward`. ``pbar_dtype=torch.float8_e4m3fn``: ``P-bar`` and ``V`` are cast
+    to E4M3 for the product (as FP8 attention kernels do) and the products run on ``model``'s fp8 path;
+    ``O`` stays bf16. The error is then measured against the oracle on the E4M3 values
+    (:func:`fp8_values`), so only ``P-bar``'s rounding and the accumulation count as error.
+    """
+    _check(scores, values, fix)
+    if pbar_dtype not in (_BF16, torch.float8_e4m3fn):
+        raise ValueError(f"pbar_dtype={pbar_dtype}; accepted values: (torch.bfloat16, torch.float8_e4m3fn)")
+    v = values if pbar_dtype == _BF16 else fp8_values(values).to(pbar_dtype)
+    return tensor_core_forward(scores, v, fix, qk_scale2=1.0 * rules.LOG2E, model=model, block_n=block_n,
+                               k_chunk=k_chunk)
+
+
+def kernel_key_block(model: str, fix: str, dtype: torch.dtype, head_dim: int, plain: bool) -> int:
+    """The key partition the Triton forward walks on ``model``'s GPU (``triton_attention.fwd_config``).
+
+    On sm_90 the plain variants with stabilize off and no statistics take 128-key blocks; everything
+    else, and ``"ieee"`` (no GPU), the 64-key partition of the rule (``options.BLOCK_N``). Without
+    Triton installed: the partition.
+    """
+    cc = {"a100": 80, "h100": 90}.get(model)
+    if cc is None:
+        return BLOCK_N
+    try:
+        from ..kernels.triton_attention import fwd_config, head_block
+    except ImportError:
+        return BLOCK_N
+    cfg = fwd_config(head_block(head_dim), BLOCK_N, dtype, cc, mode=options_mode(fix), stats=False, plain=plain)
+    return cfg.block_n or BLOCK_N
+
+
+def tensor_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                          fixes: Sequence[str] = FIXES, *, model: str = "h100", causal: bool = False,
+                          scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                          attn_mask: torch.Tensor | None = None, window: int | None = None,
+                          softcap: float | None = None, block_n: int | None = None,
+                          k_chunk: int = TC_K_CHUNK) -> dict[str, ModelOutput]:
+    """Our kernel's forward for some query rows of one attention call, every product on tensor cores.
+
+    ``q`` ``[B, Hq, Nq, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]`` (bf16 or fp16; GQA as in
+    :func:`stable_attn.attention`), masks as there; ``rows`` ``[R, 3]`` int64 ``(b, query head, query
+    position)``: the rows to compute (the emulation costs ~``2 Nk D`` multiply-adds a row). The scores
+    ``x = q.k`` are ``tl.dot(q, k^T)``: a chain of ``k_chunk``-wide MMA instructions over the head dim
+    from ``C = 0``; keys a row does not see are ``-inf`` (:func:`stable_attn.kernels.naive.visibility`
+    and a boolean ``attn_mask``); then :func:`tensor_core_forward` on the key partition of
+    :func:`kernel_key_block` (or ``block_n``), once per fix of ``fixes`` on the same scores. Returns
+    ``{fix: ModelOutput}`` with ``O`` ``[R, D]`` (as float64). Softcap and additive masks are not
+    modelled (their scores are not ``x * qk_scale2``).
+    """
+    if softcap is not None or (attn_mask is not None and attn_mask.dtype != torch.bool):
+        raise ValueError("softcap and additive (float) attn_mask are not modelled by the tensor-core forward; "
+                         f"got softcap={softcap!r}, attn_mask dtype {None if attn_mask is None else attn_mask.dtype}")
+    if q.dtype not in (_BF16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype of (torch.bfloat16, torch.float16); got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if rows.dim() != 2 or rows.shape[1] != 3:
+        raise ValueError(f"rows must be [R, 3] (batch, query head, query position), got {tuple(rows.shape)}")
+    bad = [f for f in fixes if f not in FIXES]
+    if bad or not fixes:
+        raise ValueError(f"fixes={list(fixes)!r}: use a non-empty subset of {list(FIXES)}")
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    q, k, v, rows = q.cpu(), k.cpu(), v.cpu(), rows.cpu()
+    b, h, i = rows.unbind(1)
+    vis = naive.visibility(Nq, Nk, causal=causal, window=window, key_padding_mask=key_padding_mask)
+    seen = vis[b if vis.shape[0] > 1 else torch.zeros_like(b), 0, i]
+    if attn_mask is not None:
+        am = attn_mask.cpu().reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        seen = seen & am.expand(B, Hq, Nq, Nk)[b, h, i]
+    group = b * Hkv + h // G
+    x = torch.empty(rows.shape[0], Nk)
+    for g in torch.unique(group).tolist():
+        sel = (group == g).nonzero()[:, 0]
+        qs = q[b[sel], h[sel], i[sel]]  # [M, D]
+        kt = k[g // Hkv, g % Hkv].transpose(0, 1)  # [D, Nk]
+        if model == "fp32_matmul":
+            x[sel] = qs.float() @ kt.float()
+        else:
+            x[sel] = _tc_chain(qs, kt, torch.zeros(qs.shape[0], Nk), model, k_chunk)
+    x = x.masked_fill(~seen, -float("inf"))
+    plain = window is None and key_padding_mask is None
+    out = {}
+    for fix in fixes:
+        opts = Options.create(head_dim=D, causal=causal, scale=scale, window=window, stabilize=FIX_NAMES[fix])
+        bn = block_n or kernel_key_block(model, fix, q.dtype, D, plain)
+        out[fix] = tensor_core_forward(x, v.reshape(B * Hkv, Nk, D), fix, qk_scale2=opts.qk_scale2, model=model,
+                                       block_n=bn, k_chunk=k_chunk, group=group, beta=opts.beta, out_dtype=q.dtype)
+    return out
+
+
+def fp8_values(values: torch.Tensor) -> torch.Tensor:
+    """``values`` rounded to E4M3 (nearest even; |v| < 448 here) and held in bf16: the FP8 study's ``V``."""
+    return values.to(torch.float8_e4m3fn).to(_BF16)
 
 
 def _tc_chain(p: torch.Tensor, v: torch.Tensor, c: torch.Tensor, model: str, k_chunk: int) -> torch.Tensor:

@@ -18,6 +18,11 @@ and the RMS error, in units of one bf16 rounding (``2^-8`` times the row's RMS o
 ``sum |dO * O|`` for ``delta``). Rows are treated as independent samples; rows of one layer share
 weights, so read ``|t|`` as a screening statistic, not a calibrated test.
 
+With ``arithmetic="h100"`` (``"a100"``, ``"ieee"``; CLI ``--arithmetic``) step 2 replays ``O`` of up to
+``max_rows`` sampled rows a layer on the numerics lab's tensor-core models instead
+(:func:`stable_attn.numerics.arithmetic.tensor_core_attention`: ``q.k^T``, ``P-bar V`` and our rule's row
+sum as the Triton forward issues them on that GPU), and :func:`verdict` reads the layers into one line.
+
 CLI: ``stable-attn probe --config gpt2-tiny --text FILE`` (see :func:`add_probe_arguments`).
 """
 
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,11 +44,15 @@ from ..attention import attention
 from ..kernels import naive
 from ..options import DEFAULTS, FIX_NAMES, model_options
 from ..stats import AttentionStats
-from .bias import BF16_UNIT_ROUNDOFF, ErrorStats, error_stats, row_unit
+from . import arithmetic as lab
+from . import tensor_core
+from .bias import BF16_UNIT_ROUNDOFF, BIAS_T, ErrorStats, error_stats, row_unit
 
 PROBE_NAME = "stable_attn_probe"  # private AttentionInterface name used only while probing
 FIXES = FIX_NAMES
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ARITHMETICS = tensor_core.MODELS  # --arithmetic: the tensor-core models of the lab
+MAX_ROWS = 1024  # default rows a layer under an emulated arithmetic (~2 Nk D multiply-adds each, per fix)
 
 
 @dataclass
@@ -63,9 +74,13 @@ class FixResult:
     o: ErrorStats
     delta: ErrorStats
     fixed_rate: float  # key blocks per row where the rule shifted the offset
+    key_block: int | None = None  # the key partition of the emulated kernel (None: the backend's own)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"o": self.o.as_dict(), "delta": self.delta.as_dict(), "fixed_rate": self.fixed_rate}
+        d = {"o": self.o.as_dict(), "delta": self.delta.as_dict(), "fixed_rate": self.fixed_rate}
+        if self.key_block is not None:
+            d["key_block"] = self.key_block
+        return d
 
 
 @dataclass
@@ -76,10 +91,14 @@ class LayerReport:
     max_logit: float
     sink_mass: float
     fixes: dict[str, FixResult] = field(default_factory=dict)
+    rows: int = 0  # query rows measured (with an emulated arithmetic: the sample)
+    rows_total: int = 0  # query rows of the call that see a key
+    seconds: float = 0.0  # time of the replay
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "shape": list(self.shape), "saturation": self.saturation,
-                "max_logit": self.max_logit, "sink_mass": self.sink_mass,
+                "max_logit": self.max_logit, "sink_mass": self.sink_mass, "rows": self.rows,
+                "rows_total": self.rows_total, "seconds": self.seconds,
                 "fixes": {k: v.as_dict() for k, v in self.fixes.items()}}
 
 
@@ -93,11 +112,18 @@ class ProbeReport:
     tokens: int
     loss: float
     layers: list[LayerReport]
+    arithmetic: str | None = None  # tensor-core model of the replay (None: the backend's own arithmetic)
+    max_rows: int | None = None  # rows sampled per layer under an emulated arithmetic
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "dtype": self.dtype, "backend": self.backend, "tokens": self.tokens,
-                "loss": self.loss, "unit_o": "2^-8 * rms(O_row)", "unit_delta": "2^-8 * sum|dO * O| per row",
-                "bias_t": 3.0, "layers": [layer.as_dict() for layer in self.layers]}
+                "loss": self.loss, "arithmetic": self.arithmetic, "max_rows": self.max_rows,
+                "unit_o": "2^-8 * rms(O_row)", "unit_delta": "2^-8 * sum|dO * O| per row",
+                "bias_t": BIAS_T, "verdict": self.verdict(), "layers": [layer.as_dict() for layer in self.layers]}
+
+    def verdict(self) -> str:
+        """One line: is any layer biased with the fix off, with it on, and what to do about it."""
+        return verdict(self.layers, self.arithmetic)
 
     def write_json(self, path: str) -> None:
         with open(path, "w") as f:
@@ -106,10 +132,18 @@ class ProbeReport:
     def table(self) -> str:
         head = (f"{'layer':<8} {'sat':>6} {'maxlogit':>8} {'sink':>6} {'fix':<6} {'O mean':>8} {'O t':>7} "
                 f"{'O rms':>6} {'d mean':>8} {'d t':>7} {'d rms':>6} {'fired':>6}")
-        lines = [f"probe: {self.model}, {self.dtype} compute, backend {self.backend}, {self.tokens} tokens, "
-                 f"loss {self.loss:.4f}",
+        where = (f"backend {self.backend}" if self.arithmetic is None else
+                 f"P-bar V and q.k^T on emulated {self.arithmetic} tensor cores (stable_attn.numerics.tensor_core)")
+        lines = [f"probe: {self.model}, {self.dtype} compute, {where}, {self.tokens} tokens, loss {self.loss:.4f}",
                  "errors vs float64 oracle in units of one bf16 rounding; t = mean / s.e. over rows; "
-                 "* = |t| >= 3", head, "-" * len(head)]
+                 "* = |t| >= 3"]
+        if self.arithmetic is not None:
+            sampled = [f"{x.name} {x.rows}/{x.rows_total}" for x in self.layers]
+            blocks = ", ".join(f"{f} {r.key_block}" for f, r in self.layers[0].fixes.items()) if self.layers else ""
+            lines.append(f"emulated rows per layer (sampled uniformly over batch, heads and positions, at most "
+                         f"{self.max_rows}): {', '.join(sampled)}; key blocks: {blocks}; replay "
+                         f"{sum(x.seconds for x in self.layers):.1f} s")
+        lines += [head, "-" * len(head)]
         for layer in self.layers:
             for i, (fix, r) in enumerate(layer.fixes.items()):
                 lead = (f"{layer.name:<8} {layer.saturation:6.3f} {layer.max_logit:8.2f} {layer.sink_mass:6.3f}"
@@ -118,7 +152,52 @@ class ProbeReport:
                 d_flag = "*" if r.delta.biased else " "
                 lines.append(f"{lead} {fix:<6} {r.o.mean:8.4f} {r.o.t:6.2f}{o_flag} {r.o.rms:6.3f} "
                              f"{r.delta.mean:8.4f} {r.delta.t:6.2f}{d_flag} {r.delta.rms:6.3f} {r.fixed_rate:6.3f}")
+        lines.append(self.verdict())
         return "\n".join(lines)
+
+
+def _biased_layers(layers: Sequence[LayerReport], fix: str) -> list[str]:
+    return [x.name for x in layers if fix in x.fixes and (x.fixes[fix].o.biased or x.fixes[fix].delta.biased)]
+
+
+def verdict(layers: Sequence[LayerReport], arithmetic: str | None = None) -> str:
+    """The probe's one-line verdict from its layers: fix off (``"off"``) against ours (``"ours"``).
+
+    Biased means ``|t| >= 3`` for ``O`` or ``delta`` of a layer (a screening threshold: rows of a
+    layer share weights). The paper's rule (``"paper"``) is reported in the table, not judged here.
+    """
+    under = "under the backend's arithmetic" if arithmetic is None else f"under emulated {arithmetic} tensor cores"
+    fixes = {f for x in layers for f in x.fixes}
+    if not layers or not fixes & {"off", "ours"}:
+        return "verdict: none (probe with --fixes off,ours to compare the fix off and on)"
+    worst = max(((abs(r.o.t), x.name, "O", f) for x in layers for f, r in x.fixes.items()
+                 if math.isfinite(r.o.t)), default=(0.0, "-", "O", "-"))
+    worst = max([worst] + [(abs(r.delta.t), x.name, "delta", f) for x in layers for f, r in x.fixes.items()
+                           if math.isfinite(r.delta.t)])
+    rows = max(x.rows for x in layers)
+    off, on = _biased_layers(layers, "off"), _biased_layers(layers, "ours")
+    n = len(layers)
+    if "off" in fixes and "ours" in fixes:
+        if off and not on:
+            return (f"verdict: {under}, O or delta is biased with the fix off in {len(off)} of {n} layers "
+                    f"({', '.join(off)}) and in none with stabilize=True: keep the fix on for this model.")
+        if off and on:
+            return (f"verdict: {under}, biased with the fix off ({', '.join(off)}) and still with stabilize=True "
+                    f"({', '.join(on)}): the fix does not remove this bias here; do not rely on it for this model, "
+                    "and open an issue with this output (--json PATH).")
+        if on:
+            return (f"verdict: {under}, biased only with stabilize=True ({', '.join(on)}): the fix adds a bias "
+                    "here; train with stabilize=False and open an issue with this output (--json PATH).")
+        return (f"verdict: {under}, no layer's O or delta is biased with the fix off or on (largest |t| "
+                f"{worst[0]:.2f}: {worst[1]} {worst[2]}, fix {worst[3]}; up to {rows} rows a layer): this batch "
+                "shows no rounding bias for the fix to remove; probe a trained checkpoint or more rows "
+                "(--rows) before concluding that the model never shows one.")
+    fix = "off" if "off" in fixes else "ours"
+    hit = off if fix == "off" else on
+    if hit:
+        return f"verdict: {under}, biased with fix {fix} in {', '.join(hit)}; probe with --fixes off,ours to compare."
+    return (f"verdict: {under}, no layer is biased with fix {fix} (largest |t| {worst[0]:.2f}); "
+            "probe with --fixes off,ours to compare.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -207,7 +286,11 @@ def _loss(model: nn.Module, output: Any, input_ids: torch.Tensor, attention_mask
 # Replay
 
 
-def _replay(call: _Call, name: str, dtype: torch.dtype, fixes: Sequence[str], backend: str) -> LayerReport:
+def _replay(call: _Call, name: str, dtype: torch.dtype, fixes: Sequence[str], backend: str,
+            arithmetic: str | None = None, max_rows: int = MAX_ROWS, seed: int = 0) -> LayerReport:
+    """Replay one captured call with each fix; with ``arithmetic``, ``O`` of up to ``max_rows`` sampled rows
+    comes from :func:`stable_attn.numerics.arithmetic.tensor_core_attention` under that tensor-core model."""
+    start = time.perf_counter()
     q, k, v = (t.to(dtype) for t in (call.q, call.k, call.v))
     kw = call.kwargs
     exact = naive.attention(q, k, v, **kw)
@@ -215,26 +298,43 @@ def _replay(call: _Call, name: str, dtype: torch.dtype, fixes: Sequence[str], ba
     B, H, N, D = q.shape
     rows_o = exact.reshape(-1, D)
     do_rows = do.double().reshape(-1, D)
-    delta_exact = (do_rows * rows_o).sum(dim=-1, keepdim=True)
     unit_o = row_unit(rows_o)
+    seen = (unit_o > 0).nonzero()[:, 0]  # rows that see no key carry no error scale
+    if arithmetic is None:
+        sel = seen
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        sel = seen[torch.randperm(seen.numel(), generator=gen)[:max_rows]].sort().values
+    rows_o, do_rows, unit_o = rows_o[sel], do_rows[sel], unit_o[sel]
+    delta_exact = (do_rows * rows_o).sum(dim=-1, keepdim=True)
     unit_d = BF16_UNIT_ROUNDOFF * (do_rows * rows_o).abs().sum(dim=-1)
-    keep_o, keep_d = unit_o > 0, unit_d > 0  # rows that see no key, or get no gradient, carry no error scale
-    report = None
-    for fix in fixes:
+    keep_d = unit_d > 0  # rows that get no gradient carry no error scale for delta
+    rows3 = torch.stack([sel // (H * N), sel // N % H, sel % N], dim=1)
+    report = LayerReport(name, tuple(q.shape), 0.0, 0.0, 0.0, rows=sel.numel(), rows_total=seen.numel())
+    # the scores q.k^T do not depend on the fix: one emulated pass computes them for every fix
+    emulated = None if arithmetic is None else lab.tensor_core_attention(q, k, v, rows3, fixes, model=arithmetic, **kw)
+    for i, fix in enumerate(fixes):
         stats = AttentionStats()
         out = attention(q, k, v, **kw, stabilize=FIXES[fix], stats=stats, backend=backend)
-        o_rows = out.reshape(-1, D)
-        # delta as the kernel's backward computes it: fp32 sum of dO * O, both in the compute dtype
-        delta = (do.float().reshape(-1, D) * o_rows.float()).sum(dim=-1, keepdim=True)
         summary = stats.summary()
-        if report is None:
-            report = LayerReport(name, tuple(q.shape), summary["saturation"], summary["max_logit"],
-                                 summary["sink_mass"])
+        if i == 0:
+            report.saturation, report.max_logit = summary["saturation"], summary["max_logit"]
+            report.sink_mass = summary["sink_mass"]
+        fixed_rate, key_block = summary["fixed_rate"], None
+        if arithmetic is None:
+            o_rows = out.reshape(-1, D)[sel]
+        else:
+            res = emulated[fix]
+            o_rows, fixed_rate, key_block = res.out.to(dtype), res.fired_rate, res.key_block
+        # delta as the kernel's backward computes it: fp32 sum of dO * O, both in the compute dtype
+        delta = (do_rows.to(dtype).float() * o_rows.float()).sum(dim=-1, keepdim=True)
         report.fixes[fix] = FixResult(
-            o=error_stats(o_rows[keep_o], rows_o[keep_o], unit_o[keep_o]),
+            o=error_stats(o_rows, rows_o, unit_o),
             delta=error_stats(delta[keep_d], delta_exact[keep_d], unit_d[keep_d]),
-            fixed_rate=summary["fixed_rate"],
+            fixed_rate=fixed_rate,
+            key_block=key_block,
         )
+    report.seconds = time.perf_counter() - start
     return report
 
 
@@ -247,6 +347,8 @@ def probe(
     dtype: torch.dtype = torch.bfloat16,
     backend: str = DEFAULTS["backend"],
     seed: int = 0,
+    arithmetic: str | None = None,
+    max_rows: int = MAX_ROWS,
 ) -> ProbeReport:
     """Measure, per attention layer of a transformers ``model``, the bias of ``O`` and ``delta``.
 
@@ -258,7 +360,15 @@ def probe(
         dtype: the compute dtype of the replay (bf16 is what the paper studies; fp16 is accepted).
             A float32 model runs its probe pass under autocast to this dtype.
         backend: stable_attn backend for the capture and the replay (``"auto"``: Triton on CUDA).
-        seed: seeds the random output projection used as loss for models without logits.
+        seed: seeds the random output projection used as loss for models without logits, and the
+            row sample of an emulated arithmetic.
+        arithmetic: None (the backend's own arithmetic), or a tensor-core model of
+            :mod:`stable_attn.numerics.tensor_core` (``"a100"``, ``"h100"``, ``"ieee"``): each layer's
+            ``q.k^T`` and ``P-bar V`` (and our rule's row sum) are replayed as the Triton forward runs
+            them on that GPU (:func:`stable_attn.numerics.arithmetic.tensor_core_attention`), on the CPU.
+        max_rows: under an emulated arithmetic, query rows per layer (sampled uniformly over batch,
+            heads and positions among rows that see a key): the emulation runs at tens of millions of
+            multiply-adds a second, about ``2 Nk D`` a row and fix.
     """
     from ..integrations import transformers as integration
 
@@ -275,6 +385,11 @@ def probe(
         raise ValueError(f"fixes={list(fixes)!r}: use a non-empty subset of {list(FIXES)}")
     if dtype not in _DTYPES.values():
         raise ValueError(f"dtype={dtype} is not supported; use torch.bfloat16 or torch.float16")
+    if arithmetic is not None and arithmetic not in ARITHMETICS:
+        raise ValueError(f"arithmetic={arithmetic!r} is not a tensor-core model; accepted values: "
+                         f"{(None, *ARITHMETICS)}")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows={max_rows!r}: use an int >= 1")
 
     modules = [m for _, m in integration.attention_modules(model)]
     if not modules:
@@ -309,10 +424,11 @@ def probe(
         j = per_layer.get(call.layer, 0)
         per_layer[call.layer] = j + 1
         name = f"layer{call.layer}" + (f".{j}" if j else "")
-        layers.append(_replay(call, name, dtype, fixes, backend))
+        layers.append(_replay(call, name, dtype, fixes, backend, arithmetic, max_rows, seed * 1000 + len(layers)))
     tokens = int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
     dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
-    return ProbeReport(type(model).__name__, dtype_name, backend, tokens, float(loss.detach()), layers)
+    return ProbeReport(type(model).__name__, dtype_name, backend, tokens, float(loss.detach()), layers,
+                       arithmetic, max_rows if arithmetic is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -392,6 +508,13 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="stable_attn backend (default auto: Triton on CUDA, PyTorch on CPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arithmetic", choices=ARITHMETICS, default=None,
+                        help="replay q.k^T and P-bar V on emulated tensor cores of this GPU (bit-level models of "
+                        "stable_attn.numerics.tensor_core, run on the CPU; ieee: fp32 round-to-nearest-even in "
+                        "order) instead of the backend's arithmetic")
+    parser.add_argument("--rows", type=int, default=MAX_ROWS,
+                        help=f"with --arithmetic: query rows per layer, sampled uniformly over batch, heads and "
+                        f"positions (default {MAX_ROWS}; each costs about 2 x keys x head dim multiply-adds per fix)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the report as JSON to PATH (default: print the table only)")
 
@@ -401,6 +524,8 @@ def run_probe(args: argparse.Namespace) -> int:
     exit status."""
     if args.batch < 1 or args.seq_len < 2:
         raise ValueError(f"--batch must be >= 1 and --seq-len >= 2, got {args.batch} and {args.seq_len}")
+    if args.rows < 1:
+        raise ValueError(f"--rows must be >= 1, got {args.rows}")
     fixes = [f for f in args.fixes.split(",") if f]
     text = None
     if args.text is not None:
@@ -410,7 +535,8 @@ def run_probe(args: argparse.Namespace) -> int:
     vocab = model.get_input_embeddings().num_embeddings
     ids = _batch(text, tokenizer, vocab, args.batch, args.seq_len, args.seed).to(args.device)
     model.to(args.device)
-    report = probe(model, ids, fixes=fixes, dtype=_DTYPES[args.dtype], backend=args.backend, seed=args.seed)
+    report = probe(model, ids, fixes=fixes, dtype=_DTYPES[args.dtype], backend=args.backend, seed=args.seed,
+                   arithmetic=args.arithmetic, max_rows=args.rows)
     print(report.table())
     if args.json is not None:
         report.write_json(args.json)

@@ -51,9 +51,9 @@ def test_probe_llama_padding_captures_masks_and_grads():
     recorder_calls = []
     original = probe_mod._replay
 
-    def spy(call, name, dtype, fixes, backend):
+    def spy(call, name, dtype, fixes, backend, *rest):
         recorder_calls.append(call)
-        return original(call, name, dtype, fixes, backend)
+        return original(call, name, dtype, fixes, backend, *rest)
 
     probe_mod._replay = spy
     try:
@@ -108,3 +108,91 @@ def test_cli_writes_json_only_when_asked(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "layer0" in printed and "wrote" not in printed
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# --arithmetic: the replay on emulated tensor cores
+
+
+def test_arithmetic_flag_parses_and_bad_values_name_the_accepted_ones(capsys):
+    from stable_attn.cli import build_parser
+
+    args = build_parser().parse_args(["probe", "--arithmetic", "h100", "--rows", "64"])
+    assert args.arithmetic == "h100" and args.rows == 64
+    assert build_parser().parse_args(["probe"]).arithmetic is None
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["probe", "--arithmetic", "h200"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--arithmetic" in err and "'h200'" in err and all(m in err for m in ("a100", "h100", "ieee"))
+    model = tiny_model("gpt2-tiny")
+    ids = torch.zeros(1, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"arithmetic='b200'.*accepted values.*'a100', 'h100', 'ieee'"):
+        probe(model, ids, arithmetic="b200")
+    with pytest.raises(ValueError, match=r"max_rows=0"):
+        probe(model, ids, arithmetic="h100", max_rows=0)
+    with pytest.raises(ValueError, match=r"--rows must be >= 1, got 0"):
+        probe_mod.main(["--arithmetic", "h100", "--rows", "0"])
+
+
+def test_probe_h100_reports_every_layer_from_the_labs_functions(monkeypatch):
+    model = tiny_model("llama-tiny", seed=3)  # GQA and RoPE
+    ids = torch.randint(1, 256, (2, 24), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 24, dtype=torch.int64)
+    mask[0, :5] = 0  # left padding: a key padding mask, so every fix walks 64-key blocks
+    calls = []
+    real = probe_mod.lab.tensor_core_attention
+
+    def spy(q, k, v, rows, fixes, **kw):
+        res = real(q, k, v, rows, fixes, **kw)
+        calls.extend((q, k, v, rows, fix, kw, res[fix].out) for fix in fixes)
+        return res
+
+    monkeypatch.setattr(probe_mod.lab, "tensor_core_attention", spy)
+    report = probe(model, ids, mask, fixes=("off", "ours"), arithmetic="h100", max_rows=100)
+    assert [x.name for x in report.layers] == ["layer0", "layer1"]
+    assert [(c[4], c[5]["model"]) for c in calls] == [("off", "h100"), ("ours", "h100")] * 2
+    seen_rows = 2 * 4 * 24 - 4 * 5  # the padded query rows of batch 0 see no key
+    for layer, (q, k, v, rows, fix, kw, out) in zip([x for x in report.layers for _ in (0, 1)], calls):
+        assert layer.rows == 100 and layer.rows_total == seen_rows and rows.shape == (100, 3)
+        r = layer.fixes[fix]
+        assert r.key_block == 64
+        # the reported O statistics are those of the lab's output against the oracle on the same rows
+        exact = probe_mod.naive.attention(q, k, v, **kw_without_model(kw))[rows[:, 0], rows[:, 1], rows[:, 2]]
+        expect = probe_mod.error_stats(out, exact, probe_mod.row_unit(exact))
+        assert r.o == expect
+        assert r.o.rms < 2.0 and r.delta.rms < 2.0
+    assert report.as_dict()["arithmetic"] == "h100" and "emulated h100" in report.verdict()
+    assert "layer1 100/" in report.table() and "verdict:" in report.table()
+
+
+def kw_without_model(kw):
+    return {n: kw[n] for n in ("causal", "scale", "key_padding_mask", "attn_mask", "window", "softcap")}
+
+
+def test_cli_arithmetic_json(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert probe_mod.main(["--config", "gpt2-tiny", "--batch", "1", "--seq-len", "20", "--fixes", "off,ours",
+                           "--arithmetic", "ieee", "--rows", "30", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "emulated ieee" in printed and "layer1 30/80" in printed and "key blocks: off 64, ours 64" in printed
+    data = json.loads(out.read_text())
+    assert data["arithmetic"] == "ieee" and data["max_rows"] == 30 and data["verdict"].startswith("verdict:")
+    assert [x["rows"] for x in data["layers"]] == [30, 30]
+
+
+def _layer(name, t_off, t_on):
+    def fr(t):
+        st = probe_mod.ErrorStats(n=100, mean=0.01 * t, t=t, rms=0.5, max_abs=1.0)
+        return probe_mod.FixResult(o=st, delta=probe_mod.ErrorStats(100, 0.0, 0.5, 0.2, 0.5), fixed_rate=0.0)
+    return probe_mod.LayerReport(name, (1, 1, 8, 4), 0.0, 0.0, 0.0, {"off": fr(t_off), "ours": fr(t_on)}, rows=100)
+
+
+def test_verdict_says_what_to_do():
+    v = probe_mod.verdict
+    assert "keep the fix on" in v([_layer("layer0", -5.0, 1.0), _layer("layer1", 1.0, 0.5)], "h100")
+    assert "(layer0)" in v([_layer("layer0", -5.0, 1.0), _layer("layer1", 1.0, 0.5)], "h100")
+    assert "does not remove" in v([_layer("layer0", -5.0, -4.0)], "a100")
+    assert "stabilize=False" in v([_layer("layer0", 1.0, 3.5)])
+    none = v([_layer("layer0", 2.9, -2.0)], "h100")
+    assert "no layer's O or delta is biased" in none and "2.90" in none and "emulated h100" in none

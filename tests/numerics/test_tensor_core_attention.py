@@ -1,5 +1,7 @@
 """arithmetic.tensor_core_model: the kernel's forward with P-bar V on the tensor-core models."""
 
+import math
+
 import pytest
 import torch
 
@@ -61,3 +63,80 @@ def test_rejects_unknown_model():
     s, v = tied_inputs(trials=2)
     with pytest.raises(ValueError, match=r"model='b200'.*accepted values"):
         arithmetic.tensor_core_model(s, v, "off", model="b200")
+
+
+def attention_inputs(B=2, Hq=4, Hkv=2, N=150, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, N, D, generator=g).to(BF16) for h in (Hq, Hkv, Hkv))
+    rows = torch.stack(torch.meshgrid(torch.arange(B), torch.arange(Hq), torch.arange(N), indexing="ij"), -1)
+    return q, k, v, rows.reshape(-1, 3)
+
+
+@pytest.mark.parametrize("fix", arithmetic.FIXES)
+def test_tensor_core_attention_fp32_matmul_is_the_torch_path(fix):
+    # with fp32 products the q, k, v entry point reproduces stable_attn.attention's PyTorch path bit for bit:
+    # GQA grouping, causal and padding masks, the rows skipping blocks they do not see, the output cast
+    from stable_attn import attention
+
+    q, k, v, rows = attention_inputs()
+    kpm = torch.ones(2, 150, dtype=torch.bool)
+    kpm[1, :20] = False
+    ref = attention(q, k, v, causal=True, key_padding_mask=kpm, stabilize=arithmetic.FIX_NAMES[fix], backend="torch")
+    pick = rows[::7]  # a sample of rows, in no particular grouping
+    out = arithmetic.tensor_core_attention(q, k, v, pick, (fix,), model="fp32_matmul", causal=True,
+                                           key_padding_mask=kpm)[fix].out
+    assert torch.equal(out, ref[pick[:, 0], pick[:, 1], pick[:, 2]].double())
+
+
+def test_tensor_core_attention_scores_are_tensor_core_products():
+    # q.k^T of one row equals the mma chain over the head dim; a row's result does not depend on
+    # which other rows are computed with it
+    q, k, v, rows = attention_inputs(B=1, Hq=2, Hkv=1, N=70, D=32, seed=2)
+    one = arithmetic.tensor_core_attention(q, k, v, rows[5:6], ("off",), model="a100")["off"].out
+    many = arithmetic.tensor_core_attention(q, k, v, rows, model="a100")  # every fix on the same scores
+    assert set(many) == set(arithmetic.FIXES)
+    assert torch.equal(one[0], many["off"].out[5])
+    x = tensor_core.mma(q[0, 0, 5:6, :16], k[0, 0, :, :16].T.contiguous(), torch.zeros(1, 70), "a100")
+    x = tensor_core.mma(q[0, 0, 5:6, 16:], k[0, 0, :, 16:].T.contiguous(), x, "a100")
+    direct = arithmetic.tensor_core_forward(x, v[0, 0][None], "off", qk_scale2=32**-0.5 * 1.4426950408889634,
+                                            model="a100", block_n=64)
+    assert torch.equal(direct.out[0], one[0])
+
+
+def test_kernel_key_block_follows_the_launcher():
+    # sm_90 plain stabilize-off takes 128-key blocks; the rule's modes, A100 and a padding mask keep 64
+    assert arithmetic.kernel_key_block("h100", "off", BF16, 64, plain=True) == 128
+    assert arithmetic.kernel_key_block("h100", "ours", BF16, 64, plain=True) == 64
+    assert arithmetic.kernel_key_block("h100", "off", BF16, 64, plain=False) == 64
+    assert arithmetic.kernel_key_block("a100", "off", BF16, 64, plain=True) == 64
+    assert arithmetic.kernel_key_block("ieee", "off", BF16, 64, plain=True) == 64
+
+
+def test_tensor_core_attention_rejects_what_it_does_not_model():
+    q, k, v, rows = attention_inputs(B=1, N=8)
+    with pytest.raises(ValueError, match="softcap"):
+        arithmetic.tensor_core_attention(q, k, v, rows, softcap=30.0)
+    with pytest.raises(ValueError, match=r"rows must be \[R, 3\]"):
+        arithmetic.tensor_core_attention(q, k, v, rows[:, :2])
+    with pytest.raises(ValueError, match=r"fixes=\['on'\]"):
+        arithmetic.tensor_core_attention(q, k, v, rows, ("on",))
+
+
+def test_fp8_rule_constants_and_model():
+    tie2, min2, max2 = arithmetic.rule_constants(torch.float8_e4m3fn, arithmetic.options_mode("ours"))
+    # exp(-tie) is the midpoint between 1.0 and E4M3's next number below, 1 - 2^-4
+    tie = tie2 / 1.4426950408889634
+    assert torch.tensor(math.exp(-tie * 0.999)).to(torch.float8_e4m3fn).item() == 1.0
+    assert torch.tensor(math.exp(-tie * 1.001)).to(torch.float8_e4m3fn).item() == 1.0 - 2**-4
+    assert (min2, max2) == pytest.approx((0.5 * 1.4426950408889634, 2.0 * 1.4426950408889634))
+    s, v = tied_inputs(trials=6, n=96, d=8)
+    for fix in arithmetic.FIXES:
+        res = arithmetic.tensor_core_model(s, v, fix, block_n=32, model="h100", pbar_dtype=torch.float8_e4m3fn)
+        exact = arithmetic.oracle(s, arithmetic.fp8_values(v))
+        assert ((res.out - exact).abs() <= 2.0**-3 * exact.abs().max(dim=1, keepdim=True).values).all()
+        if fix == "off":
+            assert (res.pbar_ones >= 4).all()
+        if fix == "ours":
+            assert (res.pbar_ones <= 1).all()
+    with pytest.raises(ValueError, match="not modelled for model='a100'"):
+        arithmetic.tensor_core_model(s, v, "off", model="a100", pbar_dtype=torch.float8_e4m3fn)
