@@ -3,8 +3,9 @@
 Each layer's saturation and max logit go to a :class:`~stable_attn.monitor.SurgeDetector`, and its
 attention entropy (where it is collected) to an
 :class:`~stable_attn.monitor.collapse.EntropyCollapseDetector`, on monitored steps, with the step's
-training loss (an early warning needs the loss to have stopped improving). Layers are added as the engine finds models; a checkpoint's layer history and surge
-detector states are kept until the layers they belong to exist.
+training loss (an early warning needs the loss to have stopped improving, except the alarm levels).
+Layers are added as the engine finds models; a checkpoint's layer history and detector states are kept
+until the layers they belong to exist.
 """
 
 from __future__ import annotations
