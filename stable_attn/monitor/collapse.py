@@ -204,8 +204,7 @@ class EntropyCollapseDetector:
                 value=value,
                 baseline=baseline,
                 threshold=min(self.alarm_fraction * baseline, baseline - self.min_drop) if alarm else threshold,
-                # how far below the bar, in units of the bar's distance from the median
-                score=(baseline - value) / max(baseline - threshold, 1e-12),
+                score=math.nan,  # no noise scale: the rule is a ratio to the median, not a count of sigmas
                 kind="early_warning",
                 run_length=run,
                 is_new=is_new,

@@ -112,3 +112,41 @@ def test_layer_watch_warns_on_a_real_entropy_collapse():
     assert all(step >= 60 for step, _, _ in warned)
     state = json.loads(json.dumps(watch.state_dict()))
     assert state["surge"]["stable_attn/entropy/layer0"]["type"] == "EntropyCollapseDetector"
+
+
+def test_the_engine_alerts_on_an_entropy_collapse(tmp_path):
+    """The path both callbacks take: a tiny GPT-2 in MonitorEngine, monitored every step; at step 14 its
+    queries are scaled 1000x (one-hot attention in the first layer): an early warning on its entropy then."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from stable_attn.monitor.engine import MonitorEngine, Trainables, World
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       attn_implementation="sdpa"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights change only where the test scales them
+    alerts = []
+    engine = MonitorEngine(on_alert=[alerts.append])
+    engine.setup(model, World())
+    engine.start(str(tmp_path), 1)
+    data = torch.Generator().manual_seed(1)
+    for step in range(20):
+        if step == 14:
+            with torch.no_grad():
+                for block in model.transformer.h:
+                    block.attn.c_attn.weight[:, :32] *= 1000.0
+        engine.begin_step(step)
+        batch = torch.randint(0, 256, (4, 32), generator=data)
+        loss = model(input_ids=batch, labels=batch).loss
+        engine.add_loss(loss)
+        loss.backward()
+        engine.before_optimizer_step(opt, model.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        engine.end_step(Trainables(step=step + 1, model=model, optimizers=[opt], schedulers=[]))
+    engine.end_run("at the end of the test")
+    warned = [a for a in alerts if a.kind == "early_warning" and "entropy" in a.metric]
+    assert warned and (warned[0].step, warned[0].metric) == (14, "stable_attn/entropy/layer0"), alerts
+    assert "entropy/layer0=0.219 < 0.2549 (baseline 2.549)" in warned[0].format()
+    assert "plunge rule" in warned[0].format()
