@@ -9,7 +9,8 @@ AdamW, warm-up over 300 steps, 400 steps; ``instability.train``), over learning 
 mean attention entropy (``AttentionStats.summary()["entropy"]``, what the callbacks log as
 ``stable_attn/entropy/<layer>``) goes to ``EntropyCollapseDetector()`` and its max logit to
 ``SurgeDetector.max_logit()``, with the step's loss, as ``LayerWatch`` feeds them; the loss goes to
-``SpikeDetector.loss()``. The defaults of the entropy rule were chosen on the two tuning runs (lr 1.0 seed 0,
+``SpikeDetector.loss()``; the loss-gated ``collapse`` rule is also replayed alone (``alarm_fraction=0``).
+The defaults of the entropy rule were chosen on the two tuning runs (lr 1.0 seed 0,
 lr 1e-2 seed 0) only; every other run is held out. Lead: steps from the first warning to the first loss alert.
 """
 
@@ -38,9 +39,11 @@ def judge(run: dict) -> dict:
     """First entropy warning (and its rule), first max-logit warning, first loss alert, warnings counted."""
     layers = len(run["entropy"][0])
     entropy = [EntropyCollapseDetector(f"stable_attn/entropy/layer{i}") for i in range(layers)]
+    gated = [EntropyCollapseDetector(f"stable_attn/entropy/layer{i}", alarm_fraction=0.0) for i in range(layers)]
     max_logit = [SurgeDetector.max_logit(f"stable_attn/max_logit/layer{i}") for i in range(layers)]
     loss_det = SpikeDetector.loss()
-    out = {"entropy": None, "entropy_rule": None, "max_logit": None, "loss_alert": None, "entropy_warnings": 0}
+    out = {"entropy": None, "entropy_rule": None, "collapse_alone": None, "max_logit": None, "loss_alert": None,
+           "entropy_warnings": 0}
     for step, loss in enumerate(run["loss"]):
         event = loss_det.update(step, loss)
         if event is not None and out["loss_alert"] is None:
@@ -51,6 +54,9 @@ def judge(run: dict) -> dict:
                 out["entropy_warnings"] += 1
                 if out["entropy"] is None:
                     out["entropy"], out["entropy_rule"] = step, f"{event.rule}, layer{i}"
+            event = gated[i].update(step, run["entropy"][step][i], loss=loss)
+            if event is not None and out["collapse_alone"] is None:
+                out["collapse_alone"] = step
             event = max_logit[i].update(step, run["max_logit"][step][i], loss=loss)
             if event is not None and event.is_new and out["max_logit"] is None:
                 out["max_logit"] = step
@@ -82,9 +88,10 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"runs": runs}, f)
     print("| lr | seed | set | loss, mean of last 100 | min entropy (nats) | first loss alert "
-          "| entropy rule: first warning (rule, layer), lead | max-logit rule: first warning, lead "
+          "| entropy rule: first warning (rule, layer), lead | `collapse` alone (no `plunge`): first warning "
+          "| max-logit rule: first warning, lead "
           "| entropy warnings |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for run in sorted(runs, key=lambda r: (r["lr"], r["seed"])):
         j = judge(run)
         tail = run["loss"][-100:]
@@ -97,6 +104,7 @@ def main() -> None:
         print(f"| {run['lr']:g} | {run['seed']} | {tuned} | {sum(tail) / len(tail):.2f} | {low:.3f} "
               f"| {j['loss_alert'] if j['loss_alert'] is not None else 'none'} "
               f"| {ent}, {lead(j['entropy'], j['loss_alert'])} "
+              f"| {'none' if j['collapse_alone'] is None else 'step ' + str(j['collapse_alone'])} "
               f"| {ml}, {lead(j['max_logit'], j['loss_alert'])} | {j['entropy_warnings']} |")
 
 
