@@ -114,6 +114,7 @@ class Run:
     grad_norm: list[float] = field(default_factory=list)
     max_logit: list[list[float]] = field(default_factory=list)  # [step][layer]
     saturation: list[list[float]] = field(default_factory=list)
+    entropy: list[list[float]] = field(default_factory=list)  # [step][layer], nats: what the callbacks log
     alerts: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -148,6 +149,7 @@ def train(config: RunConfig, args: argparse.Namespace) -> Run:
         run.grad_norm.append(norm)
         run.max_logit.append([float(b.stats.max_logit.max()) for b in model.blocks])
         run.saturation.append([float(b.stats.saturation.mean()) for b in model.blocks])
+        run.entropy.append([b.stats.summary().get("entropy", math.nan) for b in model.blocks])
         events = [loss_det.update(step, value), norm_det.update(step, norm)]
         for (stat, i), det in surges.items():
             stat_value = run.max_logit[-1][i] if stat == "max_logit" else run.saturation[-1][i]
@@ -299,7 +301,8 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "summaries": summaries,
                    "runs": [{"config": vars(r.config), "loss": r.loss, "grad_norm": r.grad_norm,
-                             "max_logit": r.max_logit, "saturation": r.saturation, "alerts": r.alerts}
+                             "max_logit": r.max_logit, "saturation": r.saturation, "entropy": r.entropy,
+                             "alerts": r.alerts}
                             for r in runs]}, f)
     try:
         plot([r for r in runs if r.config.seed == 0], Path(args.plot))

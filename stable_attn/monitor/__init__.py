@@ -2,6 +2,7 @@
 
 - :class:`SpikeDetector`: loss / gradient-norm spikes and non-finite values (``update(step, value)``);
 - :class:`SurgeDetector`: early warnings when a per-layer attention statistic surges;
+- :class:`EntropyCollapseDetector`: early warnings when a layer's attention entropy collapses;
 - :class:`Alert` and its channels (:class:`LoggingChannel`, :class:`JsonlChannel`,
   :class:`CallableChannel`, :class:`WebhookChannel`), fanned out by :class:`AlertDispatcher`.
 
@@ -20,6 +21,7 @@ from .alerts import (
     JsonlChannel,
     LoggingChannel,
 )
+from .collapse import EntropyCollapseDetector
 from .events import SpikeEvent
 from .spikes import SpikeDetector
 from .surge import SurgeDetector
@@ -32,6 +34,7 @@ __all__ = [
     "AlertDispatcher",
     "CallableChannel",
     "DELIVERY_COUNTS",
+    "EntropyCollapseDetector",
     "JsonlChannel",
     "LoggingChannel",
     "SpikeDetector",

@@ -146,10 +146,13 @@ class Alert:
     ) -> Alert:
         """Build an alert from a detector's :class:`SpikeEvent` plus training context.
 
-        Without a ``message``, a drift event (a sustained rise, no single jump) says so in the message.
+        Without a ``message``, a drift event (a sustained rise, no single jump) and an entropy collapse say so
+        in the message.
         """
         if not message and event.rule == "drift":
             message = "sustained rise over recent steps (drift rule)"
+        elif not message and event.rule in ("collapse", "plunge"):
+            message = f"attention entropy collapsed below its running median ({event.rule} rule)"
         return cls(
             step=event.step,
             kind=event.kind,
@@ -210,7 +213,8 @@ class Alert:
         ``spike at step 1200: train/loss=5.21 > 3.35 (baseline 3.18, 41.3 sigma); lr 3e-04; layers: ...``."""
         head = f"{self.kind} at step {self.step}: {self.metric}={_fmt(self.value)}"
         if self.kind != "nonfinite" and math.isfinite(self.threshold):
-            head += f" > {_fmt(self.threshold)}"
+            # a fall (an entropy collapse) is flagged below its threshold
+            head += f" {'<' if self.value < self.threshold else '>'} {_fmt(self.threshold)}"
         details = []
         if math.isfinite(self.baseline):
             details.append(f"baseline {_fmt(self.baseline)}")

@@ -95,7 +95,8 @@ class MonitorConfig:
     attention_stats: bool = _arg(True, """collect per-layer attention statistics on monitored steps (the
         kernel computes them as side outputs of the forward; on the CPU path they cost a few percent of a
         monitored step).""")
-    early_warnings: bool = _arg(True, """run surge detectors on each layer's saturation and max logit.""")
+    early_warnings: bool = _arg(True, """run surge detectors on each layer's saturation and max logit, and
+        :class:`~stable_attn.monitor.EntropyCollapseDetector` on its entropy where collected.""")
     early_warning_warmup: int | None = _arg(None, """monitored steps each surge detector watches before it
         can fire; None keeps :class:`~stable_attn.monitor.SurgeDetector`'s default (10). The callback also
         gives each surge detector the step's training loss: an early warning needs the loss to have stopped

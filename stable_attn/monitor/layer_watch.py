@@ -1,9 +1,11 @@
 """The watched attention layers: their statistics as metrics, and the early warnings on them.
 
-Each layer's saturation and max logit go to a :class:`~stable_attn.monitor.SurgeDetector` on
-monitored steps, with the step's training loss (an early warning needs the loss to have stopped
-improving). Layers are added as the engine finds models; a checkpoint's layer history and surge
-detector states are kept until the layers they belong to exist.
+Each layer's saturation and max logit go to a :class:`~stable_attn.monitor.SurgeDetector`, and its
+attention entropy (where it is collected) to an
+:class:`~stable_attn.monitor.collapse.EntropyCollapseDetector`, on monitored steps, with the step's
+training loss (an early warning needs the loss to have stopped improving, except the alarm levels).
+Layers are added as the engine finds models; a checkpoint's layer history and detector states are kept
+until the layers they belong to exist.
 """
 
 from __future__ import annotations
@@ -15,26 +17,28 @@ import torch
 
 from ..stats import AttentionStats
 from . import SpikeEvent, SurgeDetector, names
+from .collapse import EntropyCollapseDetector
 from .layer_stats import STAT_NAMES, LayerStats
 
 __all__ = ["LayerWatch"]
 
-_SURGES = (("saturation", SurgeDetector.saturation), ("max_logit", SurgeDetector.max_logit))
+_SURGES = (("saturation", SurgeDetector.saturation), ("max_logit", SurgeDetector.max_logit),
+           ("entropy", EntropyCollapseDetector))
 
 
 class LayerWatch:
-    """The layers' :class:`LayerStats` and their surge detectors (none when ``early_warnings`` is False).
+    """The layers' :class:`LayerStats` and their early-warning detectors (none when ``early_warnings`` is False).
 
     Args:
         window: monitored steps over which :meth:`most_changed` compares the layers.
-        early_warnings: run surge detectors on each layer's saturation and max logit.
-        warmup: monitored steps each surge detector watches before it can fire; None keeps its default.
+        early_warnings: run early-warning detectors on each layer's saturation, max logit and entropy.
+        warmup: monitored steps each detector watches before it can fire; None keeps its default.
     """
 
     def __init__(self, window: int, early_warnings: bool, warmup: int | None) -> None:
         self.window, self.early_warnings, self.warmup = window, early_warnings, warmup
         self.layers: LayerStats | None = None  # None until the engine has looked for models
-        self.surge_detectors: dict[str, SurgeDetector] = {}
+        self.surge_detectors: dict[str, SurgeDetector | EntropyCollapseDetector] = {}
         self._saved: dict[str, Any] = {}  # a checkpoint's "layers" and "surge" states
 
     def add(self, stats: Mapping[str, AttentionStats]) -> None:
@@ -72,8 +76,9 @@ class LayerWatch:
                     metrics[names.layer_metric(stat, layer)] = values[stat]
             for stat, _ in _SURGES:
                 detector = self.surge_detectors.get(names.layer_metric(stat, layer))
-                # a NaN loss is ignored by the detector
-                event = detector.update(step, values[stat], loss=loss) if detector is not None else None
+                if detector is None or stat not in values:  # the entropy only where it was collected
+                    continue
+                event = detector.update(step, values[stat], loss=loss)  # a NaN loss is ignored by the detector
                 if event is not None and event.is_new:
                     events.append(event)
         return metrics, events
