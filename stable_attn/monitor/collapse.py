@@ -30,6 +30,7 @@ from .robust import (
     check_positive,
     check_rate,
     check_state,
+    loss_averages,
     optional_float,
 )
 
@@ -219,15 +220,8 @@ class EntropyCollapseDetector:
         return None
 
     def _track_loss(self, loss: float) -> None:
-        if not math.isfinite(loss):
-            return
-        self._losses += 1
-        if self._loss_fast is None or self._loss_slow is None:
-            self._loss_fast = self._loss_slow = loss
-            return
-        # Equal weights over the first values (rate 1/k), as SurgeDetector: both averages start from the same data.
-        self._loss_fast += max(self.loss_fast_rate, 1.0 / self._losses) * (loss - self._loss_fast)
-        self._loss_slow += max(self.loss_slow_rate, 1.0 / self._losses) * (loss - self._loss_slow)
+        self._losses, self._loss_fast, self._loss_slow = loss_averages(
+            self._losses, self._loss_fast, self._loss_slow, loss, self.loss_fast_rate, self.loss_slow_rate)
 
     def _accept(self, value: float) -> None:
         self._n += 1

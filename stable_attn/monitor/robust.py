@@ -152,3 +152,17 @@ class Episodes:
     def clear(self) -> None:
         self.run = 0
         self.last_kind = None
+
+
+def loss_averages(count: int, fast: float | None, slow: float | None, loss: float, fast_rate: float,
+                  slow_rate: float) -> tuple[int, float | None, float | None]:
+    """One finite ``loss`` folded into the fast and slow averages the early-warning detectors' loss gate
+    compares (a non-finite one changes nothing): ``(count, fast, slow)`` after it. Over the first values both
+    weigh them equally (rate 1/k), so both averages start from the same data."""
+    if not math.isfinite(loss):
+        return count, fast, slow
+    count += 1
+    if fast is None or slow is None:
+        return count, loss, loss
+    return (count, fast + max(fast_rate, 1.0 / count) * (loss - fast),
+            slow + max(slow_rate, 1.0 / count) * (loss - slow))

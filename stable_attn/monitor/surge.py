@@ -35,6 +35,7 @@ from .robust import (
     check_rate,
     check_state,
     huber_consistency,
+    loss_averages,
     optional_float,
     update_scale,
 )
@@ -304,15 +305,8 @@ class SurgeDetector:
         return None
 
     def _track_loss(self, loss: float) -> None:
-        if not math.isfinite(loss):
-            return
-        self._losses += 1
-        if self._loss_fast is None or self._loss_slow is None:
-            self._loss_fast = self._loss_slow = loss
-            return
-        # Equal weights over the first values (rate 1/k), so that both averages start from the same data.
-        self._loss_fast += max(self.loss_fast_rate, 1.0 / self._losses) * (loss - self._loss_fast)
-        self._loss_slow += max(self.loss_slow_rate, 1.0 / self._losses) * (loss - self._loss_slow)
+        self._losses, self._loss_fast, self._loss_slow = loss_averages(
+            self._losses, self._loss_fast, self._loss_slow, loss, self.loss_fast_rate, self.loss_slow_rate)
 
     def _sigma(self) -> float:
         floor = self.min_delta / self.z_threshold
