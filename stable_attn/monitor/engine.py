@@ -192,6 +192,7 @@ class MonitorEngine:
         self._monitor_now = False
         self._loss: torch.Tensor | None = None
         self._stepped = False
+        self._spiked = False
         self._acted = False
         self._pending_rollback = False
         self._pending_stop = False
@@ -408,6 +409,7 @@ class MonitorEngine:
                                    lr=lr, note=lambda verdict: self._action_note(step, verdict))
         self.last = judged.last
         self.unconfirmed_grad_norm_jumps += judged.unconfirmed
+        self._spiked = judged.spiked
         watched = [self.loss_detector] + ([self.grad_norm_detector] if self.monitor_grad_norm else [])
         for line in self._phases.update(step, watched):
             if self.world.is_zero:
@@ -531,7 +533,9 @@ class MonitorEngine:
     def _monitor(self, step: int) -> dict[str, float]:
         metrics = {k: v for k, v in self.last.items() if not (k == names.GRAD_NORM and not self.monitor_grad_norm)}
         gather = self.world.all_gather if self.world.size > 1 else None
-        layer_metrics, events = self._watch.observe(step, gather, self.world.device, self.last.get(names.LOSS))
+        # A spiking step's attention statistics are its batch's: logged, not judged by the early warnings.
+        layer_metrics, events = self._watch.observe(step, gather, self.world.device, self.last.get(names.LOSS),
+                                                    judge=not self._spiked)
         metrics.update(layer_metrics)
         for event in events:
             self._alert(event, "warn", "")

@@ -63,9 +63,11 @@ class LayerWatch:
             self.layers.enable(on)
 
     def observe(self, step: int, all_gather: Callable[[torch.Tensor], torch.Tensor] | None, device: torch.device,
-                loss: float | None) -> tuple[dict[str, float], list[SpikeEvent]]:
+                loss: float | None, judge: bool = True) -> tuple[dict[str, float], list[SpikeEvent]]:
         """This step's statistics reduced over heads, calls and ranks (``all_gather`` is called once,
-        on every rank), as metrics by name, and the new early-warning events they raise."""
+        on every rank), as metrics by name, and the new early-warning events they raise. ``judge=False``
+        (a step whose loss or gradient norm spiked) logs the statistics without feeding the early-warning
+        detectors: they are that batch's, not the model's, and the spike is alerted already."""
         metrics: dict[str, float] = {}
         events: list[SpikeEvent] = []
         if self.layers is None or not len(self.layers):
@@ -74,7 +76,7 @@ class LayerWatch:
             for stat in STAT_NAMES:
                 if stat in values:  # the entropy only where it was collected
                     metrics[names.layer_metric(stat, layer)] = values[stat]
-            for stat, _ in _SURGES:
+            for stat, _ in _SURGES if judge else ():
                 detector = self.surge_detectors.get(names.layer_metric(stat, layer))
                 if detector is None or stat not in values:  # the entropy only where it was collected
                     continue

@@ -72,6 +72,7 @@ class Judgement:
     spikes: list[tuple[SpikeEvent, str]] = field(default_factory=list)  # new events and their alert message
     alerts: list[Alert] = field(default_factory=list)  # alerts with no detector event (non-finite gradients)
     unconfirmed: int = 0  # gradient-norm jumps the loss did not confirm (ranks), neither alerted nor acted on
+    spiked: bool = False  # a loss or (confirmed) gradient-norm spike, or a NaN/inf, on any rank
 
 
 def worst(values: list[float]) -> float:
@@ -235,7 +236,7 @@ class StepJudge:
             said += " (a non-finite update is never applied, whatever on_spike says)"
         if capped:
             said += f" (not acted on: on_spike={self.on_spike!r} has reached spike_action_cap={self.cap.cap})"
-        out = Judgement(verdict, last, unconfirmed=unconfirmed)
+        out = Judgement(verdict, last, unconfirmed=unconfirmed, spiked=spiked or nonfinite)
         if escalate:
             out.alerts.append(self.cap.alert(step, self.on_spike, lr))
         for events, resumed in ((loss_events, set()), (norm_events, self._was_unconfirmed)):

@@ -114,6 +114,24 @@ def test_layer_watch_warns_on_a_real_entropy_collapse():
     assert state["surge"]["stable_attn/entropy/layer0"]["type"] == "EntropyCollapseDetector"
 
 
+def test_a_spiking_step_is_logged_but_not_judged_by_the_early_warnings():
+    """A corrupted batch's attention is the batch's: its entropy collapsed at the main job's injected spike,
+    which the loss already alerts. Unjudged, the step leaves the detectors as they were."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
+    stats = AttentionStats()
+    watch = LayerWatch(window=10, early_warnings=True, warmup=None)
+    watch.add({"layer0": stats})
+    for step in range(61):
+        watch.enable(True)
+        attention(q * (40.0 if step == 60 else 1.0), k, v, causal=True, stats=stats)
+        watch.enable(False)
+        before = json.dumps(watch.state_dict()["surge"])
+        metrics, events = watch.observe(step, None, torch.device("cpu"), loss=3.0, judge=step != 60)
+    assert metrics["stable_attn/entropy/layer0"] < 0.1 and events == []
+    assert json.dumps(watch.state_dict()["surge"]) == before
+
+
 def test_the_engine_alerts_on_an_entropy_collapse(tmp_path):
     """The path both callbacks take: a tiny GPT-2 in MonitorEngine, monitored every step; at step 14 its
     queries are scaled 1000x (one-hot attention in the first layer): an early warning on its entropy then."""
