@@ -32,7 +32,8 @@ from stable_attn.monitor import Alert, SpikeDetector
 STEPS = 60
 BAD = 50
 ALERT_KEYS = {"step", "kind", "metric", "value", "baseline", "threshold", "score", "lr", "layers", "action",
-              "message", "checkpoint", "time"}
+              "message", "checkpoint", "time", "version", "data_position", "lrs", "world_size", "ranks", "loss_window",
+              "attention", "grad_norms", "outcome"}
 
 
 def make_callback(**kwargs) -> StableAttentionCallback:
