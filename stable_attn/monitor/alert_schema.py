@@ -27,7 +27,7 @@ from typing import Any
 from .names import ALERT_KINDS
 
 __all__ = ["ALERT_SCHEMA", "CAPS", "EVIDENCE", "REMOTE_CAPS", "VERSION", "AlertSchemaError", "alert_version",
-           "validate_alert"]
+           "check_field", "validate_alert"]
 
 #: The version :meth:`Alert.to_dict` writes.
 VERSION = 2
@@ -184,6 +184,14 @@ def validate_alert(obj: Any) -> int:
     return version
 
 
+def check_field(name: str, value: Any) -> None:
+    """Check one field of an alert object against its schema (AlertSchemaError naming it); a name the schema
+    does not know is accepted (a newer writer's field)."""
+    schema = ALERT_SCHEMA["properties"].get(name)
+    if schema is not None:
+        _check(value, schema, name)
+
+
 _TYPES = {"object": Mapping, "array": (list, tuple), "string": str, "boolean": bool, "null": type(None)}
 
 
@@ -218,11 +226,11 @@ def _check(value: Any, schema: Mapping[str, Any], path: str) -> None:
             try:
                 _check(value, option, path)
                 return
-            except AlertSchemaError as err:
-                deeper = err
-                if err.field != path:  # the value has the option's shape, a part of it is wrong: say which
+            except AlertSchemaError:
+                kind = _resolve(option).get("type")
+                if kind is not None and _is_type(value, kind):  # the value has this option's type: say what is wrong
                     raise
-        raise AlertSchemaError(path, f"is {_shown(value)}; use {_describe(schema)}") from deeper
+        raise AlertSchemaError(path, f"is {_shown(value)}; use {_describe(schema)}")
     if "enum" in schema and value not in schema["enum"]:
         raise AlertSchemaError(path, f"is {_shown(value)}; use one of {', '.join(map(repr, schema['enum']))}")
     kind = schema.get("type")
