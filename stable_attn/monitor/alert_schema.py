@@ -52,6 +52,8 @@ def _object(properties: Mapping[str, Any], required: tuple[str, ...] | None = No
 
 
 _OPT_FLOAT = {"$ref": "#/$defs/optional_float"}
+_NAMED_FLOAT = {"type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#/$defs/float"}], "minItems": 2,
+                "maxItems": 2}  # [name, float]
 _READING = _object({  # one rank's value of one watched metric and its detector's reading at the step
     "value": _OPT_FLOAT,
     "baseline": _OPT_FLOAT,  # the detector's forecast before the value (null before its first value)
@@ -109,9 +111,7 @@ EVIDENCE: dict[str, dict[str, Any]] = {
     "grad_norms": _nullable(_object({
         "scope": {"enum": ["global", "local"]},
         "parameters": {"type": "integer", "minimum": 0},
-        "top": {"type": "array", "maxItems": CAPS["grad_norms.top"], "items": {
-            "type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#/$defs/float"}],
-            "minItems": 2, "maxItems": 2}},
+        "top": {"type": "array", "maxItems": CAPS["grad_norms.top"], "items": _NAMED_FLOAT},
     })),
     "outcome": _nullable(_object({
         "taken": {"type": "string"},
@@ -134,8 +134,7 @@ _V1: dict[str, dict[str, Any]] = {
     "threshold": {"$ref": "#/$defs/float"},
     "score": {"$ref": "#/$defs/float"},
     "lr": _OPT_FLOAT,
-    "layers": {"type": "array", "items": {"type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#/$defs/float"}],
-                                          "minItems": 2, "maxItems": 2}},
+    "layers": {"type": "array", "items": _NAMED_FLOAT},
     "action": {"type": "string"},
     "message": {"type": "string"},
     "checkpoint": _nullable({"type": "string"}),

@@ -292,8 +292,9 @@ class Alert:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Alert:
-        """Rebuild an alert from :meth:`to_dict` output (e.g. one parsed JSONL line)."""
-        kwargs = cls.decode_fields(data)
+        """Rebuild an alert from :meth:`to_dict` output (e.g. one parsed JSONL line). Keys that are no field of
+        :class:`Alert` (a newer writer's) are left out."""
+        kwargs = {k: v for k, v in cls.decode_fields(data).items() if k in cls.FIELDS}
         kwargs.setdefault("version", 1)  # a line without a version is a version-1 line
         kwargs["layers"] = [(name, _decode_float(change)) for name, change in kwargs.get("layers", [])]
         return cls(**kwargs)

@@ -28,6 +28,10 @@ every update (one small device-to-host copy per step): deciding later would let 
 rollback restores the snapshot, a stop names the checkpoint the adapter writes, and a snapshot is
 taken every ``rollback_every`` steps.
 
+Rank zero's alerts carry the evidence of their step (:mod:`.evidence`: the data position, every rank's
+readings, the learning rates, the loss window, the attention statistics, the largest gradient norms, what the
+action did), gathered from what the step already holds; docs/ALERTS.md has the line format.
+
 Every rank issues the same collectives in the same order on every step (one all-gather per step, one
 more on monitored steps), whatever it observed, so a spike seen by one rank cannot deadlock the
 others. Side effects (log lines, the JSONL file, the webhook) happen on rank zero; logging metrics is

@@ -9,7 +9,8 @@ an alert of the step (docs/ALERTS.md has each field, its unit and when it is nul
 - ``data_position``: the engine's ``data_position`` (the adapters fill it), copied;
 - ``lrs``: every param group's learning rate (``lr`` keeps the first's);
 - ``world_size`` and ``ranks``: each rank's loss and gradient norm with its detector's forecast before
-  the value, and the score, threshold and rule where that rank's detector flagged it (flagged ranks first);
+  the value, and the score, threshold and rule where that rank's detector flagged it (the ranks flagged on the
+  alert's metric first, then those flagged on the other, then by rank);
 - ``loss_window``: ``[step, loss]`` of the last :data:`~stable_attn.monitor.alert_schema.CAPS` ``loss_window``
   (32) optimizer steps up to the alert's, the mean over ranks as ``train/loss`` logs it (since the process
   started: a resume starts the window afresh);
@@ -134,7 +135,7 @@ class Evidence:
         self._step: int | None = None
         self._rows: list[list[float]] = []
         self._judged: Any = None
-        self._lrs: list[float] | None = None
+        self._lrs: list[Any] | None = None
         self._params: list[torch.nn.Parameter] = []
         self._grad_norms: tuple[int, dict[str, Any] | None] | None = None  # (step, what top_grad_norms gave)
         self._failed: set[str] = set()
@@ -151,11 +152,9 @@ class Evidence:
         (their gradients are read only if the step alerts)."""
         self._step, self._rows, self._judged, self._params = step, rows, judged, parameters
         self._grad_norms = None
-        try:
-            groups = getattr(optimizer, "param_groups", None) or []
-            self._lrs = [float(g["lr"]) for g in groups[: CAPS["lrs"]]]
-        except (KeyError, TypeError, ValueError):
-            self._lrs = None
+        # the groups' values as they are (a tensor lr is read at an alert only: no device sync every step)
+        groups = getattr(optimizer, "param_groups", None) or []
+        self._lrs = [g.get("lr") for g in groups[: CAPS["lrs"]] if isinstance(g, Mapping)]
         loss = judged.last.get(names.LOSS, math.nan)
         if self.losses and self.losses[-1][0] == step:
             self.losses.pop()
@@ -191,7 +190,9 @@ class Evidence:
                 "fingerprint": None if position.get("fingerprint") is None else str(position["fingerprint"])}
 
     def _lrs_of(self, alert: Alert, engine: Any) -> list[float] | None:
-        return list(self._lrs) if self._this_step(alert) and self._lrs else None
+        if not self._this_step(alert) or not self._lrs:
+            return None
+        return [None if lr is None else float(lr) for lr in self._lrs]
 
     def _world_size(self, alert: Alert, engine: Any) -> int:
         return int(engine.world.size)
@@ -215,8 +216,10 @@ class Evidence:
         for rank, row in enumerate(self._rows):
             out.append({"rank": rank, "loss": reading(names.LOSS, rank, row[0]) if row[2] else None,
                         "grad_norm": reading(names.GRAD_NORM, rank, row[1])})
+        # the ranks whose detector of the alert's metric flagged first, then those flagged on the other metric
+        own = events.get(alert.metric, {})
         flagged = {r for metric in events.values() for r in metric}
-        out.sort(key=lambda r: (r["rank"] not in flagged, r["rank"]))
+        out.sort(key=lambda r: (r["rank"] not in own, r["rank"] not in flagged, r["rank"]))
         return out[: CAPS["ranks"]]
 
     def _loss_window(self, alert: Alert, engine: Any) -> list[list[Any]] | None:

@@ -53,7 +53,8 @@ def _outcome(outcome: dict) -> str:
         first, last = outcome["skipping_batches"]
         parts.append(f"skipping batches {first}-{last}")
     if outcome.get("stopped"):
-        parts.append("stopped" + (f", checkpoint `{_text(outcome['checkpoint'])}`" if outcome.get("checkpoint") else ""))
+        checkpoint = outcome.get("checkpoint")
+        parts.append("stopped" + (f", checkpoint `{_text(checkpoint)}`" if checkpoint else ""))
     return "; ".join(parts)
 
 
@@ -74,8 +75,8 @@ def _block(alert: dict) -> list[str]:
         lines.append(f"- action: {_outcome(outcome)}")
     position = alert.get("data_position")
     if position:
-        lines.append(f"- data position: epoch {_text(position.get('epoch'))}, batch {_text(position.get('batch_index'))}"
-                     f", fingerprint `{_text(position.get('fingerprint'))}`")
+        lines.append(f"- data position: epoch {_text(position.get('epoch'))}, batch "
+                     f"{_text(position.get('batch_index'))}, fingerprint `{_text(position.get('fingerprint'))}`")
     lines.append(f"- detector: value {_f(alert.get('value'))}, baseline {_f(alert.get('baseline'))}, threshold "
                  f"{_f(alert.get('threshold'))}, score {_f(alert.get('score'))} sigma")
     ranks = alert.get("ranks") or []
@@ -88,7 +89,8 @@ def _block(alert: dict) -> list[str]:
         lines.append("- per rank: " + "; ".join(shown) + (f"; {more} more rank(s) not listed" if more > 0 else ""))
     lrs = alert.get("lrs")
     if lrs:
-        lines.append("- learning rate: " + ", ".join(_f(x) for x in lrs) + (" (per param group)" if len(lrs) > 1 else ""))
+        groups = " (per param group)" if len(lrs) > 1 else ""
+        lines.append("- learning rate: " + ", ".join(_f(x) for x in lrs) + groups)
     attention = alert.get("attention")
     if attention:
         moved = attention.get("moved")
