@@ -224,7 +224,7 @@ class StepJudge:
                            if not (scaler and not math.isfinite(r[1]))]
         loss_events = [(rank, e) for rank, e in loss_events if e is not None]
         norm_events = [(rank, e) for rank, e in norm_events if e is not None]
-        events = {names.LOSS: dict(loss_events), names.GRAD_NORM: dict(norm_events)}
+        flagged = {names.LOSS: dict(loss_events), names.GRAD_NORM: dict(norm_events)}  # before confirmation
         norm_events, unconfirmed = self._confirmed(norm_events, bool(loss_events), shares)
         bad_grad_ranks = [] if scaler else [rank for rank, r in enumerate(rows) if r[3]]
         nonfinite_loss = any(r[2] and not math.isfinite(r[0]) for r in rows)
@@ -246,7 +246,7 @@ class StepJudge:
         if capped:
             said += f" (not acted on: on_spike={self.on_spike!r} has reached spike_action_cap={self.cap.cap})"
         out = Judgement(verdict, last, unconfirmed=unconfirmed, spiked=spiked or nonfinite, baselines=baselines,
-                        events=events)
+                        events=flagged)
         if escalate:
             out.alerts.append(self.cap.alert(step, self.on_spike, lr))
         for events, resumed in ((loss_events, set()), (norm_events, self._was_unconfirmed)):

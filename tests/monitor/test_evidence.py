@@ -115,9 +115,22 @@ def test_the_outcome_of_a_rollback_and_of_a_stop(tmp_path):
     assert "stopped" in received[0].format()
 
 
-def test_without_a_spike_the_engine_alerts_nothing_and_warn_applies_the_update(tmp_path):
-    _, _, _, lines = run_engine(tmp_path, 16, 10, on_spike="warn")
+def test_warn_applies_the_update_and_a_nan_is_never_applied(tmp_path):
+    _, _, _, lines = run_engine(tmp_path / "warn", 16, 10, on_spike="warn")
     assert lines and all(d["outcome"]["update_applied"] is True and d["outcome"]["taken"] == "warn" for d in lines)
+    received: list[Alert] = []
+    engine = MonitorEngine(on_spike="warn", on_alert=received.append)
+    loop = Loop(engine, str(tmp_path / "nan"))
+    loop.run(12, scale={10: math.nan})
+    lines = jsonl(tmp_path / "nan")
+    assert lines and all(validate_alert(d) == 2 for d in lines) and {d["kind"] for d in lines} == {"nonfinite"}
+    loss = next(d for d in lines if d["metric"] == names.LOSS)
+    assert loss["value"] == "nan" and loss["ranks"][0]["loss"] == {
+        "value": "nan", "baseline": pytest.approx(math.log(256), rel=0.05), "score": "inf",
+        "threshold": loss["ranks"][0]["loss"]["threshold"], "rule": "nonfinite"}
+    assert loss["loss_window"][-1] == [10, "nan"] and loss["data_position"] is None
+    assert loss["grad_norms"]["top"][0][1] == "nan"  # the non-finite gradients come first
+    assert loss["outcome"]["taken"] == "skip" and loss["outcome"]["update_applied"] is False
 
 
 # ----------------------------------------------------------------------------- the schema
