@@ -73,6 +73,13 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}" if math.isfinite(x) else str(x)
 
 
+def checkpoint_name(path: str) -> str:
+    """The file or folder name of a checkpoint path (``/runs/a/checkpoint-25/`` -> ``checkpoint-25``): what may
+    leave the machine."""
+    trimmed = path.rstrip("/\\")
+    return trimmed.replace("\\", "/").rpartition("/")[2] or trimmed
+
+
 def json_safe(value: Any) -> Any:
     """``value`` as strict JSON can hold it: non-finite floats as ``"nan"``/``"inf"``/``"-inf"``, tuples as
     lists, mapping keys as str; other values as they are."""
@@ -254,8 +261,7 @@ class Alert:
         Returns ``self`` when there is nothing to change."""
         changes: dict[str, Any] = {}
         if self.checkpoint is not None:
-            path = self.checkpoint.rstrip("/\\")
-            changes["checkpoint"] = path.replace("\\", "/").rpartition("/")[2] or path
+            changes["checkpoint"] = checkpoint_name(self.checkpoint)
         caps = alert_schema.REMOTE_CAPS
         for name in ("lrs", "ranks", "loss_window"):
             value = getattr(self, name)

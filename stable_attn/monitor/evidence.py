@@ -48,7 +48,7 @@ import torch
 
 from . import names
 from .alert_schema import CAPS
-from .alerts import Alert, json_safe
+from .alerts import Alert, checkpoint_name, json_safe
 from .layer_stats import LayerStats
 
 __all__ = ["RELATIVE_FLOORS", "TOP_GRAD_NORMS", "Evidence", "moved", "top_grad_norms"]
@@ -258,8 +258,7 @@ class Evidence:
         skipping = getattr(engine, "skipping_batches", None)
         stopped = bool((verdict is not None and verdict.stop) or getattr(engine, "_pending_stop", False)
                        or alert.checkpoint is not None)
-        checkpoint = alert.checkpoint.rstrip("/\\").replace("\\", "/").rpartition("/")[2] \
-            if alert.checkpoint is not None else None
+        checkpoint = checkpoint_name(alert.checkpoint) if alert.checkpoint is not None else None
         return {"taken": alert.action, "update_applied": None if dropped is None else not dropped,
                 "rolled_back_to": rolled_back_to,
                 "skipping_batches": [int(skipping[0]), int(skipping[1])] if skipping is not None else None,

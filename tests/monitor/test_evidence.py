@@ -189,10 +189,16 @@ def test_the_webhook_body_names_no_path_and_is_bounded(tmp_path) -> None:
                 lrs=[1e-3] * CAPS["lrs"], world_size=64,
                 ranks=[{"rank": r, "loss": None, "grad_norm": None} for r in range(CAPS["ranks"])],
                 loss_window=[[s, 2.0] for s in range(32)],
-                attention={"step": 4, "window": 10, "layers_total": 64, "moved": None,
-                           "layers": [{"layer": f"layer{i}", "max_logit": 3.0, "saturation": 0.1, "sink_mass": 0.2,
-                                       "entropy": None, "fixed_rate": 0.0} for i in range(CAPS["attention.layers"])]},
-                grad_norms={"scope": "global", "parameters": 200, "top": [[f"h.{i}.w", 1.0] for i in range(5)]},
+                data_position={"epoch": 3, "batch_index": 123456, "fingerprint": "f" * 16},
+                attention={"step": 4, "window": 10, "layers_total": 64,
+                           "moved": {"layer": "model.layer63", "stat": "max_logit", "from_step": 0, "to_step": 4,
+                                     "before": 3.0, "after": 9.0, "relative_change": 2.0, "head": 11,
+                                     "head_before": 2.5, "head_after": 9.0, "head_relative_change": 2.6},
+                           "layers": [{"layer": f"model.layer{i}", "max_logit": 3.0, "saturation": 0.1,
+                                       "sink_mass": 0.2, "entropy": None, "fixed_rate": 0.0}
+                                      for i in range(CAPS["attention.layers"])]},
+                grad_norms={"scope": "global", "parameters": 200,
+                            "top": [[f"model.transformer.h.{i}.attn.c_attn.weight", 1.0] for i in range(5)]},
                 outcome={"taken": "stop", "update_applied": False, "rolled_back_to": None, "skipping_batches": None,
                          "stopped": True, "checkpoint": names.stop_checkpoint(7)})
     assert validate_alert(big.to_dict()) == 2
