@@ -134,6 +134,7 @@ def test_report_matches_the_csv(tmp_path: Path) -> None:
     spike_row = table_row(md, str(SPIKE_STEP))
     assert spike_row[1:3] == ["spike", "train/loss"] and float(spike_row[3]) == 9.7
     assert table_row(md, str(WARNING_STEP))[1] == "early_warning"
+    assert "## Alert evidence" not in md  # version-1 lines carry none: the report of an old file is as it was
 
     assert [m.group(1) for m in re.finditer(r"^\| layer(\d+) \|", md, re.M)] == [str(i) for i in range(LAYERS)]
     for i in range(LAYERS):

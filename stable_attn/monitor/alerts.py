@@ -13,6 +13,9 @@ NaN/Infinity, and a string keeps the difference between NaN and inf that ``null`
 is ``null`` when unknown; ``layers`` is a list of ``[name, change]`` pairs; ``time`` is seconds since
 the epoch. :meth:`Alert.from_dict` reverses the encoding; :meth:`Alert.decode_fields` undoes it
 without building an alert, for readers that also take older or hand-written lines (``stable-attn report``).
+The evidence fields (:attr:`Alert.EVIDENCE_FIELDS`, schema version 2) hold JSON values as written: nested
+non-finite floats are the same strings there. docs/ALERTS.md documents every field; the schema's machine
+form is :mod:`stable_attn.monitor.alert_schema`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from . import alert_schema
 from .events import SpikeEvent
 from .names import ALERT_KINDS
 
@@ -69,6 +73,72 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}" if math.isfinite(x) else str(x)
 
 
+def checkpoint_name(path: str) -> str:
+    """The file or folder name of a checkpoint path (``/runs/a/checkpoint-25/`` -> ``checkpoint-25``): what may
+    leave the machine."""
+    trimmed = path.rstrip("/\\")
+    return trimmed.replace("\\", "/").rpartition("/")[2] or trimmed
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as strict JSON can hold it: non-finite floats as ``"nan"``/``"inf"``/``"-inf"``, tuples as
+    lists, mapping keys as str; other values as they are."""
+    if isinstance(value, float):
+        return _encode_float(value)
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _number(x: Any) -> float | None:
+    """A JSON float (number or its string form) as a float; None for anything else."""
+    if isinstance(x, bool) or x is None:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _short_evidence(alert: Alert) -> list[str]:
+    """The evidence in a few words for the log line: what was done, where in the data, what moved."""
+    parts = []
+    outcome = alert.outcome or {}
+    if outcome:
+        done = "update applied" if outcome.get("update_applied") else "update dropped" \
+            if outcome.get("update_applied") is False else ""
+        if outcome.get("rolled_back_to") is not None:
+            done += f", rolled back to step {outcome['rolled_back_to']}"
+        if outcome.get("skipping_batches") is not None:
+            a, b = outcome["skipping_batches"]
+            done += f", skipping batches {a}-{b}"
+        if outcome.get("stopped"):
+            done += ", stopped"
+        if done:
+            parts.append(done.lstrip(", "))
+    position = alert.data_position or {}
+    if position:
+        where = [f"{key.replace('_', ' ')} {position[key]}" for key in ("epoch", "batch_index")
+                 if position.get(key) is not None]
+        if position.get("fingerprint"):
+            where.append(f"fingerprint {position['fingerprint']}")
+        if where:
+            parts.append("data " + " ".join(where))
+    moved = (alert.attention or {}).get("moved")
+    if moved:
+        before, after = _number(moved.get("before")), _number(moved.get("after"))
+        head = f" head {moved['head']}" if moved.get("head") is not None else ""
+        span = f" {_fmt(before)}->{_fmt(after)}" if before is not None and after is not None else ""
+        parts.append(f"moved most: {moved['layer']}{head} {moved['stat']}{span}")
+    top = (alert.grad_norms or {}).get("top") or []
+    if top:
+        norm = _number(top[0][1])
+        parts.append(f"top grad {top[0][0]} {_fmt(norm) if norm is not None else top[0][1]}")
+    return parts
+
+
 @dataclass
 class Alert:
     """One alert raised during training.
@@ -89,6 +159,11 @@ class Alert:
         checkpoint: the checkpoint a stop writes (a local path; None unless the alert stops the run). The
             formatted line ends with it; :meth:`for_remote` keeps its file or folder name only.
         time: wall-clock time of the alert, seconds since the epoch.
+        version: the schema version of the line (:data:`~stable_attn.monitor.alert_schema.VERSION`; 1 for a
+            line read back without one).
+        data_position, lrs, world_size, ranks, loss_window, attention, grad_norms, outcome: the evidence
+            (:attr:`EVIDENCE_FIELDS`), JSON values, each None when unknown; docs/ALERTS.md says what each
+            holds. :mod:`stable_attn.monitor.evidence` fills them for the engine's alerts.
     """
 
     #: The keys of an alert's JSON object (:meth:`to_dict`; the alerts JSONL, webhook bodies), in the
@@ -96,6 +171,8 @@ class Alert:
     FIELDS: ClassVar[tuple[str, ...]]
     #: The keys whose values are floats (``lr`` may be None); JSON holds non-finite ones as strings.
     FLOAT_FIELDS: ClassVar[tuple[str, ...]] = ("value", "baseline", "threshold", "score", "lr")
+    #: The evidence fields (schema version 2): JSON values (nested non-finite floats as strings), or None.
+    EVIDENCE_FIELDS: ClassVar[tuple[str, ...]] = tuple(k for k in alert_schema.EVIDENCE if k != "version")
 
     step: int
     kind: str
@@ -110,6 +187,15 @@ class Alert:
     message: str = ""
     checkpoint: str | None = None
     time: float = field(default_factory=time.time)
+    version: int = alert_schema.VERSION
+    data_position: dict[str, Any] | None = None
+    lrs: list[Any] | None = None
+    world_size: int | None = None
+    ranks: list[dict[str, Any]] | None = None
+    loss_window: list[list[Any]] | None = None
+    attention: dict[str, Any] | None = None
+    grad_norms: dict[str, Any] | None = None
+    outcome: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ALERT_KINDS:
@@ -171,11 +257,22 @@ class Alert:
     def for_remote(self) -> Alert:
         """This alert as it may leave the machine (the webhook's payload): a stop's checkpoint named by its
         file or folder name (``stable_attn-stop-step=25.ckpt``, ``checkpoint-25``), not its local path.
-        Returns ``self`` when the alert names no checkpoint."""
-        if self.checkpoint is None:
-            return self
-        path = self.checkpoint.rstrip("/\\")
-        return replace(self, checkpoint=path.replace("\\", "/").rpartition("/")[2] or path)
+        The evidence's lists are cut to :data:`~stable_attn.monitor.alert_schema.REMOTE_CAPS` (docs/ALERTS.md).
+        Returns ``self`` when there is nothing to change."""
+        changes: dict[str, Any] = {}
+        if self.checkpoint is not None:
+            changes["checkpoint"] = checkpoint_name(self.checkpoint)
+        caps = alert_schema.REMOTE_CAPS
+        for name in ("lrs", "ranks", "loss_window"):
+            value = getattr(self, name)
+            if value is not None and len(value) > caps[name]:
+                changes[name] = list(value[-caps[name]:] if name == "loss_window" else value[:caps[name]])
+        for name, key in (("attention", "layers"), ("grad_norms", "top")):
+            value = getattr(self, name)
+            cap = caps[f"{name}.{key}"]
+            if value is not None and len(value.get(key) or ()) > cap:
+                changes[name] = {**value, key: list(value[key][:cap])}
+        return replace(self, **changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict with the keys :attr:`FIELDS` of the alerts JSONL (non-finite floats as strings)."""
@@ -183,6 +280,8 @@ class Alert:
         for name in self.FLOAT_FIELDS:
             data[name] = _encode_float(data[name])
         data["layers"] = [[name, _encode_float(change)] for name, change in self.layers]
+        for name in self.EVIDENCE_FIELDS:
+            data[name] = json_safe(data[name])
         return data
 
     @classmethod
@@ -199,8 +298,10 @@ class Alert:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Alert:
-        """Rebuild an alert from :meth:`to_dict` output (e.g. one parsed JSONL line)."""
-        kwargs = cls.decode_fields(data)
+        """Rebuild an alert from :meth:`to_dict` output (e.g. one parsed JSONL line). Keys that are no field of
+        :class:`Alert` (a newer writer's) are left out."""
+        kwargs = {k: v for k, v in cls.decode_fields(data).items() if k in cls.FIELDS}
+        kwargs.setdefault("version", 1)  # a line without a version is a version-1 line
         kwargs["layers"] = [(name, _decode_float(change)) for name, change in kwargs.get("layers", [])]
         return cls(**kwargs)
 
@@ -228,6 +329,7 @@ class Alert:
         if self.layers:
             parts.append("layers " + ", ".join(f"{name} {change:+.3g}" for name, change in self.layers[:4]))
         parts.append(f"action {self.action}")
+        parts.extend(_short_evidence(self))
         if self.message:
             parts.append(" ".join(self.message.split()))  # one line, whatever the caller passed
         if self.checkpoint is not None:
@@ -239,6 +341,8 @@ class Alert:
 
 
 Alert.FIELDS = tuple(f.name for f in fields(Alert))
+# The schema and the dataclass name the same fields (docs/ALERTS.md documents both).
+assert set(Alert.FIELDS) == set(alert_schema.ALERT_SCHEMA["properties"]), "Alert and alert_schema disagree"
 
 #: What every channel counts, in this order: ``delivered`` (the channel finished with the alert),
 #: ``failed`` (it tried and the write, call or request failed), ``dropped`` (refused without trying:

@@ -28,6 +28,10 @@ every update (one small device-to-host copy per step): deciding later would let 
 rollback restores the snapshot, a stop names the checkpoint the adapter writes, and a snapshot is
 taken every ``rollback_every`` steps.
 
+Rank zero's alerts carry the evidence of their step (:mod:`.evidence`: the data position, every rank's
+readings, the learning rates, the loss window, the attention statistics, the largest gradient norms, what the
+action did), gathered from what the step already holds; docs/ALERTS.md has the line format.
+
 Every rank issues the same collectives in the same order on every step (one all-gather per step, one
 more on monitored steps), whatever it observed, so a spike seen by one rank cannot deadlock the
 others. Side effects (log lines, the JSONL file, the webhook) happen on rank zero; logging metrics is
@@ -49,6 +53,7 @@ import torch
 
 from . import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, alerting, names
 from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAction: imported from here before
+from .evidence import Evidence
 from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
@@ -178,6 +183,11 @@ class MonitorEngine:
         self.alert_delivery: dict[str, dict[str, int]] = {}
         self.log_dir: str | None = None
         self.last: dict[str, float] = {}  # the last step's loss, gradient norm and learning rate
+        # Where the step's batch is in the data ({"epoch", "batch_index", "fingerprint"}, set by the adapter) and
+        # the batches a recovery skips ((first, last) or None): the alerts' evidence reads them (monitor/evidence.py).
+        self.data_position: dict | None = None
+        self.skipping_batches: tuple[int, int] | None = None
+        self._evidence = Evidence()
 
         self._cap = ActionCap(config.spike_action_cap, config.spike_action_cooldown)
         self._judge = StepJudge(config.on_spike, self.loss_detector, self.grad_norm_detector, self._cap)
@@ -226,6 +236,7 @@ class MonitorEngine:
         """Swap the transformers models under ``root`` and attach layer statistics (new models only),
         and patch ``F.scaled_dot_product_attention`` once if ``patch_sdpa``; ``stage`` names the run."""
         self.world = world
+        self._evidence.watch(root)
         self._swap_models(root)
         if self.patch_sdpa and self.sdpa_patch is None:
             from ..integrations.sdpa import patch_sdpa
@@ -405,8 +416,10 @@ class MonitorEngine:
         table = self.world.all_gather(mine).reshape(-1, FIELDS) if self.world.size > 1 else mine[None]
         if lr is None:
             lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else math.nan
-        judged = self._judge.judge(step, table.cpu().tolist(), has_norm=grad_norm is not None, scaler=scaler,
+        rows = table.cpu().tolist()
+        judged = self._judge.judge(step, rows, has_norm=grad_norm is not None, scaler=scaler,
                                    lr=lr, note=lambda verdict: self._action_note(step, verdict))
+        self._evidence.record(step, rows, judged, optimizer, params)
         self.last = judged.last
         self.unconfirmed_grad_norm_jumps += judged.unconfirmed
         self._spiked = judged.spiked
@@ -552,7 +565,7 @@ class MonitorEngine:
         self.alert_count += 1
         self.alert_kinds[alert.kind] = self.alert_kinds.get(alert.kind, 0) + 1
         if self.dispatcher is not None:
-            self.dispatcher.emit(alert)
+            self.dispatcher.emit(self._evidence.fill(alert, self))
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:

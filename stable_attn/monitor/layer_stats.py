@@ -4,6 +4,10 @@ across ranks, and remembered over a short window to say which layers moved befor
 The kernels fill each layer's :class:`~stable_attn.AttentionStats` as a side output of the forward
 pass, and the transformers integration passes the stats object only while ``stats.enabled`` is True,
 so steps that are not monitored pay nothing.
+
+:attr:`LayerStats.recent` keeps, for the alerts' evidence (:mod:`stable_attn.monitor.evidence`), each monitored
+step's reduced values and rank zero's own per-head values (heads are not gathered across ranks), over the same
+window; it is not saved in checkpoints.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import torch
 from ..stats import AttentionStats
 from .names import LAYER_STATS
 
-__all__ = ["LayerStats", "STAT_NAMES"]
+__all__ = ["HEAD_STATS", "LayerStats", "STAT_NAMES"]
 
 STAT_NAMES = LAYER_STATS  # the order of the logged per-layer metrics
 # Columns of the tensor gathered across ranks: the sums are summed over ranks, the max (last) is maxed.
 _ROWS, _SATURATED, _FIXED, _FIRST_KEY_PROB, _ENTROPY, _ENTROPY_ROWS, _MAX_LOGIT = range(7)
 _COLUMNS = _MAX_LOGIT + 1
+#: The per-head statistics :attr:`LayerStats.recent` keeps (rank zero's own), in this order.
+HEAD_STATS = ("max_logit", "saturation", "sink_mass", "entropy")
 
 
 class LayerStats:
@@ -36,6 +42,10 @@ class LayerStats:
     def __init__(self, stats: Mapping[str, AttentionStats], window: int = 10) -> None:
         self.stats = dict(stats)
         self.history: deque[dict[str, dict[str, float]]] = deque(maxlen=window)
+        #: ``(step, per-layer values as in history, {layer: {stat: [per-head values]}})`` of the monitored steps
+        #: in the window, oldest first (per-head: this rank's own statistics, :data:`HEAD_STATS`, NaN where none)
+        self.recent: deque[tuple[int, dict[str, dict[str, float]], dict[str, dict[str, list[float]]]]] = \
+            deque(maxlen=window)
         self.enable(False)
 
     def __len__(self) -> int:
@@ -73,6 +83,33 @@ class LayerStats:
         out[index, _MAX_LOGIT] = maxes.to(device=device, dtype=torch.float64)
         return out
 
+    def _local_heads(self) -> dict[str, dict[str, list[float]]]:
+        """This rank's per-head :data:`HEAD_STATS` of the filled layers (one host copy; stacked operations when
+        every layer has the same heads)."""
+        filled = [(name, s.state_dict()) for name, s in self.stats.items() if not s.empty]
+        if not filled:
+            return {}
+
+        def per_head(st: Mapping[str, torch.Tensor]) -> torch.Tensor:  # [4, ..., H] float64
+            rows = st["rows"].double().clamp(min=1)
+            entropy_rows = st["entropy_rows"].double()
+            entropy = torch.where(entropy_rows > 0, st["entropy_sum"].double() / entropy_rows.clamp(min=1),
+                                  torch.full_like(entropy_rows, math.nan))
+            return torch.stack([st["max_logit"].double(), st["saturated_rows"].double() / rows,
+                                st["sink_mass_sum"].double() / rows, entropy])
+
+        if len({st["rows"].shape for _, st in filled}) == 1:
+            stacked = {k: torch.stack([st[k] for _, st in filled]) for k in
+                       ("rows", "max_logit", "saturated_rows", "sink_mass_sum", "entropy_sum", "entropy_rows")}
+            values = per_head(stacked).cpu().tolist()  # [4, layers, H]
+            return {name: {stat: values[j][i] for j, stat in enumerate(HEAD_STATS)}
+                    for i, (name, _) in enumerate(filled)}
+        out = {}
+        for name, st in filled:
+            values = per_head(st).cpu().tolist()
+            out[name] = {stat: values[j] for j, stat in enumerate(HEAD_STATS)}
+        return out
+
     def collect(self, step: int, all_gather: Callable[[torch.Tensor], torch.Tensor] | None,
                 device: torch.device) -> dict[str, dict[str, float]]:
         """Reduce this step's statistics over heads, calls and ranks, remember them, reset the stats.
@@ -88,6 +125,7 @@ class LayerStats:
         else:
             sums, max_logit = local[:, :_MAX_LOGIT], local[:, _MAX_LOGIT]
         sums, max_logit = sums.cpu().tolist(), max_logit.cpu().tolist()
+        heads = self._local_heads()
         self.reset()
         result: dict[str, dict[str, float]] = {}
         for name, row, mx in zip(self.stats, sums, max_logit):
@@ -104,6 +142,7 @@ class LayerStats:
                 result[name]["entropy"] = row[_ENTROPY] / row[_ENTROPY_ROWS]
         if result:
             self.history.append(result)
+            self.recent.append((int(step), result, {k: v for k, v in heads.items() if k in result}))
         return result
 
     def most_changed(self, top: int = 2) -> list[tuple[str, float]]:
@@ -129,5 +168,6 @@ class LayerStats:
         return {"history": [dict(h) for h in self.history]}
 
     def load_state_dict(self, state: Mapping) -> None:
+        self.recent.clear()
         self.history.clear()
         self.history.extend(state.get("history", []))

@@ -73,6 +73,10 @@ class Judgement:
     alerts: list[Alert] = field(default_factory=list)  # alerts with no detector event (non-finite gradients)
     unconfirmed: int = 0  # gradient-norm jumps the loss did not confirm (ranks), neither alerted nor acted on
     spiked: bool = False  # a loss or (confirmed) gradient-norm spike, or a NaN/inf, on any rank
+    # For the alerts' evidence (monitor/evidence.py), by metric (names.LOSS, names.GRAD_NORM) and rank: each
+    # detector's forecast before the step's value, and the events the detectors returned (confirmed or not).
+    baselines: dict[str, dict[int, float | None]] = field(default_factory=dict)
+    events: dict[str, dict[int, SpikeEvent]] = field(default_factory=dict)
 
 
 def worst(values: list[float]) -> float:
@@ -208,6 +212,10 @@ class StepJudge:
         # Measured before the loss enters its detector: against the baseline the value is judged by.
         shares = {rank: loss_det[rank].progress_share(r[0]) for rank, r in enumerate(rows)
                   if r[2] and math.isfinite(r[0])}
+        baselines = {names.LOSS: {rank: getattr(loss_det[rank], "baseline", None)
+                                  for rank, r in enumerate(rows) if r[2]}}
+        if has_norm:
+            baselines[names.GRAD_NORM] = {rank: getattr(norm_det[rank], "baseline", None) for rank in range(world)}
         loss_events = [(rank, loss_det[rank].update(step, r[0])) for rank, r in enumerate(rows) if r[2]]
         norm_events = []
         # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
@@ -216,6 +224,7 @@ class StepJudge:
                            if not (scaler and not math.isfinite(r[1]))]
         loss_events = [(rank, e) for rank, e in loss_events if e is not None]
         norm_events = [(rank, e) for rank, e in norm_events if e is not None]
+        flagged = {names.LOSS: dict(loss_events), names.GRAD_NORM: dict(norm_events)}  # before confirmation
         norm_events, unconfirmed = self._confirmed(norm_events, bool(loss_events), shares)
         bad_grad_ranks = [] if scaler else [rank for rank, r in enumerate(rows) if r[3]]
         nonfinite_loss = any(r[2] and not math.isfinite(r[0]) for r in rows)
@@ -236,7 +245,8 @@ class StepJudge:
             said += " (a non-finite update is never applied, whatever on_spike says)"
         if capped:
             said += f" (not acted on: on_spike={self.on_spike!r} has reached spike_action_cap={self.cap.cap})"
-        out = Judgement(verdict, last, unconfirmed=unconfirmed, spiked=spiked or nonfinite)
+        out = Judgement(verdict, last, unconfirmed=unconfirmed, spiked=spiked or nonfinite, baselines=baselines,
+                        events=flagged)
         if escalate:
             out.alerts.append(self.cap.alert(step, self.on_spike, lr))
         for events, resumed in ((loss_events, set()), (norm_events, self._was_unconfirmed)):

@@ -4,8 +4,10 @@ What the request holds: ``POST`` to the URL's path and query, headers ``Content-
 application/json``, ``User-Agent: stable_attn-alerts`` and the caller's ``headers``, and a body that
 is ``payload(alert)`` as JSON; by default :meth:`Alert.to_dict`, the keys of :attr:`Alert.FIELDS`:
 ``step``, ``kind``, ``metric``, ``value``, ``baseline``, ``threshold``, ``score``, ``lr``, ``layers``
-(layer names and changes), ``action``, ``message`` and ``time`` (no data, no weights, no file paths
-beyond what a user's own message holds).
+(layer names and changes), ``action``, ``message``, ``checkpoint`` (a file or folder name) and ``time``, and
+the evidence of schema version 2 with its lists capped (docs/ALERTS.md,
+:data:`~stable_attn.monitor.alert_schema.REMOTE_CAPS`): no data, no weights, no file paths beyond what
+a user's own message holds.
 
 Where it goes, and nowhere else: a direct connection to the URL's host and port (``http.client``: no
 proxy from the environment, no redirect followed; a 3xx answer counts as a failure with its status),

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..monitor.alert_schema import AlertSchemaError, alert_version, check_field
 from ..monitor.alerts import Alert
 from ..monitor.names import (
     ALERTS_FILE,
@@ -66,6 +67,8 @@ class RunData:
     notes: list[str] = field(default_factory=list)
     #: one line per alert line that was skipped (``stable_attn_alerts.jsonl line 7: ...; skipped``)
     skipped_alert_lines: list[str] = field(default_factory=list)
+    #: one line per evidence field that did not match the schema and was left out (the alert itself is read)
+    evidence_problems: list[str] = field(default_factory=list)
 
     def series(self, name: str) -> Series | None:
         """``name``, else ``name_step``, else ``name_epoch`` (Lightning's suffixes), else None."""
@@ -172,7 +175,24 @@ def _step(value: Any) -> int:
     return int(value) if isinstance(value, int) else int(number)
 
 
-def read_alerts(path: str | os.PathLike, problems: list[str] | None = None) -> tuple[list[dict], int]:
+def _check_evidence(alert: dict, number: int, evidence_problems: list[str] | None) -> None:
+    """A version-2 line's evidence fields checked against the schema; a field that does not match is set to
+    None (and said in ``evidence_problems``): the alert's other fields still read."""
+    if alert_version(alert) < 2:
+        return
+    for name in Alert.EVIDENCE_FIELDS:
+        if alert.get(name) is None:
+            continue
+        try:
+            check_field(name, alert[name])
+        except AlertSchemaError as err:
+            alert[name] = None
+            if evidence_problems is not None:
+                evidence_problems.append(f"line {number}: {str(err)[:200]}")
+
+
+def read_alerts(path: str | os.PathLike, problems: list[str] | None = None,
+                evidence_problems: list[str] | None = None) -> tuple[list[dict], int]:
     """Alerts from a JSONL file (one object per line) and the number of lines that were not alerts.
 
     Blank lines are ignored; a line that is not a JSON object with a whole-number ``step`` (``"step":
@@ -183,6 +203,9 @@ def read_alerts(path: str | os.PathLike, problems: list[str] | None = None) -> t
     reads them back as floats, as it does the ``NaN``/``Infinity`` literals Python's ``json`` writes
     by default, so the :attr:`~stable_attn.monitor.Alert.FLOAT_FIELDS` are floats (or None) in what
     this returns. Other keys are kept as the line holds them, and a line may lack any key but ``step``.
+    A version-2 line's evidence fields (docs/ALERTS.md) are checked against the schema
+    (:mod:`stable_attn.monitor.alert_schema`): one that does not match is set to None and, when
+    ``evidence_problems`` is given, said there (``line 7: alert field 'ranks[0].rank': ...``).
     """
     alerts = []
     bad = 0
@@ -198,6 +221,7 @@ def read_alerts(path: str | os.PathLike, problems: list[str] | None = None) -> t
                     raise KeyError("no 'step'")
                 alert = Alert.decode_fields(alert)
                 alert["step"] = _step(alert["step"])
+                _check_evidence(alert, number, evidence_problems)
             except (ValueError, TypeError, KeyError, OverflowError) as err:
                 bad += 1
                 if problems is not None:
@@ -307,16 +331,20 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                                 "and found none")
     alerts: list[dict] = []
     skipped: list[str] = []
+    evidence: list[str] = []
     if alerts_path is None:
         notes.append(f"No {ALERTS_FILE} found: no alerts are shown (the run may not have had the callback, "
                      "or its alerts_file was None or renamed).")
     else:
         problems: list[str] = []
-        alerts, bad = read_alerts(alerts_path, problems)
+        alerts, bad = read_alerts(alerts_path, problems, evidence)
         if bad:
             notes.append(f"{bad} line(s) of {alerts_path.name} were not valid alerts and were skipped.")
+        if evidence:
+            notes.append(f"{len(evidence)} evidence field(s) of {alerts_path.name} did not match the alert schema "
+                         "(docs/ALERTS.md) and are not shown: " + "; ".join(evidence[:3]))
         skipped = [f"{alerts_path.name} {p}; skipped" for p in problems]
-    return RunData(root, metrics_path, alerts_path, metrics, alerts, notes, skipped)
+    return RunData(root, metrics_path, alerts_path, metrics, alerts, notes, skipped, evidence)
 
 
 def display_path(path: Path, root: Path) -> str:

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..monitor.alerts import Alert
 from ..monitor.names import LOSS, VAL_LOSS
+from .evidence import evidence_section
 from .plots import KIND_COLORS, LEVELS, plot_loss, plot_max_logit, plot_qk_clip, plot_saturation
 from .read import RunData, display_path, load_run
 from .summary import fmt, summarize
@@ -23,8 +24,10 @@ MAX_LOGIT_PNG = "max_logit.png"
 QK_CLIP_PNG = "qk_clip.png"  # only where the run used qk_clip= and it clipped
 
 _MAX_ALERT_ROWS = 100
-# The alerts table shows every field of an alert but the learning rate and the wall-clock time.
-_ALERT_COLUMNS = tuple(name for name in Alert.FIELDS if name not in ("lr", "time"))
+# The alerts table shows every version-1 field of an alert but the learning rate and the wall-clock time; the
+# evidence (schema version 2) has its own section below the table.
+_ALERT_COLUMNS = tuple(name for name in Alert.FIELDS
+                       if name not in ("lr", "time", "version") and name not in Alert.EVIDENCE_FIELDS)
 
 
 def _cell(value: object) -> str:
@@ -138,6 +141,7 @@ def _write(run: RunData, out: Path) -> Path:
             md.append("| " + " | ".join(_cell(alert.get(k)) for k in keys) + " |")
         if len(run.alerts) > _MAX_ALERT_ROWS:
             md.append(f"\n{len(run.alerts) - _MAX_ALERT_ROWS} more alerts are in the JSONL file.")
+        md += evidence_section(run.alerts)
 
     md += ["", "## Loss", ""]
     md.append(f"![loss]({LOSS_PNG})" if plots[LOSS_PNG] else "No loss values were logged.")

@@ -45,6 +45,15 @@ def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):
     assert {a["step"] for a in alerts} == {GRAD_STEP, BAD, NAN_STEP}
     loss = [a for a in alerts if a["metric"] == "train/loss"]
     assert len(loss) == 1 and "on rank 1 of 2" in loss[0]["message"] and loss[0]["action"] == "skip"
+    # the evidence: both ranks' readings from the step's one all-gather, the flagged rank first
+    from stable_attn.monitor.alert_schema import validate_alert
+
+    assert all(validate_alert(a) == 2 and a["world_size"] == 2 for a in alerts)
+    first, second = loss[0]["ranks"]
+    assert (first["rank"], second["rank"]) == (1, 0)
+    assert first["loss"]["value"] == loss[0]["value"] and first["loss"]["threshold"] == loss[0]["threshold"]
+    assert second["loss"]["threshold"] is None and second["loss"]["value"] < first["loss"]["baseline"] * 1.5
+    assert loss[0]["outcome"]["update_applied"] is False
     # rank 1's gradient norm alone decided these two (rank 0's was normal)
     norm = {a["step"]: a for a in alerts if a["metric"] == "train/grad_norm" and a["step"] != BAD}
     assert norm.keys() == {GRAD_STEP, NAN_STEP}

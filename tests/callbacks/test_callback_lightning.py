@@ -28,11 +28,13 @@ from lightning.pytorch import Callback
 from stable_attn import AttentionStats
 from stable_attn.callbacks import StableAttentionCallback
 from stable_attn.monitor import Alert, SpikeDetector
+from stable_attn.monitor.alert_schema import REMOTE_CAPS, validate_alert
 
 STEPS = 60
 BAD = 50
 ALERT_KEYS = {"step", "kind", "metric", "value", "baseline", "threshold", "score", "lr", "layers", "action",
-              "message", "checkpoint", "time"}
+              "message", "checkpoint", "time", "version", "data_position", "lrs", "world_size", "ranks", "loss_window",
+              "attention", "grad_norms", "outcome"}
 
 
 def make_callback(**kwargs) -> StableAttentionCallback:
@@ -203,6 +205,21 @@ def test_monitor_metrics_alert_jsonl_and_webhook(tmp_path, pretrained, caplog):
     assert [(d["step"], d["metric"]) for d in lines] == [(BAD, "train/loss"), (BAD, "train/grad_norm")]
     assert all(set(d) == ALERT_KEYS for d in lines)
     assert [(d["step"], d["metric"]) for d in webhook] == [(BAD, "train/loss"), (BAD, "train/grad_norm")]
+    # the evidence (docs/ALERTS.md), in the file and in the webhook bodies alike: the schema, the step, the
+    # loss window, the learning rate, the layers of the latest monitored step, what the action did
+    assert all(validate_alert(d) == 2 for d in lines + webhook)
+    for d in (lines[0], webhook[0]):
+        assert [s for s, _ in d["loss_window"]] == list(range(BAD - 31, BAD + 1))
+        assert d["loss_window"][-1][1] == pytest.approx(d["value"])
+        assert d["lrs"] == [pytest.approx(3e-3)] and d["world_size"] == 1
+        assert d["attention"]["step"] == BAD - 1 and [s["layer"] for s in d["attention"]["layers"]] == [
+            "layer0", "layer1"]
+        assert all(s["max_logit"] > 0 and 0 <= s["saturation"] <= 1 for s in d["attention"]["layers"])
+        assert d["attention"]["moved"]["layer"] in ("layer0", "layer1")
+        assert d["outcome"] == {"taken": "warn", "update_applied": True, "rolled_back_to": None,
+                                "skipping_batches": None, "stopped": False, "checkpoint": None}
+        assert all(name.startswith("model.") for name, _ in d["grad_norms"]["top"])
+    assert len(webhook[0]["ranks"]) <= REMOTE_CAPS["ranks"] and str(tmp_path) not in json.dumps(webhook)
     assert any(r.levelno == logging.WARNING and "spike at step 50: train/loss" in r.message for r in caplog.records)
     # what the user sees: WARNING lines for the swap, for detection becoming active, and a summary at the end
     shown = [r.message for r in caplog.records if r.levelno == logging.WARNING]

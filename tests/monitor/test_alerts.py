@@ -71,7 +71,10 @@ def test_alert_sorts_layers_and_round_trips_through_strict_json() -> None:
     assert set(data) == {
         "step", "kind", "metric", "value", "baseline", "threshold", "score", "lr", "layers", "action", "message",
         "checkpoint", "time",
+        # schema version 2: the evidence (docs/ALERTS.md), null when the alert was not built by the engine
+        "version", "data_position", "lrs", "world_size", "ranks", "loss_window", "attention", "grad_norms", "outcome",
     }
+    assert data["version"] == 2 and all(data[k] is None for k in Alert.EVIDENCE_FIELDS)
     back = Alert.from_dict(data)
     assert math.isnan(back.value) and back.baseline == math.inf and back.threshold == -math.inf
     assert back.layers == alert.layers and back.time == alert.time and back.lr is None

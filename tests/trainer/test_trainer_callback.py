@@ -12,6 +12,7 @@ from transformers import TrainerCallback, TrainerControl
 
 from stable_attn.callbacks import StableAttentionTrainerCallback
 from stable_attn.monitor import names
+from stable_attn.monitor.alert_schema import validate_alert
 
 BAD = 12  # the optimizer step that reads the garbled batch (its loss is about 3x the trained level)
 
@@ -93,6 +94,14 @@ def test_corrupted_batch_alerts_at_its_step_and_skip_leaves_weights_and_optimize
     loss = [a for a in alerts if a["metric"] == names.LOSS]
     assert [(a["step"], a["kind"], a["action"]) for a in loss] == [(BAD, "spike", "skip")]
     assert all(a["step"] == BAD for a in alerts)
+    # the evidence (docs/ALERTS.md): the schema, the Trainer's step numbering, the skipped update
+    assert all(validate_alert(a) == 2 for a in alerts)
+    assert loss[0]["loss_window"][-1] == [BAD, pytest.approx(loss[0]["value"])]
+    assert [s for s, _ in loss[0]["loss_window"]] == list(range(max(1, BAD - 31), BAD + 1))
+    assert loss[0]["lrs"] and loss[0]["lrs"][0] == pytest.approx(loss[0]["lr"])
+    assert loss[0]["outcome"]["taken"] == "skip" and loss[0]["outcome"]["update_applied"] is False
+    assert loss[0]["grad_norms"]["top"] and loss[0]["ranks"][0]["loss"]["threshold"] == pytest.approx(
+        loss[0]["threshold"])
     assert cb.skipped_steps == [BAD]
     assert probe.after[BAD] == probe.before[BAD]  # weights and AdamW moments/step counts bitwise unchanged
     assert probe.after[BAD - 1] == probe.before[BAD]
