@@ -43,8 +43,9 @@ MODE_NAMES: Mapping[int, str] = MappingProxyType(
 FIX_NAMES: Mapping[str, Stabilize] = MappingProxyType({"off": False, "ours": True, "paper": "paper"})
 BACKENDS = ("auto", "torch", "triton")
 
-# Default key-block size: the partition the per-block rule sees, the same in both backends.
-BLOCK_N = 64
+# Default key-block size: the partition the per-block rule sees, the same in both backends and every mode
+# (64 before issue 24; why 128, and why not the published code's 512: docs/ALGORITHM.md, "The key partition").
+BLOCK_N = 128
 
 DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "causal": False,

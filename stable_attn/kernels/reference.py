@@ -52,7 +52,9 @@ class _Problem:
             m = m.expand(m.shape[0], hm, self.Nq, self.Nk)
             # [B|1, Hq|1, Nq, Nk] -> [B|1, Hkv|1, G|1, Nq, Nk] without copying
             self.attn_mask = m.view(m.shape[0], self.Hkv, self.G, self.Nq, self.Nk) if hm != 1 else m[:, :, None]
-        per_row = self.B * self.Hq * opts.key_block
+        # a score tile is chunk x (the widest key block there is): with fewer keys than the partition the
+        # chunk does not shrink for keys that do not exist (nor the summation order over chunks change)
+        per_row = self.B * self.Hq * min(opts.key_block, max(self.Nk, 1))
         self.chunk = max(16, min(self.Nq, TILE_ELEMENTS // max(per_row, 1)))
 
     def key_range(self, q0: int, q1: int) -> tuple[int, int]:

@@ -7,9 +7,9 @@ take ``options.Options`` and return exactly what ``reference.attention_forward``
 ``triton_backward.py`` (no autograd anywhere on this path).
 
 Block sizes. The forward's key block ``BLOCK_N`` *is* the partition the stabilization rule sees, so
-it is never tuned: ``opts.key_block`` (``opts.block_n`` or ``options.BLOCK_N``, 64), except where no rule sees it
-(stabilize off without statistics, :func:`fwd_config`'s ``free_keys``); a K tile may hold two of its
-blocks (``FwdConfig.tile_n``), the rule still deciding per block. Everything else (query block,
+it is never tuned: ``opts.key_block`` (``opts.block_n`` or ``options.BLOCK_N``, 128), except where no rule sees it
+(stabilize off without statistics, :func:`fwd_config`'s ``unseen``); with a 64-key partition a K tile may
+hold two of its blocks (``FwdConfig.tile_n``), the rule still deciding per block. Everything else (query block,
 warps, pipeline stages, and all backward tiles, which make no per-block decision) comes from the
 small table in :func:`fwd_config` / :func:`bwd_config`, chosen by head dim and GPU generation so the
 kernels fit in shared memory and do not spill (see benchmarks/kernel_resources.py). Every compile-time
@@ -31,6 +31,7 @@ loading while every rounding point stays an explicit cast to the input dtype.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -105,42 +106,60 @@ def head_block(d: int) -> int:
 
 def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode: int = rules.MODE_EXACT,
                stats: bool = False, plain: bool = False, forced_block_n: bool = False,
-               tma: bool = True) -> FwdConfig:
-    """Forward tiling by padded head dim and compute capability (major*10+minor).
+               tma: bool = True, causal: bool = True) -> FwdConfig:
+    """Forward tiling by padded head dim, key partition ``block_n`` and compute capability (major*10+minor).
 
     The query tile and the fp32 accumulator live in registers; K and V tiles are pipelined through
-    shared memory (``num_stages`` copies). Chosen so that no D <= 128 variant spills registers on
-    sm_80 or sm_90 (benchmarks/kernel_resources.py; D=256 on sm_80 spills 8 bytes). fp32 inputs and
-    forced key blocks wider than 64 halve the query tile and the pipeline depth.
+    shared memory (``num_stages`` copies). Chosen so that no plain D <= 128 variant spills registers on
+    sm_80 or sm_90 (benchmarks/kernel_resources.py) except stabilize off with statistics at D = 64 on
+    sm_90 (8 / 32 bytes causal / not on the 128 x 128 tile, which runs at half the static R of the
+    64 x 128 tile that does not spill; docs/BENCHMARKS.md, "Issue 24").
 
-    On sm_90, 16-bit, D <= 128, 64-key partition, the key loop takes FlashAttention's 128-key tile
-    where it can: one score product, K load and pipeline step per 128 keys. At D = 128 it needs K and
-    V through tensor descriptors (``tma``: the launcher found the strides TMA-compatible): with
-    pointers the kernels spill. The 64-key tiles keep pointer loads: descriptors cost them 14 to 20
-    SASS instructions per iteration (docs/BENCHMARKS.md).
+    On sm_90, 16-bit, D <= 128, plain variants (``plain``: no window, softcap, padding mask or dropout),
+    a 128-key partition (the default, ``options.BLOCK_N``, or ``block_n=128`` set by the user) takes
+    FlashAttention's 128 x 128 tile, 8 warps, 2 stages, whatever the mode: one score product, K load,
+    decision and pipeline step per 128 keys. At D = 128 it needs K and V through tensor descriptors
+    (``tma``: the launcher found the strides TMA-compatible): with pointers the kernels spill; at D = 64
+    pointer loads (descriptors lengthen the loop). Where no rule sees the key partition (``mode`` off,
+    no ``stats``, ``block_n`` not ``forced_block_n`` by the user: ``unseen``) the plain variants take that
+    tile whatever the partition.
 
-    ``plain``: no window, softcap, padding mask or dropout. Where no rule sees the key partition
-    (``mode`` off, no ``stats``, ``block_n`` not ``forced_block_n`` by the user) and the variant is plain,
-    the partition itself is 128 keys (``free_keys``). Where a rule decides (exact or paper mode) and the
-    variant is plain: at D = 128 two 64-key blocks per tile, the rule still per block (``tile_n``). At
-    D = 64 one warpgroup (4 warps) holds the 128 query rows over one 64-key block per iteration (four
-    rows per thread): each thread does the same score and accumulator work per iteration as in the
-    8-warp two-block tile, without its overhead (16 register copies of the second block's P-bar, which
-    the next iteration's score product would overwrite while its P-bar V is still pending; one fence
-    and barrier group per V tile; sm_90 exact 667 -> 627 loop SASS, R 1.30 -> 1.22). Three stages:
-    with two, exact + stats spills (non-causal, 16 bytes). Stabilize off with statistics keeps one
-    block per tile (the two-block tile spills). The launchers and ``triton_aot`` both reach it through
-    :func:`launch_constants`, so they cannot disagree.
+    A 64-key partition set by the user (``block_n=64``, the default before issue 24) keeps issue 11's
+    tiles where a rule decides: at D = 128 two 64-key blocks per tile, the rule still per block
+    (``tile_n``); at D = 64 one warpgroup (4 warps) over 128 query rows and one 64-key block per
+    iteration, 3 stages (docs/BENCHMARKS.md). The launchers and ``triton_aot`` both reach all of this
+    through :func:`launch_constants`, so they cannot disagree.
+
+    Elsewhere (sm_80, fp32, the variants with optional features, other partitions) :func:`_table_config`;
+    where no rule sees the partition there (``unseen``) it keeps the 64-key tiles it had before issue 24.
     """
-    free_keys = mode == rules.MODE_OFF and not stats and not forced_block_n and plain
-    rule_plain = mode != rules.MODE_OFF and plain
-    wide = cc >= 90 and dtype != torch.float32 and block_n == BLOCK_N and (block_d <= 64 or block_d <= 128 and tma)
-    if wide and free_keys:
-        return FwdConfig(128, 8, 2, block_n=128, tma=block_d > 64)
-    if wide and rule_plain and block_d <= 64:
-        return FwdConfig(128, 4, 3)
-    if wide and rule_plain:
-        return FwdConfig(128, 8, 2, tma=block_d > 64, tile_n=2 * block_n)
+    unseen = mode == rules.MODE_OFF and not stats and not forced_block_n
+    wide = cc >= 90 and dtype != torch.float32 and (block_d <= 64 or block_d <= 128 and tma) and plain
+    if wide and (unseen or block_n == 128):
+        return FwdConfig(128, 8, 2, block_n=128 if unseen else None, tma=block_d > 64)
+    if wide and mode != rules.MODE_OFF and block_n == 64:
+        return FwdConfig(128, 4, 3) if block_d <= 64 else FwdConfig(128, 8, 2, tma=True, tile_n=128)
+    if unseen:
+        return dataclasses.replace(_table_config(block_d, 64, dtype, cc, plain=plain), block_n=64)
+    return _table_config(block_d, block_n, dtype, cc, plain=plain, causal=causal, mode=mode, stats=stats)
+
+
+def _table_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, plain: bool = False,
+                  causal: bool = True, mode: int = rules.MODE_EXACT, stats: int = False) -> FwdConfig:
+    """:func:`fwd_config` off its sm_90 wide tiles: by padded head dim, key partition and GPU generation.
+
+    sm_80, 16-bit, plain, 128-key partition: the tiles measured best without spills
+    (benchmarks/kernel_resources.py, docs/BENCHMARKS.md): at D = 128 64 x 128, 8 warps, 2 stages; at
+    D = 64 128 x 128 with 8 warps, 2 stages, causal without statistics or in exact mode (``wide80``),
+    else 32 x 128 with 4 warps (128 x 128 spills there: 112 bytes non-causal, 32 / 8 bytes causal off /
+    paper with statistics; 64 x 128 spills 88 bytes non-causal). Otherwise fp32 inputs and partitions
+    wider than 64 halve the query tile and the pipeline depth.
+    """
+    if cc < 90 and dtype != torch.float32 and block_n == 128 and plain and block_d in (64, 128):
+        if block_d == 128:
+            return FwdConfig(64, 8, 2)
+        wide80 = causal and (not stats or mode == rules.MODE_EXACT)
+        return FwdConfig(128, 8, 2) if wide80 else FwdConfig(32, 4, 2)
     if block_d <= 64:
         cfg = FwdConfig(128, 8, 3)
     elif block_d <= 128:
@@ -279,7 +298,7 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
     if kind == "fwd":
         plain = not (window or softcap or dropout or kpm)
         cfg = config or fwd_config(block_d, block_n, dtype, cc, mode=mode, stats=stats, plain=plain,
-                                   forced_block_n=forced_block_n, tma=tma)
+                                   forced_block_n=forced_block_n, tma=tma, causal=causal)
         block_n = cfg.block_n or block_n
         tile_n = cfg.tile_n or block_n
         if tile_n not in (block_n, 2 * block_n):
@@ -404,7 +423,7 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
     if 2 * block_n * block_d * q.element_size() > _MAX_KV_TILE_BYTES:
         raise ValueError(f"block_n={block_n} with head dim {D} ({dtype}) needs K and V tiles of "
                          f"{2 * block_n * block_d * q.element_size()} bytes, more than the {_MAX_KV_TILE_BYTES} "
-                         f"bytes of shared memory the kernel may use; use a smaller block_n (64 is the default)")
+                         f"bytes of shared memory the kernel may use; use a smaller block_n (the default is {BLOCK_N})")
     with_stats = int(with_stats)  # a stats.STATS_* level (True: the row statistics without the entropy)
     consts, compile_opts = launch_constants(
         "fwd", D, dtype, _capability(q.device), **_features(opts),

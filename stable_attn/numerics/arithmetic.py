@@ -79,7 +79,7 @@ def oracle(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.einsum("tn,tnd->td", naive.probabilities(scores), values.double())
 
 
-def kernel_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = 64,
+def kernel_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = BLOCK_N,
                  backend: str = "torch") -> ModelOutput:
     """(a) Our kernel, called through :func:`stable_attn.attention`.
 
@@ -119,7 +119,7 @@ def _bf16_matmul(p: torch.Tensor, v: torch.Tensor, native: bool) -> torch.Tensor
     return torch.einsum("tn,tnd->td", p.float(), v.float()).to(_BF16)
 
 
-def blockwise_bf16_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = 64,
+def blockwise_bf16_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = BLOCK_N,
                          native_matmul: bool = False) -> ModelOutput:
     """(b) The published implementation's all-bf16 FlashAttention-2 forward (our own emulation).
 
@@ -242,7 +242,7 @@ def rule_constants(dtype: torch.dtype, mode: int) -> tuple[float, float, float]:
 
 
 def tensor_core_forward(x: torch.Tensor, values: torch.Tensor, fix: str, *, qk_scale2: float,
-                        model: str = "h100", block_n: int = 64, k_chunk: int = TC_K_CHUNK,
+                        model: str = "h100", block_n: int = BLOCK_N, k_chunk: int = TC_K_CHUNK,
                         group: torch.Tensor | None = None, beta: float = 2.0,
                         out_dtype: torch.dtype = _BF16) -> ModelOutput:
     """Our kernel's forward for independent query rows with ``P-bar V`` on a model of tensor cores.
@@ -332,7 +332,7 @@ def tensor_core_forward(x: torch.Tensor, values: torch.Tensor, fix: str, *, qk_s
     return ModelOutput(o.double(), ones, fired.mean().item(), block_n)
 
 
-def tensor_core_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = 64,
+def tensor_core_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = BLOCK_N,
                       model: str = "h100", k_chunk: int = TC_K_CHUNK,
                       pbar_dtype: torch.dtype = _BF16) -> ModelOutput:
     """(d) Our kernel's forward with ``P-bar V`` on a model of a GPU's tensor cores, one query row per trial.
@@ -354,9 +354,9 @@ def tensor_core_model(scores: torch.Tensor, values: torch.Tensor, fix: str, bloc
 def kernel_key_block(model: str, fix: str, dtype: torch.dtype, head_dim: int, plain: bool) -> int:
     """The key partition the Triton forward walks on ``model``'s GPU (``triton_attention.fwd_config``).
 
-    On sm_90 the plain variants with stabilize off and no statistics take 128-key blocks; everything
-    else, and ``"ieee"`` (no GPU), the 64-key partition of the rule (``options.BLOCK_N``). Without
-    Triton installed: the partition.
+    Where a rule or a statistic sees the partition, the partition (``options.BLOCK_N``, 128 keys); with
+    stabilize off and no statistics the tile the kernel takes (128 keys on sm_90's plain variants, 64 on
+    sm_80 and with the optional features). ``"ieee"`` (no GPU), or without Triton installed: the partition.
     """
     cc = {"a100": 80, "h100": 90}.get(model)
     if cc is None:

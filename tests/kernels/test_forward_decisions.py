@@ -204,3 +204,30 @@ def test_running_second_max_gives_the_count_verdict():
     by_second = (m2 >= m - sat2) & seen
     assert torch.equal(by_second, by_count)
     assert 0.2 < by_count.float().mean() < 0.9 and (~seen).any()  # both verdicts occur, and unseen rows
+
+
+@pytest.mark.parametrize("mode", [rules.MODE_EXACT, rules.MODE_PAPER])
+def test_default_partition_is_128_keys_in_both_backends(mode):
+    """The default key partition is 128 keys (issue 24) in the PyTorch path and in the kernel on the tile
+    the launcher picks: a tie between keys 60 and 70 (one 128-key block, two 64-key blocks) fires the
+    rule by default and with ``block_n=128``, never with ``block_n=64``; both backends count the same
+    fixed blocks."""
+    Nq, Nk, D = 8, 200, 16
+    q = torch.zeros(1, 1, Nq, D)
+    k = torch.zeros(1, 1, Nk, D)
+    q[..., 0] = 1.0
+    k[..., 0] = -(1.0 + torch.arange(Nk) / 32)  # distinct, exact in bf16: no tie among them
+    k[0, 0, [60, 70], 0] = 2.0  # the two tied maxima, at least 3 above every other score
+    v = torch.randn(1, 1, Nk, D, generator=torch.Generator().manual_seed(0))
+    q, k, v = (t.to(torch.bfloat16).to(DEVICE) for t in (q, k, v))
+    fixed = {}
+    for block_n in (0, 128, 64):
+        opts = Options(scale=1.0, mode=mode, block_n=block_n)
+        _, r_lse, rs = reference.attention_forward(q, k, v, None, None, opts, True)
+        _, lse, st = ta.forward(q, k, v, None, opts, True)
+        assert torch.equal(st.fixed_blocks.cpu(), rs.fixed_blocks.cpu())
+        assert torch.equal(st.saturated.cpu(), rs.saturated.cpu())
+        torch.testing.assert_close(lse.cpu(), r_lse.cpu(), rtol=1e-6, atol=1e-6)
+        fixed[block_n] = rs.fixed_blocks.cpu()
+    assert (fixed[0] == 1).all() and torch.equal(fixed[0], fixed[128])
+    assert (fixed[64] == 0).all()

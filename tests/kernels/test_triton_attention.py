@@ -195,8 +195,8 @@ def test_forced_block_n_too_wide_is_refused():
 @pytest.mark.parametrize("D, causal, Nk", [(128, True, 150), (64, False, 200)])
 def test_off_without_statistics_takes_wide_key_tiles(D, causal, Nk, monkeypatch):
     """Stabilize off without statistics: no rule sees the partition, so the sm_90 tiling takes 128-key
-    tiles (at D = 128 with K/V through descriptors). Only the summation order changes: the output is
-    the reference's (64-key blocks) within 2 ulps and no worse than it against fp64."""
+    tiles (at D = 128 with K/V through descriptors), whatever the partition. Only the summation order
+    changes: the output is the reference's within 2 ulps and no worse than it against fp64."""
     dtype = torch.bfloat16
     chosen = []
     pick = ta.fwd_config
@@ -211,14 +211,38 @@ def test_off_without_statistics_takes_wide_key_tiles(D, causal, Nk, monkeypatch)
     qd, kd, vd = (t.double().cpu() for t in (q, k, v))
     o64 = naive.attention(qd, kd, vd, causal=causal, scale=opts.scale)
     no_worse_than_reference(out, r_out, o64, dtype, "out")
-    # a rule, statistics or a forced partition keep the 64-key blocks (the rule's mode: two per K tile at
-    # D = 128, one per iteration of a 4-warp, 128-row tile at D = 64)
-    for kw in (dict(mode=rules.MODE_EXACT), dict(block_n=64)):
+    # a rule or statistics see the partition: on the default 128-key partition the same 128 x 128 tile, its
+    # key block the partition's (block_n None); a forced 64-key partition keeps issue 11's tiles (with a
+    # rule two blocks per K tile at D = 128, one per iteration of a 4-warp, 128-row tile at D = 64)
+    for kw in (dict(mode=rules.MODE_EXACT), dict(mode=rules.MODE_EXACT, block_n=64), dict(block_n=64)):
         ta.forward(q, k, v, None, opts_for(D, causal, **{"mode": rules.MODE_OFF, **kw}), False)
     ta.forward(q, k, v, None, opts, True)
-    assert all(c.block_n is None for c in chosen[1:])
-    assert chosen[1] == (ta.FwdConfig(128, 8, 2, tma=True, tile_n=128) if D > 64 else ta.FwdConfig(128, 4, 3))
-    assert all(c.tile_n is None and not c.tma for c in chosen[2:])
+    wide = ta.FwdConfig(128, 8, 2, tma=D > 64)
+    pair = ta.FwdConfig(128, 8, 2, tma=True, tile_n=128) if D > 64 else ta.FwdConfig(128, 4, 3)
+    assert chosen[1:] == [wide, pair, ta.FwdConfig(128, 8, 3), wide]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("mode", [rules.MODE_EXACT, rules.MODE_PAPER, rules.MODE_OFF])
+def test_128_key_partition_takes_the_128_wide_tile(D, mode):
+    """The default partition (128 keys) and ``block_n=128`` set by the user get the same sm_90 tile,
+    128 x 128 with 8 warps, in every mode, with and without statistics (before issue 24 a user's
+    ``block_n=128`` got a 64 x 128 tile); a forced 64-key partition keeps issue 11's tiles."""
+    assert Options().key_block == 128
+    for stats in (False, True):
+        tiles = {forced: ta.launch_constants("fwd", D, torch.bfloat16, 90, causal=True, window=False, softcap=False,
+                                             dropout=False, kpm=False, mode=mode, stats=stats, block_n=128,
+                                             forced_block_n=forced)
+                 for forced in (False, True)}
+        for consts, compile_opts in tiles.values():
+            assert (consts["BLOCK_M"], consts["BLOCK_N"], consts["TILE_N"], consts["TMA"]) == (128, 128, 128, D > 64)
+            assert (compile_opts["num_warps"], compile_opts["num_stages"]) == (8, 2)
+    if mode != rules.MODE_OFF:
+        consts, compile_opts = ta.launch_constants("fwd", D, torch.bfloat16, 90, causal=True, window=False,
+                                                   softcap=False, dropout=False, kpm=False, mode=mode, block_n=64,
+                                                   forced_block_n=True)
+        assert (consts["BLOCK_M"], consts["BLOCK_N"], consts["TILE_N"], compile_opts["num_warps"]) == (
+            (128, 64, 128, 8) if D > 64 else (128, 64, 64, 4))
 
 
 def test_descriptor_loads_with_rule_and_statistics():

@@ -104,12 +104,15 @@ def test_tensor_core_attention_scores_are_tensor_core_products():
 
 
 def test_kernel_key_block_follows_the_launcher():
-    # sm_90 plain stabilize-off takes 128-key blocks; the rule's modes, A100 and a padding mask keep 64
+    # the rule's modes walk the 128-key partition everywhere (issue 24); stabilize off, which no rule sees,
+    # the kernel's tile: 128 keys on sm_90's plain variants, 64 on A100 and with a padding mask
+    for gpu in ("h100", "a100", "ieee"):
+        for fix in ("ours", "paper"):
+            assert arithmetic.kernel_key_block(gpu, fix, BF16, 64, plain=True) == 128
     assert arithmetic.kernel_key_block("h100", "off", BF16, 64, plain=True) == 128
-    assert arithmetic.kernel_key_block("h100", "ours", BF16, 64, plain=True) == 64
     assert arithmetic.kernel_key_block("h100", "off", BF16, 64, plain=False) == 64
     assert arithmetic.kernel_key_block("a100", "off", BF16, 64, plain=True) == 64
-    assert arithmetic.kernel_key_block("ieee", "off", BF16, 64, plain=True) == 64
+    assert arithmetic.kernel_key_block("ieee", "off", BF16, 64, plain=True) == 128
 
 
 def test_tensor_core_attention_rejects_what_it_does_not_model():
