@@ -180,7 +180,10 @@ def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int,
     consts = dict(CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, HAS_KPM=kpm, MODE=mode, HEAD_D=head_dim,
                   BLOCK_D=head_block(head_dim), BLOCK_M=block_rows(groups, nq), BLOCK_N=block_n,
                   DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast))
-    return consts, dict(num_warps=4, num_stages=3 if cc >= 90 else 2, **FWD_COMPILE_OPTIONS)
+    # 8 warps where a K tile is 128 x 128 or more: with 4, the 128-key blocks at D = 128 took 255 registers and
+    # spilled (stabilize off, sm_90: benchmarks/decode_resources.py)
+    warps = 8 if block_n * consts["BLOCK_D"] >= 128 * 128 else 4
+    return consts, dict(num_warps=warps, num_stages=3 if cc >= 90 else 2, **FWD_COMPILE_OPTIONS)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None, opts: Options,
