@@ -5,7 +5,8 @@ Two tables:
 1. **Compiled for sm_90 and sm_80** (Triton's AOT compiler on the CPU, ``triton_aot``): registers, spill bytes,
    shared memory, and the SASS one warp issues per iteration of the steady-state key loop (the unmasked
    stretch, ``triton_aot.steady_loop``) and the warp-instructions all warps issue per key (``warps * loop_sass /
-   keys``: the issue cost of a memory-bound loop), for the constants the launcher passes (``triton_decode.decode_constants``:
+   keys``: the issue cost of a memory-bound loop), for the constants the launcher passes
+   (``triton_decode.decode_constants``:
    the rule's key block, ``G * Nq`` packed rows), with the key padding mask transformers passes.
 2. **Bytes of K/V read per generated token**, per layer, against the cache size, from the launch geometry
    (``decode_plan.split_keys``; a model, not a measurement): the decode kernel reads each KV head once per
