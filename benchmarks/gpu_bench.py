@@ -30,7 +30,8 @@ Decoding (issue 24): one ``generate()`` step of one layer's attention, one query
 keys, B in {1, 32}, 32 query heads on 8 KV heads, D = 128, bf16, no gradient: SDPA-flash (the KV heads repeated
 once, outside the timing, as a GQA model's sdpa path hands them), and ``stable_attn.attention`` with
 ``stabilize=False`` and ``True``, which take the decode kernel (kernels/triton_decode.py: split keys). Reported as
-ms per step and tokens/s (``B`` tokens per step; one layer's attention only), checked against SDPA-flash first.
+ms per step and tokens/s (``B`` tokens per step; one layer's attention only), checked against SDPA-flash first;
+they run after the main table (whose rows come first, also in benchmarks/gpu_check.sh's first step).
 
     python benchmarks/gpu_bench.py --json /tmp/gpu_bench.json
     python benchmarks/gpu_bench.py --decode-only --json /tmp/gpu_bench_decode.json
@@ -580,13 +581,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"machine": machine, "command": " ".join(sys.argv), "rows": rows, "packed_rows": packed,
                        "decode_rows": decode}, f, indent=1)
 
-    for shape in (decode_shapes() if args.decode and not args.varlen_only else []):  # first: the short rows
-        new = run_decode(shape, args.rounds, args.target_ms)
-        decode += new
-        for r in new:
-            print(f"{r['name']:>50} {r['impl']:>14}  {_cell(r['ms'], '8.4f')} ms  {_cell(r['tokens_per_s'], '8.0f')} "
-                  f"tokens/s  {'ok' if r['ok'] else r['error']}", flush=True)
-        save()
     only_other = args.varlen_only or args.decode_only
     for shape in ([] if only_other else shapes(args.n, args.d, args.causal, args.gqa)):
         t0 = time.perf_counter()
@@ -598,6 +592,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"  fwd+bwd {_cell(r['fwd_bwd_ms'], '8.3f')} ms  {_cell(r['fwd_bwd_tflops'], '4.0f')} TFLOP/s  "
                   f"{'ok' if r['ok'] else r['error']}", flush=True)
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        save()
+    for shape in (decode_shapes() if args.decode and not args.varlen_only else []):  # after the table: short rows
+        new = run_decode(shape, args.rounds, args.target_ms)
+        decode += new
+        for r in new:
+            print(f"{r['name']:>50} {r['impl']:>14}  {_cell(r['ms'], '8.4f')} ms  {_cell(r['tokens_per_s'], '8.0f')} "
+                  f"tokens/s  {'ok' if r['ok'] else r['error']}", flush=True)
         save()
     for p in (packed_shapes(args.d) if args.varlen and not args.decode_only else []):
         t0 = time.perf_counter()
