@@ -231,7 +231,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
         attn_decode_combine_kernel[(B * Hq * Nq,)](
             acc, l_s, r_s, m_s, out, lse2, out.stride(0), out.stride(1), out.stride(2), Hq, Nq, S,
             HEAD_D=D, BLOCK_D=consts["BLOCK_D"], BLOCK_S=triton.next_power_of_2(S), DTYPE=consts["DTYPE"],
-            UPCAST=upcast, num_warps=4,
+            UPCAST=upcast, num_warps=4, **FWD_COMPILE_OPTIONS,  # no contraction: the mirror rounds each step
         )
     if return_partials:
         return out, lse2, None, (acc, l_s, r_s, m_s)
