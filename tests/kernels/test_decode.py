@@ -91,6 +91,7 @@ DECISION_CASES = [
     (rules.MODE_EXACT, True, 40, 2, 16, 161, False, -2.0),
     (rules.MODE_PAPER, False, 70, 4, 3, 190, True, 2.0),
     (rules.MODE_OFF, True, None, 1, 2, 130, True, 0.0),
+    (rules.MODE_EXACT, True, None, 8, 9, 140, True, 2.0),  # 72 packed rows: two row blocks of 64
 ]
 
 
