@@ -214,6 +214,7 @@ def test_run_decode_checks_then_times_the_decode_path(monkeypatch):
     """A decoding step on the CPU (SDPA's CPU flash kernel, the decode kernel under the interpreter) with a timer
     that runs each closure once: our rows come from the decode kernel, checked against SDPA, tokens/s = B / s."""
     from stable_attn.kernels import triton_decode
+    from stable_attn.options import BLOCK_N
 
     calls = []
     real = triton_decode.forward
@@ -223,7 +224,7 @@ def test_run_decode_checks_then_times_the_decode_path(monkeypatch):
         fn()
         return 2.0, 0.0
 
-    shape = gb.Decode(b=2, nk=200, hq=4, hkv=2, d=16)
+    shape = gb.Decode(b=2, nk=2 * BLOCK_N + 8, hq=4, hkv=2, d=16)  # three key blocks of the default partition
     rows = gb.run_decode(shape, rounds=1, target_ms=2.0, device="cpu", timer=timer,
                          impls=("sdpa_flash", "stable_exact"))
     by = {r["impl"]: r for r in rows}
@@ -231,4 +232,4 @@ def test_run_decode_checks_then_times_the_decode_path(monkeypatch):
     assert by["stable_exact"]["out_err"] <= gb.TOLERANCE["out"] and calls  # through the decode kernel
     assert by["stable_exact"]["ms"] == 2.0 and by["stable_exact"]["tokens_per_s"] == 1000.0
     assert by["stable_exact"]["speed_vs_sdpa_flash"] == 1.0
-    assert "| decode B=2 cache=200" in gb.decode_table(rows)
+    assert f"| decode B=2 cache={2 * BLOCK_N + 8}" in gb.decode_table(rows)
