@@ -26,7 +26,15 @@ the longest one (``[docs, H, longest, D]`` with a key padding mask: what a padde
 count the same useful FLOPs (the visible pairs inside the documents); the varlen output and gradients
 are first checked against the padded ones at the real tokens.
 
+Decoding (issue 24): one ``generate()`` step of one layer's attention, one query against a cache of 4k and 32k
+keys, B in {1, 32}, 32 query heads on 8 KV heads, D = 128, bf16, no gradient: SDPA-flash (the KV heads repeated
+once, outside the timing, as a GQA model's sdpa path hands them), and ``stable_attn.attention`` with
+``stabilize=False`` and ``True``, which take the decode kernel (kernels/triton_decode.py: split keys). Reported as
+ms per step and tokens/s (``B`` tokens per step; one layer's attention only), checked against SDPA-flash first;
+they run after the main table (whose rows come first, also in benchmarks/gpu_check.sh's first step).
+
     python benchmarks/gpu_bench.py --json /tmp/gpu_bench.json
+    python benchmarks/gpu_bench.py --decode-only --json /tmp/gpu_bench_decode.json
     python benchmarks/gpu_bench.py --n 4096 --d 128 --causal true --no-gqa --rounds 5
     python benchmarks/gpu_bench.py --varlen-only --json /tmp/gpu_bench_varlen.json
 
@@ -59,6 +67,7 @@ TOLERANCE = {"out": 2e-2, "grad": 5e-2}
 LAUNCH_BOUND = 0.8  # CPU enqueue time / GPU time at which a measurement counts as launch-bound
 PACKED_IMPLS = ("stable_padded", "stable_varlen")
 DOC_LENGTHS = (64, 4096)  # range of the packed documents' lengths
+DECODE_IMPLS = ("sdpa_flash", "stable_off", "stable_exact")
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,26 @@ class Shape:
     def name(self) -> str:
         gqa = f" G={self.hq // self.hkv}" if self.hq != self.hkv else ""
         return f"N={self.n} D={self.d} {'causal' if self.causal else 'full'}{gqa} (B={self.b} H={self.hq})"
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One decoding step: ``b`` sequences, one query each (``nq``), against a cache of ``nk`` keys."""
+
+    b: int
+    nk: int
+    hq: int = 32
+    hkv: int = 8
+    d: int = 128
+    nq: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"decode B={self.b} cache={self.nk} Hq/Hkv={self.hq}/{self.hkv} D={self.d}"
+
+
+def decode_shapes() -> list[Decode]:
+    return [Decode(b, nk) for nk in (4096, 32768) for b in (1, 32)]
 
 
 def shapes(ns: list[int], ds: list[int], causals: list[bool], gqa: bool) -> list[Shape]:
@@ -264,6 +293,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--no-varlen", dest="varlen", action="store_false", help="skip the packed-documents rows")
     g.add_argument("--varlen-only", action="store_true", help="only the packed-documents rows")
+    d = p.add_mutually_exclusive_group()
+    d.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decoding rows")
+    d.add_argument("--decode-only", action="store_true", help="only the decoding rows")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median over them)")
     p.add_argument("--target-ms", type=float, default=25.0, help="length of one measurement")
@@ -464,6 +496,69 @@ def run_shape(shape: Shape, impls: dict[str, Callable | None], rounds: int, targ
     return rows
 
 
+def run_decode(shape: Decode, rounds: int, target_ms: float, *, device: str = "cuda", timer: Timer = cuda_timer,
+               impls: tuple[str, ...] = DECODE_IMPLS) -> list[dict]:
+    """One decoding step (no gradient): each implementation checked against SDPA-flash, then timed."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import stable_attn
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    q = torch.randn(shape.b, shape.hq, shape.nq, shape.d, device=device, dtype=dt)
+    k, v = (torch.randn(shape.b, shape.hkv, shape.nk, shape.d, device=device, dtype=dt) for _ in range(2))
+    g = shape.hq // shape.hkv
+    k_rep, v_rep = (x.repeat_interleave(g, dim=1) for x in (k, v))  # outside the timing
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=False)
+
+    def ours(stabilize):
+        return lambda: stable_attn.attention(q, k, v, stabilize=stabilize, backend="triton")
+
+    table_ = {"sdpa_flash": sdpa, "stable_off": ours(False), "stable_exact": ours(True)}
+    checks, fns, ref = {}, {}, None
+    with torch.no_grad():
+        for name in impls:
+            try:
+                out = table_[name]()
+            except Exception as e:  # noqa: BLE001  reported, not timed
+                checks[name] = dict(ok=False, error=str(e).splitlines()[0][:120], out_err=None)
+                continue
+            ref = out if ref is None else ref
+            err = rel_error(out, ref)
+            ok = err <= TOLERANCE["out"]
+            checks[name] = dict(ok=ok, error=None if ok else f"rel err out {err:.2e}", out_err=err)
+            if ok:
+                fns[name] = {"fwd": table_[name]}
+        timings = _time(fns, rounds, target_ms, timer)
+    rows = []
+    base = timings.get((BASELINE, "fwd"), {}).get("ms")
+    for name in impls:
+        t = timings.get((name, "fwd"))
+        ms = t["ms"] if t else None
+        rows.append(dict(name=shape.name, impl=name, **asdict(shape), **checks[name], ms=ms,
+                         tokens_per_s=shape.b * shape.nq / (ms / 1e3) if ms else None,
+                         speed_vs_sdpa_flash=base / ms if ms and base else None,
+                         launch_bound=bool(t and t["cpu_ms"] >= LAUNCH_BOUND * t["ms"])))
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_table(rows: list[dict]) -> str:
+    """Markdown: per decoding shape and implementation, ms per step, tokens/s and speed vs SDPA-flash."""
+    out = ["| decoding step (one layer) | impl | ms | tokens/s | vs flash | check |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        flag = " (launch-bound)" if r["launch_bound"] else ""
+        out.append(f"| {r['name']} | {r['impl']} | {_cell(r['ms'], '.4f')}{flag} | {_cell(r['tokens_per_s'], '.0f')} "
+                   f"| {_cell(r['speed_vs_sdpa_flash'], '.2f')}x | {'ok' if r['ok'] else r['error']} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -478,14 +573,16 @@ def main(argv: list[str] | None = None) -> int:
     print(machine, flush=True)
     rows: list[dict] = []
     packed: list[dict] = []
+    decode: list[dict] = []
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
 
     def save():
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "command": " ".join(sys.argv), "rows": rows, "packed_rows": packed}, f,
-                      indent=1)
+            json.dump({"machine": machine, "command": " ".join(sys.argv), "rows": rows, "packed_rows": packed,
+                       "decode_rows": decode}, f, indent=1)
 
-    for shape in ([] if args.varlen_only else shapes(args.n, args.d, args.causal, args.gqa)):
+    only_other = args.varlen_only or args.decode_only
+    for shape in ([] if only_other else shapes(args.n, args.d, args.causal, args.gqa)):
         t0 = time.perf_counter()
         # fresh per shape: an AttentionStats keeps per-head totals, and the head count changes
         new = run_shape(shape, implementations(args.impls), args.rounds, args.target_ms)
@@ -496,7 +593,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'ok' if r['ok'] else r['error']}", flush=True)
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
         save()
-    for p in (packed_shapes(args.d) if args.varlen else []):
+    for shape in (decode_shapes() if args.decode and not args.varlen_only else []):  # after the table: short rows
+        new = run_decode(shape, args.rounds, args.target_ms)
+        decode += new
+        for r in new:
+            print(f"{r['name']:>50} {r['impl']:>14}  {_cell(r['ms'], '8.4f')} ms  {_cell(r['tokens_per_s'], '8.0f')} "
+                  f"tokens/s  {'ok' if r['ok'] else r['error']}", flush=True)
+        save()
+    for p in (packed_shapes(args.d) if args.varlen and not args.decode_only else []):
         t0 = time.perf_counter()
         new = run_packed(p, args.rounds, args.target_ms)
         packed += new
@@ -510,9 +614,11 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows))
     if packed:
         print(packed_table(packed))
+    if decode:
+        print(decode_table(decode))
     print(f"wrote {args.json}")
     # a failed check is an error; an implementation this torch does not offer is not
-    return 1 if any(not r["ok"] and r["error"] != "not offered by this torch" for r in rows + packed) else 0
+    return 1 if any(not r["ok"] and r["error"] != "not offered by this torch" for r in rows + packed + decode) else 0
 
 
 if __name__ == "__main__":

@@ -15,13 +15,28 @@ import torch
 from . import _ops
 from ._checks import dense_problem, layout_doubt, raise_problem, unit_last_stride
 from ._ops import autocast_inputs, check_stats, draw_seed, resolve_backend
-from .kernels import reference
+from .kernels import reference, reference_decode
+from .kernels.decode_plan import takes_decode
 from .options import DEFAULTS, Options, Stabilize
 from .stats import AttentionStats, RowStats
 
 
+def _decode(q, k, attn_mask, opts: Options, with_stats: int) -> bool:
+    """Whether this forward takes the decode path (split keys; kernels/decode_plan.py lists the cases: no
+    gradient needed, Nq <= 16 against at least two key blocks, no attn_mask, no dropout, no statistics), on
+    either backend: the PyTorch path mirrors the decode kernel's decisions, so both give the same ones."""
+    return takes_decode(q.shape[2], k.shape[2], opts.key_block, forward_only=opts.forward_only,
+                        has_attn_mask=attn_mask is not None, dropout_p=opts.dropout_p, with_stats=with_stats)
+
+
 def _forward(q, k, v, key_padding_mask, attn_mask, opts: Options, with_stats: int,
              ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
+    if _decode(q, k, attn_mask, opts, with_stats):
+        if opts.backend == "triton":
+            from .kernels import triton_decode
+
+            return triton_decode.forward(q, k, v, key_padding_mask, opts)
+        return reference_decode.attention_forward(q, k, v, key_padding_mask, opts)
     if opts.backend == "triton":
         from .kernels import triton_attention
 
@@ -119,6 +134,11 @@ def attention(
         block_n: key-block size (the partition the per-block rule sees); default (None) is
             ``options.BLOCK_N`` (64) on both backends (where no rule sees the partition, stabilize off
             without statistics, the Triton forward may tile the keys otherwise).
+
+    A call that needs no gradient with at most 16 queries against at least two key blocks (no ``attn_mask``,
+    no dropout, no ``stats``: a ``generate()`` step) takes the decode path on both backends: the keys split
+    into runs of whole key blocks, the rule per run, the runs merged in fp32 (docs/ALGORITHM.md, "Decode:
+    split keys"; kernels/decode_plan.py).
     """
     q, k, v = autocast_inputs(q, k, v)
     raise_problem(dense_problem(q, k, v, key_padding_mask, attn_mask))
@@ -127,6 +147,9 @@ def attention(
     opts = Options.create(head_dim=q.shape[-1], causal=causal, scale=scale, window=window, softcap=softcap,
                           dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n)
     check_stats(stats)
+    # no backward will be asked for: a short query may take the decode path (_decode)
+    opts = opts.replace(forward_only=not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                       or v.requires_grad)))
     impl = resolve_backend(opts.backend, q, attn_mask is not None, k)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.contiguous()  # the kernels index it as [b * Nk + j]

@@ -206,6 +206,9 @@ class Options:
     beta: float = DEFAULTS["beta"]
     block_n: int = 0  # key-block size; 0 = BLOCK_N
     backend: str = DEFAULTS["backend"]  # as asked; the ops receive the resolved "torch" or "triton"
+    # no backward will be asked for (attention() sets it): the forward may take the decode path
+    # (kernels/decode_plan.takes_decode), whose key splits are decisions the training kernels do not make
+    forward_only: bool = False
 
     @classmethod
     def create(cls, *, head_dim: int | None = None, seed: int = 0, **values: Any) -> Options:

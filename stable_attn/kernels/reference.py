@@ -40,6 +40,7 @@ class _Problem:
         self.B, self.Hq, self.Nq, self.D = q.shape
         self.Hkv, self.Nk = k.shape[1], k.shape[2]
         self.G = self.Hq // self.Hkv
+        self.dtype = q.dtype
         self.opts = opts
         self.offset = self.Nk - self.Nq  # bottom-right alignment of causal / window
         self.kpm = None if key_padding_mask is None else key_padding_mask[:, None, None, None, :]
@@ -194,6 +195,90 @@ def _grouped(x: torch.Tensor, p: _Problem) -> torch.Tensor:
     return x.view(p.B, p.Hkv, p.G, p.Nq, x.shape[-1])
 
 
+class Walk:
+    """The row state after an online-softmax walk over some key blocks (:func:`walk_blocks`): true running max
+    ``m``, offset ``r``, row sum ``l``, fp32 accumulator ``acc`` ``[B, Hkv, G * cq, D]`` and the statistics'
+    state (None without statistics)."""
+
+    def __init__(self, **state):
+        self.__dict__.update(state)
+
+
+def walk_blocks(p: _Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: int = False) -> Walk:
+    """The online softmax with the rule (docs/ALGORITHM.md, forward steps 1-8) of the query rows ``[q0, q1)``
+    (``q_c``: their fp32 ``[B, Hkv, G * cq, D]``) over the key ``blocks`` (``(j0, j1)`` in increasing order,
+    aligned on the partition), from the initial state (``m = -inf``, ``r = -FP32_MAX``, ``l = 0``). The training
+    forward walks every visible block of the partition once; the decode mirror (reference_decode.py) walks
+    each split's blocks from the initial state."""
+    opts = p.opts
+    B, Hkv, G, D = p.B, p.Hkv, p.G, p.D
+    dtype = p.dtype
+    tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
+    neg_inf = -math.inf
+    fused, c = p.fused_scale, opts.qk_scale2
+    entropy_on = with_stats == STATS_ENTROPY
+    cq = q1 - q0
+    row = (B, Hkv, G, cq)
+    m = torch.full(row, neg_inf, device=q_c.device)  # true running max
+    # the offset subtracted before exp2; -FP32_MAX before the row's first key (below every finite score),
+    # so no inf - inf arises below (the kernel's fwd_program starts there too)
+    r = torch.full(row, -rules.FP32_MAX, device=q_c.device)
+    l = torch.zeros(row, device=q_c.device)
+    acc = torch.zeros(B, Hkv, G * cq, D, device=q_c.device)
+    fixed = torch.zeros(row, dtype=torch.int32, device=q_c.device) if with_stats else None
+    m2 = torch.full(row, neg_inf, device=q_c.device) if with_stats else None  # running second-largest score
+    # sums of P-bar_j * (s2_j - r) and of P-bar_j over the keys seen (entropy, ALGORITHM.md "Statistics")
+    ent = torch.zeros(row, device=q_c.device) if entropy_on else None
+    ent_l = torch.zeros(row, device=q_c.device) if entropy_on else None
+    s_first = torch.full(row, neg_inf, device=q_c.device)
+
+    for j0, j1 in blocks:
+        # upcast per block: full fp32 copies of k and v would double the path's memory
+        k_b, v_b = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
+        # fused: s holds x = q.k, its maxima are scaled after (monotone rounding, qk_scale2 > 0:
+        # the bits of the maxima of the scaled scores); else s holds the base-2 scores s2
+        s, _ = p.scores(q_c, k_b, q0, q1, j0, j1, scaled=not fused)
+        if j0 == 0:
+            s_first = s[..., 0] * c if fused else s[..., 0]
+        m_blk, m2_blk = row_top2(s)
+        if fused:
+            m_blk, m2_blk = m_blk * c, m2_blk * c
+        m_new = torch.maximum(m, m_blk)
+        r_new, fire = block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, opts.beta,
+                                   opts.mode)
+
+        if with_stats:
+            # the row's running second-largest score, merged with the block's top two: two keys lie
+            # within the tie tolerance of the true max iff it does (ALGORITHM.md, "Statistics")
+            m2 = torch.maximum(torch.minimum(m, m_blk), torch.maximum(m2, m2_blk))
+            fixed += fire.to(torch.int32)
+
+        alpha = torch.exp2(r - r_new)  # 0 (or 1 on zeros) while no key was seen
+        # P-bar = exp2(x * c - r) rounded once where fused (the kernel's tl.fma), else exp2(fl(s2 - r))
+        t = fma_f32(s, c, -r_new[..., None]) if fused else s - r_new[..., None]  # log2 of P-bar, unrounded
+        p_bar = torch.exp2(t)
+        # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
+        p_cast = p_bar.to(dtype).float()
+        if entropy_on:
+            # the entropy of softmax itself: fp32 P-bar over its own sum ent_l (triton_forward.fwd_weights
+            # says why not l); moving the offset from r to r_new adds (r - r_new) to every earlier t, and
+            # alpha scales their P-bar; masked keys (t = -inf, P-bar = 0) add 0, not 0 * inf
+            ent = alpha * (ent + (r - r_new) * ent_l) + (p_bar * t.clamp(min=-rules.FP32_MAX)).sum(-1)
+            ent_l = ent_l * alpha + p_bar.sum(-1)
+        # our rule: the row sum adds exactly the weights that multiply V (consistent
+        # normalisation); FA2 and the paper sum the unrounded P-bar (ALGORITHM.md, step 6)
+        l_blk = (p_cast if opts.mode == rules.MODE_EXACT else p_bar).sum(-1)
+        if opts.mode == rules.MODE_PAPER:  # the published floor, in blocks where the row sees a key
+            l_blk = torch.where(m_blk > neg_inf, l_blk.clamp(min=rules.PAPER_ROW_SUM_FLOOR), l_blk)
+        l = l * alpha + l_blk
+        if opts.dropout_p > 0:  # 0/1 keep mask is exact; the 1/(1-p) scale is applied once at the end
+            p_cast = torch.where(p.dropout_keep(q0, q1, j0, j1, q_c.device), p_cast, torch.zeros_like(p_cast))
+        p_cast = p_cast.view(B, Hkv, G * cq, j1 - j0)
+        acc = acc * alpha.view(B, Hkv, G * cq, 1) + torch.matmul(p_cast, v_b)
+        m, r = m_new, r_new
+    return Walk(m=m, r=r, l=l, acc=acc, fixed=fixed, m2=m2, ent=ent, ent_l=ent_l, s_first=s_first)
+
+
 def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Options = _DEFAULT_OPTIONS,
                       with_stats: int = False):
     """Forward pass. Returns ``(out, lse2, row_stats)``; ``row_stats`` is None unless requested
@@ -201,10 +286,8 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
     p = _Problem(q, k, key_padding_mask, attn_mask, opts)
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     dtype = q.dtype
-    tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
     sat_tol2 = rules.sat_tolerance2(dtype)
     neg_inf = -math.inf
-    fused, c = p.fused_scale, opts.qk_scale2
 
     qg = _grouped(q, p)
     out = torch.empty_like(q)
@@ -218,64 +301,8 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         q1 = min(q0 + p.chunk, Nq)
         cq = q1 - q0
         q_c = qg[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
-        row = (B, Hkv, G, cq)
-        m = torch.full(row, neg_inf, device=q.device)  # true running max
-        # the offset subtracted before exp2; -FP32_MAX before the row's first key (below every finite score),
-        # so no inf - inf arises below (the kernel's fwd_program starts there too)
-        r = torch.full(row, -rules.FP32_MAX, device=q.device)
-        l = torch.zeros(row, device=q.device)
-        acc = torch.zeros(B, Hkv, G * cq, D, device=q.device)
-        fixed = torch.zeros(row, dtype=torch.int32, device=q.device) if with_stats else None
-        m2 = torch.full(row, neg_inf, device=q.device) if with_stats else None  # running second-largest score
-        # sums of P-bar_j * (s2_j - r) and of P-bar_j over the keys seen (entropy, ALGORITHM.md "Statistics")
-        ent = torch.zeros(row, device=q.device) if entropy_on else None
-        ent_l = torch.zeros(row, device=q.device) if entropy_on else None
-        s_first = torch.full(row, neg_inf, device=q.device)
-
-        for j0, j1 in p.key_blocks(q0, q1):
-            # upcast per block: full fp32 copies of k and v would double the path's memory
-            k_b, v_b = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
-            # fused: s holds x = q.k, its maxima are scaled after (monotone rounding, qk_scale2 > 0:
-            # the bits of the maxima of the scaled scores); else s holds the base-2 scores s2
-            s, _ = p.scores(q_c, k_b, q0, q1, j0, j1, scaled=not fused)
-            if j0 == 0:
-                s_first = s[..., 0] * c if fused else s[..., 0]
-            m_blk, m2_blk = row_top2(s)
-            if fused:
-                m_blk, m2_blk = m_blk * c, m2_blk * c
-            m_new = torch.maximum(m, m_blk)
-            r_new, fire = block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, opts.beta,
-                                       opts.mode)
-
-            if with_stats:
-                # the row's running second-largest score, merged with the block's top two: two keys lie
-                # within the tie tolerance of the true max iff it does (ALGORITHM.md, "Statistics")
-                m2 = torch.maximum(torch.minimum(m, m_blk), torch.maximum(m2, m2_blk))
-                fixed += fire.to(torch.int32)
-
-            alpha = torch.exp2(r - r_new)  # 0 (or 1 on zeros) while no key was seen
-            # P-bar = exp2(x * c - r) rounded once where fused (the kernel's tl.fma), else exp2(fl(s2 - r))
-            t = fma_f32(s, c, -r_new[..., None]) if fused else s - r_new[..., None]  # log2 of P-bar, unrounded
-            p_bar = torch.exp2(t)
-            # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
-            p_cast = p_bar.to(dtype).float()
-            if entropy_on:
-                # the entropy of softmax itself: fp32 P-bar over its own sum ent_l (triton_forward.fwd_weights
-                # says why not l); moving the offset from r to r_new adds (r - r_new) to every earlier t, and
-                # alpha scales their P-bar; masked keys (t = -inf, P-bar = 0) add 0, not 0 * inf
-                ent = alpha * (ent + (r - r_new) * ent_l) + (p_bar * t.clamp(min=-rules.FP32_MAX)).sum(-1)
-                ent_l = ent_l * alpha + p_bar.sum(-1)
-            # our rule: the row sum adds exactly the weights that multiply V (consistent
-            # normalisation); FA2 and the paper sum the unrounded P-bar (ALGORITHM.md, step 6)
-            l_blk = (p_cast if opts.mode == rules.MODE_EXACT else p_bar).sum(-1)
-            if opts.mode == rules.MODE_PAPER:  # the published floor, in blocks where the row sees a key
-                l_blk = torch.where(m_blk > neg_inf, l_blk.clamp(min=rules.PAPER_ROW_SUM_FLOOR), l_blk)
-            l = l * alpha + l_blk
-            if opts.dropout_p > 0:  # 0/1 keep mask is exact; the 1/(1-p) scale is applied once at the end
-                p_cast = torch.where(p.dropout_keep(q0, q1, j0, j1, q.device), p_cast, torch.zeros_like(p_cast))
-            p_cast = p_cast.view(B, Hkv, G * cq, j1 - j0)
-            acc = acc * alpha.view(B, Hkv, G * cq, 1) + torch.matmul(p_cast, v_b)
-            m, r = m_new, r_new
+        w = walk_blocks(p, q_c, k, v, q0, q1, p.key_blocks(q0, q1), with_stats)
+        m, r, l, acc, fixed, m2, ent, ent_l = w.m, w.r, w.l, w.acc, w.fixed, w.m2, w.ent, w.ent_l
 
         # not ``m > -inf``: a NaN score (NaN in q or in a key the row sees) makes m NaN, and the row must
         # come out NaN, as on the kernel and in SDPA, not as a row that sees no key (zeros, lse = +inf)
@@ -290,7 +317,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
             st.saturated[..., q0:q1] = (m2 >= m - sat_tol2) & seen  # -inf >= -inf must not count
             st.fixed_blocks[..., q0:q1] = fixed
             st.max_logit[..., q0:q1] = m / rules.LOG2E
-            st.sink_mass[..., q0:q1] = torch.exp2(s_first - lse2[..., q0:q1])
+            st.sink_mass[..., q0:q1] = torch.exp2(w.s_first - lse2[..., q0:q1])
             if entropy_on:
                 # H = ln 2 * (log2 L - ent / L) with L = ent_l: -sum_j (P-bar_j / L) log2(P-bar_j / L), in nats;
                 # 0 where every P-bar underflowed (L = 0): only the published rule's unbounded offset does that

@@ -200,3 +200,36 @@ def test_varlen_arguments():
     assert not gb.parse_args(["--no-varlen"]).varlen
     with pytest.raises(SystemExit):
         gb.parse_args(["--no-varlen", "--varlen-only"])
+
+
+def test_decode_shapes_and_arguments():
+    assert [(s.b, s.nk) for s in gb.decode_shapes()] == [(1, 4096), (32, 4096), (1, 32768), (32, 32768)]
+    assert gb.parse_args([]).decode and not gb.parse_args(["--no-decode"]).decode
+    assert gb.parse_args(["--decode-only"]).decode_only
+    with pytest.raises(SystemExit):
+        gb.parse_args(["--decode-only", "--no-decode"])
+
+
+def test_run_decode_checks_then_times_the_decode_path(monkeypatch):
+    """A decoding step on the CPU (SDPA's CPU flash kernel, the decode kernel under the interpreter) with a timer
+    that runs each closure once: our rows come from the decode kernel, checked against SDPA, tokens/s = B / s."""
+    from stable_attn.kernels import triton_decode
+    from stable_attn.options import BLOCK_N
+
+    calls = []
+    real = triton_decode.forward
+    monkeypatch.setattr(triton_decode, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def timer(fn, iters):
+        fn()
+        return 2.0, 0.0
+
+    shape = gb.Decode(b=2, nk=2 * BLOCK_N + 8, hq=4, hkv=2, d=16)  # three key blocks of the default partition
+    rows = gb.run_decode(shape, rounds=1, target_ms=2.0, device="cpu", timer=timer,
+                         impls=("sdpa_flash", "stable_exact"))
+    by = {r["impl"]: r for r in rows}
+    assert by["stable_exact"]["ok"], by["stable_exact"]["error"]
+    assert by["stable_exact"]["out_err"] <= gb.TOLERANCE["out"] and calls  # through the decode kernel
+    assert by["stable_exact"]["ms"] == 2.0 and by["stable_exact"]["tokens_per_s"] == 1000.0
+    assert by["stable_exact"]["speed_vs_sdpa_flash"] == 1.0
+    assert f"| decode B=2 cache={2 * BLOCK_N + 8}" in gb.decode_table(rows)

@@ -1,0 +1,238 @@
+"""Triton decode kernel: short queries (``Nq <= 16``) against a long KV cache, split over the keys.
+
+What ``generate()`` sends every step (one query, or a few, against the whole cache) gives the training
+forward one program per (batch, query head) with a 128-row tile holding ``Nq`` real rows, each program walking
+the whole cache and every query head re-reading its KV head. Here instead:
+
+- **the G query heads of one KV head share a program**: its rows are the ``G * Nq`` pairs (head ``g``, query
+  ``i``) packed into the M dimension (``BLOCK_M = 16 .. 64`` rows; more rows take more row blocks), so K and V
+  of a KV head are read once per split for all its query heads;
+- **the keys are split** into ``S`` contiguous splits of whole key blocks (``decode_plan.split_keys``: about
+  ``TARGET_PROGRAMS / (B * Hkv)`` splits), one program per (split, KV head, batch element), enough programs to
+  fill the GPU when ``B * Hkv`` alone would not;
+- each program walks its split's blocks with the training kernel's own block step (``triton_forward.fwd_blocks``:
+  the same rule, rounding points and masks, called with the query index of each packed row for causal and
+  window), **from the initial state**: the rule restarts its offset at the split's first block. It writes the
+  split's partial: the fp32 accumulator (not divided), row sum, offset ``r`` and true max ``m``;
+- :func:`attn_decode_combine_kernel` merges the splits of each row by their offsets in fp32
+  (``R = max r_s``, ``w_s = exp2(r_s - R)``, ``O = sum w_s acc_s / sum w_s l_s``), no rounding point but the
+  output's cast.
+
+``reference_decode.py`` is the PyTorch mirror: the same splits, the same walk per split (``reference.walk_blocks``),
+the same merge; the offsets and maxima of every split are the same bits (tests/kernels/test_decode.py).
+Why restarting the offset keeps the rule's guarantee, and where the output differs from the training
+kernel's: docs/ALGORITHM.md, "Decode: split keys". No statistics, no dropout, no ``attn_mask``
+(``decode_plan.takes_decode`` sends those calls to the training kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import interpreting
+from ..options import Options
+from . import decode_plan, rules
+from .triton_attention import (
+    _MAX_GRID_Y,
+    _TL_DTYPE,
+    FWD_COMPILE_OPTIONS,
+    _batches,
+    _capability,
+    _check_device,
+    _dense_last,
+    _empty,
+    _precision,
+    _scalars,
+    head_block,
+)
+from .triton_forward import FP32_MAX, L_COLS, MODE_EXACT, fwd_blocks, tensor_core_row_sum
+from .triton_tiles import key_range, round_to
+
+MAX_QUERIES = tl.constexpr(decode_plan.MAX_QUERIES)
+MAX_ROWS = 64  # packed rows per program: more (G * Nq > 64) take several row blocks, each reading its split
+
+
+@triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "split", "n_splits", "b_first"])
+def attn_decode_kernel(
+    Q, K, V, KPM, Acc, Lsum, Roff, Mmax,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_kpmb,
+    Hq, G, Nq, Nk, window, split, n_splits, b_first,
+    qk_scale2, cap_scale, cap_log2e, tie2, min_shift2, max_shift2, beta,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, MODE: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program ``(split * row blocks + row block, KV head, batch - b_first)``: the partial of one split for
+    ``BLOCK_M`` packed rows (query head ``hkv * G + g``, query ``i``) of ``[B, H, N, D]`` tensors."""
+    n_rb = tl.cdiv(G * Nq, BLOCK_M)
+    split_id = tl.program_id(0) // n_rb
+    rb = tl.program_id(0) % n_rb
+    hkv = tl.program_id(1)
+    b = tl.program_id(2) + b_first
+    b64 = b.to(tl.int64)
+    pos_offset = Nk - Nq  # causal and window are aligned bottom-right
+
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * Nq
+    g = rows // Nq
+    offs_i = rows % Nq  # the query index of each row: causal and window read it
+    h = hkv * G + g
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = row_ok[:, None]
+    if HEAD_D != BLOCK_D:
+        q_mask = q_mask & (offs_d[None, :] < HEAD_D)
+    q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + offs_i[:, None] * stride_qn + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_ptrs = K + b64 * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + b64 * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
+    drop_row = offs_i.to(tl.int64)  # unused: no dropout here
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    r_i = tl.full([BLOCK_M], -FP32_MAX, tl.float32)  # the initial offset: every split starts here
+    if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, False):
+        l_i = tl.zeros([BLOCK_M, L_COLS], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m2_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # unused: no statistics
+    fixed = tl.zeros([BLOCK_M], tl.int32)
+    ent_i = tl.zeros([BLOCK_M], tl.float32)
+    ent_l = tl.zeros([BLOCK_M], tl.float32)
+
+    # the visible blocks of all Nq queries (MAX_QUERIES rows: at worst one more block in the masked
+    # stretches, the same bits), cut to this split's keys [s0, s1)
+    lo, mid_lo, mid_hi, hi_al = key_range(0, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, MAX_QUERIES, BLOCK_N)
+    s0 = split_id * split
+    s1 = s0 + split
+    if WINDOW:  # cut by the window's left edge (masked)
+        acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_blocks(
+            m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, b, hkv, k_ptrs, v_ptrs, kpm_ptrs,
+            tl.maximum(lo, s0), tl.minimum(mid_lo, s1), offs_i, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2,
+            cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2, max_shift2, beta, 0, 0.0, drop_row,
+            True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, 0, False, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, False)
+    acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_blocks(  # seen in full by every row (unmasked)
+        m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, b, hkv, k_ptrs, v_ptrs, kpm_ptrs,
+        tl.maximum(mid_lo, s0), tl.minimum(mid_hi, s1), offs_i, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2,
+        cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2, max_shift2, beta, 0, 0.0, drop_row,
+        False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, 0, False, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, False)
+    acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_blocks(  # cut by the diagonal or the end of the keys
+        m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, b, hkv, k_ptrs, v_ptrs, kpm_ptrs,
+        tl.maximum(mid_hi, s0), tl.minimum(hi_al, s1), offs_i, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2,
+        cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2, max_shift2, beta, 0, 0.0, drop_row,
+        True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, 0, False, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, False)
+    if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, False):
+        l_i = tl.max(l_i, 1)
+
+    part = ((b64 * Hq + h) * Nq + offs_i) * n_splits + split_id  # partial (b, h, i, split)
+    tl.store(Acc + part[:, None] * HEAD_D + offs_d[None, :], acc, mask=q_mask)
+    tl.store(Lsum + part, l_i, mask=row_ok)
+    tl.store(Roff + part, r_i, mask=row_ok)
+    tl.store(Mmax + part, m_i, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["Hq", "Nq", "n_splits"])
+def attn_decode_combine_kernel(
+    Acc, Lsum, Roff, Mmax, Out, Lse, stride_ob, stride_oh, stride_on, Hq, Nq, n_splits,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Program ``row = (b * Hq + h) * Nq + i``: the merge of the row's splits (reference_decode.combine)."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // (Hq * Nq)
+    h = (row // Nq) % Hq
+    i = row % Nq
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < n_splits
+    part = row * n_splits + offs_s
+    r = tl.load(Roff + part, mask=s_ok, other=-FP32_MAX)
+    l_s = tl.load(Lsum + part, mask=s_ok, other=0.0)
+    m = tl.load(Mmax + part, mask=s_ok, other=float("-inf"))
+    a_mask = s_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    acc = tl.load(Acc + part[:, None] * HEAD_D + offs_d[None, :], mask=a_mask, other=0.0)
+    r_max = tl.max(r, 0)  # r_s >= -FP32_MAX: r_s - r_max is never inf - inf
+    w = tl.exp2(r - r_max)
+    l_sum = tl.sum(w * l_s, 0)
+    o = tl.sum(w[:, None] * acc, 0) / l_sum
+    seen = tl.max(m, 0) != float("-inf")  # a row that sees no key outputs zeros and lse +inf
+    o = tl.where(seen, o, 0.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + i * stride_on + offs_d, round_to(o, DTYPE, UPCAST).to(DTYPE),
+             mask=offs_d < HEAD_D)
+    tl.store(Lse + row, tl.where(seen, r_max + tl.log2(l_sum), float("inf")))
+
+
+def block_rows(groups: int, nq: int) -> int:
+    """Packed rows per program: ``G * Nq`` rounded up to a power of two, between 16 (tl.dot's minimum) and 64."""
+    return min(MAX_ROWS, max(16, triton.next_power_of_2(groups * nq)))
+
+
+def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int, nq: int, causal: bool,
+                     window: bool, softcap: bool, kpm: bool, mode: int, block_n: int, upcast: bool = False
+                     ) -> tuple[dict, dict]:
+    """``(constexprs, compile options)`` of :func:`attn_decode_kernel`: what :func:`forward` launches and what
+    ``triton_aot`` compiles (benchmarks/kernel_resources.py ``--kernels decode``). ``block_n``: the rule's key
+    block (``Options.key_block``), never retiled here: the decode kernel walks the partition block by block."""
+    consts = dict(CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, HAS_KPM=kpm, MODE=mode, HEAD_D=head_dim,
+                  BLOCK_D=head_block(head_dim), BLOCK_M=block_rows(groups, nq), BLOCK_N=block_n,
+                  DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast))
+    # 8 warps where a K tile is 128 x 128 or more: with 4, the 128-key blocks at D = 128 took 255 registers and
+    # spilled (stabilize off, sm_90: benchmarks/decode_resources.py)
+    warps = 8 if block_n * consts["BLOCK_D"] >= 128 * 128 else 4
+    return consts, dict(num_warps=warps, num_stages=3 if cc >= 90 else 2, **FWD_COMPILE_OPTIONS)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None, opts: Options,
+            split: int | None = None, return_partials: bool = False):
+    """The decode forward on the GPU (or the interpreter): ``(out, lse2, None)`` as
+    ``triton_attention.forward`` returns them; ``return_partials``: also the splits' ``(acc, l, r, m)``, shaped
+    as ``reference_decode.partials`` returns them. ``split`` defaults to ``decode_plan.split_keys``."""
+    _check_device(q)
+    q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    if Hkv > _MAX_GRID_Y:
+        raise ValueError(f"Hkv={Hkv} KV heads: the decode kernel launches one grid row per KV head and CUDA allows "
+                         f"at most {_MAX_GRID_Y}")
+    block_n = opts.key_block
+    if split is None:
+        split = decode_plan.split_keys(B, Hkv, Nk, block_n)
+    decode_plan.check_split(split, block_n)
+    S = decode_plan.num_splits(Nk, split)
+    upcast = interpreting()
+    consts, compile_opts = decode_constants(
+        D, q.dtype, _capability(q.device), groups=G, nq=Nq, causal=opts.causal, window=opts.window is not None,
+        softcap=opts.softcap is not None, kpm=key_padding_mask is not None, mode=opts.mode, block_n=block_n,
+        upcast=upcast)
+    acc = _empty((B, Hq, Nq, S, D), torch.float32, q.device)
+    l_s, r_s, m_s = (_empty((B, Hq, Nq, S), torch.float32, q.device) for _ in range(3))
+    out = _empty((B, Hq, Nq, D), q.dtype, q.device)
+    lse2 = _empty((B, Hq, Nq), torch.float32, q.device)
+    tie2, min_shift2, max_shift2 = rules.rule_constants(q.dtype, opts.mode)
+    sc = _scalars(opts, q.dtype)
+    kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
+    kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
+    n_rb = triton.cdiv(G * Nq, consts["BLOCK_M"])
+    for b_first, nb in _batches(B):
+        attn_decode_kernel[(S * n_rb, Hkv, nb)](
+            q, k, v, kpm, acc, l_s, r_s, m_s,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), kpm_stride,
+            Hq, G, Nq, Nk, sc["window"], split, S, b_first,
+            sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, min_shift2, max_shift2, opts.beta,
+            **consts, **compile_opts,
+        )
+    if B * Hq * Nq > 0:
+        attn_decode_combine_kernel[(B * Hq * Nq,)](
+            acc, l_s, r_s, m_s, out, lse2, out.stride(0), out.stride(1), out.stride(2), Hq, Nq, S,
+            HEAD_D=D, BLOCK_D=consts["BLOCK_D"], BLOCK_S=triton.next_power_of_2(S), DTYPE=consts["DTYPE"],
+            UPCAST=upcast, num_warps=4, **FWD_COMPILE_OPTIONS,  # no contraction: the mirror rounds each step
+        )
+    if return_partials:
+        return out, lse2, None, (acc, l_s, r_s, m_s)
+    return out, lse2, None
