@@ -187,7 +187,8 @@ def attn_bwd_dq_sum_kernel(DQP, DQ, stride_dqb, stride_dqh, stride_dqn, Hq, Nq, 
              round_to(acc, DTYPE, UPCAST).to(DTYPE), mask=mask)
 
 
-def fused_constants(head_dim: int, dtype: torch.dtype, cc: int, *, atomic: bool = False, **features) -> tuple[dict, dict]:
+def fused_constants(head_dim: int, dtype: torch.dtype, cc: int, *, atomic: bool = False,
+                    **features) -> tuple[dict, dict]:
     """``(constexprs, compile options)`` of the fused kernel: the dK/dV kernel's tiling and constants
     (``triton_attention.launch_constants("bwd_dkdv", ...)``, the one place they are chosen) plus ``ATOMIC``.
     ``features``: the other keyword arguments of ``launch_constants`` (causal, window, ...)."""
