@@ -479,6 +479,10 @@ def backward_varlen(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     sequence's q or dO would reach this sequence's dK/dV, as it reaches the loss anyway).
     """
     packed = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    mode = backward_mode()  # STABLE_ATTN_BACKWARD, as in backward()
+    if mode != "two-kernel":
+        return backward_fused(do, q, k, v, out, lse2, None, opts, atomic=mode == "fused-atomic", config=config,
+                              packed=packed)
     return _backward(do, q, k, v, out, lse2, None, opts, config, packed)
 
 
