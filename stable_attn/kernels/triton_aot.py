@@ -44,7 +44,7 @@ from .triton_backward import (
     attn_bwd_preprocess,
     attn_bwd_preprocess_varlen,
 )
-from .triton_backward_fused import attn_bwd_fused_kernel, fused_constants
+from .triton_backward_fused import attn_bwd_fused_kernel, attn_bwd_fused_varlen_kernel, fused_constants
 from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 
 # Shared memory one block may use (bytes): A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
@@ -53,12 +53,13 @@ SHARED_LIMIT = {80: 166912, 90: 232448}
 _PTR = {"KPM": "*u8", "Lse": "*fp32", "Delta": "*fp32", "StSat": "*i8", "StFixed": "*i32", "StMax": "*fp32",
         "StSink": "*fp32", "StEnt": "*fp32", "CuQ": "*i32", "CuK": "*i32", "DQP": "*fp32"}
 _INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q", "b_first", "n_rows"}
-# bwd_fused / bwd_fused_atomic: the fused backward prototype (triton_backward_fused.py), dense only
+# bwd_fused / bwd_fused_atomic: the fused backward prototype (triton_backward_fused.py)
 KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic")
 _KERNELS = {"fwd": attn_fwd_kernel, "bwd_pre": attn_bwd_preprocess, "bwd_dkdv": attn_bwd_dkdv_kernel,
             "bwd_dq": attn_bwd_dq_kernel, "bwd_fused": attn_bwd_fused_kernel, "bwd_fused_atomic": attn_bwd_fused_kernel}
 _VARLEN_KERNELS = {"fwd": attn_fwd_varlen_kernel, "bwd_pre": attn_bwd_preprocess_varlen,
-                   "bwd_dkdv": attn_bwd_dkdv_varlen_kernel, "bwd_dq": attn_bwd_dq_varlen_kernel}
+                   "bwd_dkdv": attn_bwd_dkdv_varlen_kernel, "bwd_dq": attn_bwd_dq_varlen_kernel,
+                   "bwd_fused": attn_bwd_fused_varlen_kernel, "bwd_fused_atomic": attn_bwd_fused_varlen_kernel}
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,8 @@ def _constants(v: Variant) -> tuple[dict, dict]:
         return dict(HEAD_D=v.head_dim, BLOCK_D=head_block(v.head_dim), BLOCK_M=64), dict(num_warps=4, num_stages=1)
     f = v.features
     if v.kind in ("bwd_fused", "bwd_fused_atomic"):
-        if v.varlen:
-            raise ValueError(f"{v.kind}: the fused backward prototype has no varlen kernel")
         return fused_constants(v.head_dim, v.dtype, v.cc, atomic=v.kind == "bwd_fused_atomic", causal=v.causal,
-                               window=f, softcap=f, dropout=f, kpm=f)
+                               window=f, softcap=f, dropout=f, kpm=None if v.varlen else f)
     return launch_constants(v.kind, v.head_dim, v.dtype, v.cc, causal=v.causal, window=f, softcap=f, dropout=f,
                             kpm=None if v.varlen else f, mode=v.mode, stats=v.stats, block_n=v.block_n)
 

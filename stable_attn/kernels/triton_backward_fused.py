@@ -11,17 +11,18 @@ and ``dQ_j = dS K``, with the arithmetic and rounding points of the two-kernel p
 dQ of a query tile is a sum over the key tiles that see it, and those live in different programs:
 
 - ordered (the default, deterministic): key tile ``j`` writes its fp32 partial ``dQ_j`` to a scratch
-  buffer ``[n_key_tiles, B, Hq, Nq, D]``; ``attn_bwd_dq_sum_kernel`` then adds, per query tile, the
-  partials of exactly the key tiles that wrote one (``triton_backward.query_range``, the same function
-  the fused program walks by), in ascending ``j``, and rounds once to the input dtype: the same bits
-  on every run. Cost: ``n_key_tiles`` fp32 copies of dQ in memory (written once, read once);
-  the dQ of a 4k-token head at D = 128 with 128-key tiles takes 32 x 2 MiB = 64 MiB of scratch.
-- ``atomic`` (explicit opt-in): ``tl.atomic_add`` of the partials into one zeroed fp32 ``[B, Hq, Nq, D]``
+  buffer ``[n_key_tiles, rows, D]`` (rows indexed like ``lse2``); ``attn_bwd_dq_sum_kernel`` then adds,
+  per query tile, the partials of exactly the key tiles that wrote one (``triton_backward.query_range``,
+  the same function the fused program walks by), in ascending ``j``, and rounds once to the input
+  dtype: the same bits on every run. Cost: ``n_key_tiles`` fp32 copies of dQ in memory (written once,
+  read once); per (batch, head) of 4k tokens at D = 128 with 128-key tiles, 32 x 2 MiB = 64 MiB.
+- ``atomic`` (explicit opt-in): ``tl.atomic_add`` of the partials into one zeroed fp32 ``[rows, D]``
   buffer, then one cast. O(dQ) memory, but the fp32 additions happen in whatever order the programs
   reach them: dQ may differ in its last bits from run to run.
 
-Not wired by default: the static figures say the fused loop does not win at both head dims
-(docs/ARCHITECTURE.md, "Backward"; docs/BENCHMARKS.md). It is selected by
+Not the default: on sm_90 its lowest-R tiles spill and its spill-free tiles are issue-bound, at
+D = 64 and 128 (docs/ARCHITECTURE.md, "The backward"; docs/BENCHMARKS.md, "The backward: two kernels
+against a fused prototype"). It is selected by
 ``STABLE_ATTN_BACKWARD=fused`` or ``fused-atomic`` (:func:`backward_mode`), for dense inputs
 (``triton_attention.backward``) and packed sequences (``backward_varlen``: ``attn_bwd_fused_varlen_kernel``
 and ``attn_bwd_dq_sum_varlen_kernel``, the offsets of ``triton_backward.dkdv_program``).
