@@ -16,6 +16,8 @@ the schedulers' clocks with the tensor cores' clocks per iteration on an H100/H2
     python benchmarks/kernel_resources.py --kernels bwd_dkdv bwd_dq --features false true --jobs 1
     python benchmarks/kernel_resources.py --cc 90 --d 64 128 --varlen true --jobs 1   # packed sequences
     python benchmarks/kernel_resources.py --cc 90 --d 64 --kernels fwd --stats-modes off exact paper --opcodes
+    python benchmarks/kernel_resources.py --cc 90 80 --d 64 128 --causal true false --kernels bwd_dkdv bwd_dq \
+        bwd_fused bwd_fused_atomic --jobs 1                     # the fused backward prototype beside today's
 
 ``--json PATH`` writes one row per variant (fields: kernel, d, mode, stats, cc, regs, spill_bytes,
 shared, wgmma, warps, loop_sass, mma_clk, issue_clk, R, cubin, and more) and keeps the cubins in
@@ -52,7 +54,7 @@ from stable_attn.stats import STATS_ENTROPY  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = {name: mode for mode, name in MODE_NAMES.items()}
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic")  # the fused ones only when asked
 
 
 def variants(args) -> list[Variant]:
@@ -68,7 +70,7 @@ def variants(args) -> list[Variant]:
             if args.entropy:  # the statistics with the entropy (stats.STATS_ENTROPY)
                 out += [Variant("fwd", DTYPES[dt], d, causal, MODES[mode], STATS_ENTROPY, cc, **kw)
                         for mode in args.stats_modes if mode in args.modes]
-        out += [Variant(k, DTYPES[dt], d, causal, cc=cc, **kw) for k in ("bwd_dkdv", "bwd_dq") if k in args.kernels]
+        out += [Variant(k, DTYPES[dt], d, causal, cc=cc, **kw) for k in KERNELS[1:] if k in args.kernels]
     return out
 
 
@@ -86,6 +88,47 @@ def table(rows: list[dict]) -> str:
                      f"{r['limit']} | {r['regs']} | {r['spill_bytes']} | {'yes' if r['wgmma'] else 'no'} | "
                      f"{_num(r['loop_sass'], 'd')} | {_num(r['mma_clk'], '.0f')} | {_num(r['issue_clk'], '.0f')} | "
                      f"{_num(r['R'], '.2f')} | {r['compile_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def per_tile(r: dict, rows: int = 128, cols: int = 128) -> tuple[float, float]:
+    """``(MMA clk, issue clk)`` of a variant's steady loop scaled to a ``rows x cols`` score tile."""
+    reps = rows * cols / (r["block_m"] * r["block_n"])
+    return r["mma_clk"] * reps, r["issue_clk"] * reps
+
+
+def backward_designs(rows: list[dict]) -> str:
+    """The two backward designs side by side, per (cc, dtype, D, causal) with dK/dV, dQ and fused rows.
+
+    Per 128 x 128 score tile: tensor and issue clocks of each design's steady loops (two-kernel: the
+    dK/dV and dQ loops added), ``R`` = issue / tensor of the design, and ``bound`` = the sum over its
+    kernels of max(tensor, issue) clocks; the fused design's bound relative to the two-kernel one.
+    Memory traffic (the fused kernel's fp32 dQ partials) is not in it.
+    """
+    key = lambda r: (r["cc"], r["dtype"], r["d"], r["causal"])  # noqa: E731
+    by = {}
+    for r in rows:
+        if r["R"] is not None and "varlen" not in r["variant"] and "window" not in r["variant"]:
+            by.setdefault(key(r), {})[r["kernel"]] = r
+    lines = ["| cc | dtype | D | causal | design | tiles | regs | spill B | tensor clk | issue clk | R | bound | "
+             "bound vs two-kernel |", "|---|---|---:|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for k, kr in sorted(by.items()):
+        if not {"bwd_dkdv", "bwd_dq"} <= kr.keys():
+            continue
+        two = [kr["bwd_dkdv"], kr["bwd_dq"]]
+        designs = [("two-kernel", two)] + [(name, [kr[name]]) for name in ("bwd_fused", "bwd_fused_atomic")
+                                           if name in kr]
+        base = None
+        for name, rs in designs:
+            clk = [per_tile(r) for r in rs]
+            mma, issue = sum(c[0] for c in clk), sum(c[1] for c in clk)
+            bound = sum(max(c) for c in clk)
+            base = base or bound
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {name} | "
+                         + " + ".join(f"{r['block_m']}x{r['block_n']}/{r['warps']}" for r in rs) + " | "
+                         + " / ".join(str(r["regs"]) for r in rs) + " | "
+                         + " / ".join(str(r["spill_bytes"]) for r in rs)
+                         + f" | {mma:.0f} | {issue:.0f} | {issue / mma:.2f} | {bound:.0f} | {bound / base:.2f} |")
     return "\n".join(lines)
 
 
@@ -108,11 +151,21 @@ def main() -> None:
                    help="window, softcap, padding mask and dropout all on (true) or all off (false)")
     p.add_argument("--varlen", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False],
                    help="the packed-sequence variants (true), the dense ones (false), or both")
+    p.add_argument("--designs", action="store_true",
+                   help="also print the backward designs side by side (needs bwd_dkdv, bwd_dq and bwd_fused rows)")
+    p.add_argument("--from-json", nargs="+", metavar="JSON",
+                   help="read the rows from these --json files instead of compiling (with --designs)")
     p.add_argument("--jobs", type=int, default=2, help="parallel compiles")
     p.add_argument("--json", help="write the rows here (and the cubins next to it)")
     p.add_argument("--cubin-dir", help="keep the cubins here instead (default: next to --json, else a temp dir)")
     args = p.parse_args()
 
+    if args.from_json:
+        rows = [r for path in args.from_json for r in json.load(open(path))]
+        print(table(rows))
+        if args.designs:
+            print(backward_designs(rows))
+        return
     vs = variants(args)
     print(f"triton {triton.__version__}, torch {torch.__version__}; {len(vs)} variants")
     cubin_dir = args.cubin_dir or ((os.path.splitext(args.json)[0] + "_cubins") if args.json
@@ -124,6 +177,8 @@ def main() -> None:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             rows = list(pool.map(describe, vs, [cubin_dir] * len(vs)))
     print(table(rows))
+    if args.designs:
+        print(backward_designs(rows))
     if args.opcodes:
         for r in rows:
             if r["loop_sass"] is not None:

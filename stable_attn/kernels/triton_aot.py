@@ -44,19 +44,22 @@ from .triton_backward import (
     attn_bwd_preprocess,
     attn_bwd_preprocess_varlen,
 )
+from .triton_backward_fused import attn_bwd_fused_kernel, attn_bwd_fused_varlen_kernel, fused_constants
 from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 
 # Shared memory one block may use (bytes): A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
 SHARED_LIMIT = {80: 166912, 90: 232448}
 
 _PTR = {"KPM": "*u8", "Lse": "*fp32", "Delta": "*fp32", "StSat": "*i8", "StFixed": "*i32", "StMax": "*fp32",
-        "StSink": "*fp32", "StEnt": "*fp32", "CuQ": "*i32", "CuK": "*i32"}
-_INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q", "b_first"}
-KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
+        "StSink": "*fp32", "StEnt": "*fp32", "CuQ": "*i32", "CuK": "*i32", "DQP": "*fp32"}
+_INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q", "b_first", "n_rows"}
+# bwd_fused / bwd_fused_atomic: the fused backward prototype (triton_backward_fused.py)
+KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic")
 _KERNELS = {"fwd": attn_fwd_kernel, "bwd_pre": attn_bwd_preprocess, "bwd_dkdv": attn_bwd_dkdv_kernel,
-            "bwd_dq": attn_bwd_dq_kernel}
+            "bwd_dq": attn_bwd_dq_kernel, "bwd_fused": attn_bwd_fused_kernel, "bwd_fused_atomic": attn_bwd_fused_kernel}
 _VARLEN_KERNELS = {"fwd": attn_fwd_varlen_kernel, "bwd_pre": attn_bwd_preprocess_varlen,
-                   "bwd_dkdv": attn_bwd_dkdv_varlen_kernel, "bwd_dq": attn_bwd_dq_varlen_kernel}
+                   "bwd_dkdv": attn_bwd_dkdv_varlen_kernel, "bwd_dq": attn_bwd_dq_varlen_kernel,
+                   "bwd_fused": attn_bwd_fused_varlen_kernel, "bwd_fused_atomic": attn_bwd_fused_varlen_kernel}
 
 
 @dataclass(frozen=True)
@@ -124,8 +127,9 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
     fn = (_VARLEN_KERNELS if v.varlen else _KERNELS)[v.kind]
     descriptors = {}
     if consts.get("TMA"):  # the launcher's descriptors: a row block of one (batch, head) of [B, H, N, D]
-        names = ("Q", "DO") if v.kind == "bwd_dkdv" else ("K", "V")  # fwd and bwd_dq stream K and V
-        rows = ((consts["BLOCK_M"],) * 2 if v.kind == "bwd_dkdv" else  # or of one head of [total, H, D]
+        streams_q = v.kind in ("bwd_dkdv", "bwd_fused", "bwd_fused_atomic")
+        names = ("Q", "DO") if streams_q else ("K", "V")  # fwd and bwd_dq stream K and V
+        rows = ((consts["BLOCK_M"],) * 2 if streams_q else  # or of one head of [total, H, D]
                 (consts.get("TILE_N", consts["BLOCK_N"]), consts["BLOCK_N"]))  # the forward's K: a whole key tile
         descriptors = {n: (r, 1, consts["BLOCK_D"]) if v.varlen else (1, 1, r, consts["BLOCK_D"])
                        for n, r in zip(names, rows)}
@@ -139,6 +143,9 @@ def _constants(v: Variant) -> tuple[dict, dict]:
     if v.kind == "bwd_pre":
         return dict(HEAD_D=v.head_dim, BLOCK_D=head_block(v.head_dim), BLOCK_M=64), dict(num_warps=4, num_stages=1)
     f = v.features
+    if v.kind in ("bwd_fused", "bwd_fused_atomic"):
+        return fused_constants(v.head_dim, v.dtype, v.cc, atomic=v.kind == "bwd_fused_atomic", causal=v.causal,
+                               window=f, softcap=f, dropout=f, kpm=None if v.varlen else f)
     return launch_constants(v.kind, v.head_dim, v.dtype, v.cc, causal=v.causal, window=f, softcap=f, dropout=f,
                             kpm=None if v.varlen else f, mode=v.mode, stats=v.stats, block_n=v.block_n)
 
@@ -247,9 +254,10 @@ def iteration_flops(kind: str, block_m: int, block_n: int, block_d: int) -> int:
     """Tensor FLOPs of one loop iteration over a ``block_m x block_n`` score tile at padded head dim.
 
     fwd: ``S = Q K^T`` and ``P V``; dK/dV: ``S^T``, ``dP^T = V dO^T``, ``dV += P^T dO``, ``dK += dS^T Q``;
-    dQ: ``S``, ``dP = dO V^T``, ``dQ += dS K``. Each product is ``2 * m * n * d``.
+    dQ: ``S``, ``dP = dO V^T``, ``dQ += dS K``; fused (dK/dV's four and ``dQ_j = dS K``): 5. Each product
+    is ``2 * m * n * d``.
     """
-    gemms = {"fwd": 2, "bwd_dkdv": 4, "bwd_dq": 3}[kind]
+    gemms = {"fwd": 2, "bwd_dkdv": 4, "bwd_dq": 3, "bwd_fused": 5, "bwd_fused_atomic": 5}[kind]
     return gemms * 2 * block_m * block_n * block_d
 
 
@@ -285,7 +293,8 @@ def describe(v: Variant, cubin_dir: str | None = None) -> dict:
                spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]), wgmma="wgmma" in kernel.asm["ptx"],
                cubin_bytes=len(cubin), cubin=os.path.abspath(path) if cubin_dir else None, compile_s=seconds,
                loop_sass=None, loop_mma=None, mma_clk=None, issue_clk=None, R=None)
-    if v.kind in ("fwd", "bwd_dkdv", "bwd_dq") and v.dtype != torch.float32:  # fp32 runs no tensor cores
+    looped = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic")
+    if v.kind in looped and v.dtype != torch.float32:  # fp32 runs no tensor cores
         loop = steady_loop(parse_sass(sass_of(cubin)))
         mma_clk = iteration_flops(v.kind, block_m, block_n, head_block(v.head_dim)) / TENSOR_FLOP_PER_CLK
         issue_clk = warps * loop.sass / ISSUE_PER_CLK

@@ -50,6 +50,7 @@ from .triton_backward import (
     attn_bwd_preprocess,
     attn_bwd_preprocess_varlen,
 )
+from .triton_backward_fused import backward_fused, backward_mode
 from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 
 # No implicit multiply-add contraction in the forward: P-bar's single rounding is the kernel's explicit
@@ -471,7 +472,15 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse2: torch.Tensor, key_padding_mask: torch.Tensor | None, opts: Options, *,
              config: BwdConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashAttention-2 backward from the saved ``out`` and base-2 ``lse2``: ``(dq, dk, dv)``."""
+    """FlashAttention-2 backward from the saved ``out`` and base-2 ``lse2``: ``(dq, dk, dv)``.
+
+    Two kernels (dK/dV, dQ) by default; ``STABLE_ATTN_BACKWARD=fused`` (or ``fused-atomic``) runs the
+    fused prototype of ``triton_backward_fused.py`` instead (opt-in: docs/ARCHITECTURE.md says why).
+    """
+    mode = backward_mode()
+    if mode != "two-kernel":
+        return backward_fused(do, q, k, v, out, lse2, key_padding_mask, opts, atomic=mode == "fused-atomic",
+                              config=config)
     return _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, None)
 
 
@@ -489,6 +498,10 @@ def backward_varlen(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     sequence's q or dO would reach this sequence's dK/dV, as it reaches the loss anyway).
     """
     packed = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    mode = backward_mode()  # STABLE_ATTN_BACKWARD, as in backward()
+    if mode != "two-kernel":
+        return backward_fused(do, q, k, v, out, lse2, None, opts, atomic=mode == "fused-atomic", config=config,
+                              packed=packed)
     return _backward(do, q, k, v, out, lse2, None, opts, config, packed)
 
 

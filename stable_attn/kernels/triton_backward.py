@@ -86,6 +86,24 @@ def dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_pt
                BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                TMA: tl.constexpr):
     """One query block's contribution to dK, dV of a key block, in transposed ``[BLOCK_N, BLOCK_M]`` tiles."""
+    dk, dv, _ = dkdv_step(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
+                          offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e,
+                          scale, seed, drop_p, keep_scale, drop_head, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT,
+                          HEAD_D, BLOCK_D, BLOCK_M, DTYPE, UPCAST, PREC, TMA)
+    return dk, dv
+
+
+@triton.jit
+def dkdv_step(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
+              offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
+              seed, drop_p, keep_scale, drop_head,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+              HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+              TMA: tl.constexpr):
+    """:func:`dkdv_block`'s arithmetic, also returning ``dS * scale`` rounded to the input dtype
+    (``[BLOCK_N, BLOCK_M]``, the operand of ``dS^T Q``), which the fused backward
+    (``triton_backward_fused.py``) multiplies by K for its dQ: one place for the rounding points."""
     offs_m = start_m + offs_m0
     row_ok = offs_m < Nq
     q = load_tile(Q, q_ptrs, b, h, start_m, stride_qn, offs_m0, offs_d, Nq, BLOCK_M, HEAD_D, BLOCK_D, TMA)
@@ -133,7 +151,36 @@ def dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_pt
         ds = ds * (1.0 - t * t)
     ds_cast = round_to(ds * scale, DTYPE, UPCAST)
     dk = tl.dot(ds_cast, q, dk, input_precision=PREC)
-    return dk, dv
+    return dk, dv, ds_cast
+
+
+@triton.jit
+def query_range(start_n, Nq, Nk, pos_offset, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query blocks for keys ``[start_n, start_n + BLOCK_N)``: ``(q_lo, mid_lo, mid_hi, q_hi)``, block-aligned.
+
+    ``[q_lo, q_hi)`` holds the query blocks that see some key of this block; ``[mid_lo, mid_hi)`` those
+    that see all of it (no structural mask). The fused backward's dQ sum asks it which key blocks wrote
+    a partial for a query block, so the two cannot disagree.
+    """
+    q_lo = 0
+    q_hi = Nq
+    full_lo = 0
+    full_hi = Nq + BLOCK_M
+    if CAUSAL:
+        q_lo = (tl.maximum(start_n - pos_offset, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - pos_offset, 0), BLOCK_M) * BLOCK_M
+    if WINDOW:
+        q_hi = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - pos_offset + window, 0), Nq)
+        full_hi = (tl.maximum(start_n + window - pos_offset, 0) // BLOCK_M) * BLOCK_M
+    q_hi = tl.cdiv(q_hi, BLOCK_M) * BLOCK_M
+    q_lo = tl.minimum(q_lo, q_hi)
+    mid_lo = tl.minimum(tl.maximum(full_lo, q_lo), q_hi)
+    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), q_hi)
+    if start_n + BLOCK_N > Nk:  # a partial key block is masked everywhere: all in the first stretch
+        mid_lo = q_hi
+        mid_hi = q_hi
+    return q_lo, mid_lo, mid_hi, q_hi
 
 
 @triton.jit
@@ -180,24 +227,7 @@ def dkdv_program(
     if HAS_KPM:
         kp = tl.load(KPM + b64 * stride_kpmb + offs_n, mask=offs_n < Nk, other=0) != 0
 
-    # query blocks [q_lo, q_hi) that see some key of this block; [mid_lo, mid_hi) see all of it
-    q_lo = 0
-    q_hi = Nq
-    full_lo = 0
-    full_hi = Nq + BLOCK_M
-    if CAUSAL:
-        q_lo = (tl.maximum(start_n - pos_offset, 0) // BLOCK_M) * BLOCK_M
-        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - pos_offset, 0), BLOCK_M) * BLOCK_M
-    if WINDOW:
-        q_hi = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - pos_offset + window, 0), Nq)
-        full_hi = (tl.maximum(start_n + window - pos_offset, 0) // BLOCK_M) * BLOCK_M
-    q_hi = tl.cdiv(q_hi, BLOCK_M) * BLOCK_M
-    q_lo = tl.minimum(q_lo, q_hi)
-    mid_lo = tl.minimum(tl.maximum(full_lo, q_lo), q_hi)
-    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), q_hi)
-    if start_n + BLOCK_N > Nk:  # a partial key block is masked everywhere: all in the first stretch
-        mid_lo = q_hi
-        mid_hi = q_hi
+    q_lo, mid_lo, mid_hi, q_hi = query_range(start_n, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)

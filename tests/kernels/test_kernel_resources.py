@@ -149,6 +149,7 @@ def test_iteration_flops():
     assert aot.iteration_flops("fwd", 128, 64, 128) == 2 * 2 * 128 * 64 * 128
     assert aot.iteration_flops("bwd_dkdv", 64, 128, 128) == 4 * 2 * 64 * 128 * 128
     assert aot.iteration_flops("bwd_dq", 128, 64, 64) == 3 * 2 * 128 * 64 * 64
+    assert aot.iteration_flops("bwd_fused", 64, 128, 64) == 5 * 2 * 64 * 128 * 64
 
 
 if __name__ == "__main__":
