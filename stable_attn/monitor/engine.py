@@ -349,7 +349,8 @@ class MonitorEngine:
                             self.name, when, exc)
         self._watch.enable(False)
         if self.recovery is not None:
-            self.recovery.lr.unwrap()
+            for scale in self.recovery.lr:
+                scale.unwrap()
 
     def log_summary(self) -> None:
         """The :meth:`summary` line at WARNING, on rank zero."""
@@ -466,8 +467,6 @@ class MonitorEngine:
         decision, self._recover_decision = self._recover_decision, None
         if verdict.recover:
             verdict = self._recover_verdict(step, decision or "recover")
-        elif self.recovery is not None and not verdict.drop:
-            self.recovery.scale_lr(step, optimizer)
         if verdict.drop:
             # No gradients, no update: torch optimizers skip parameters whose .grad is None.
             optimizer.zero_grad(set_to_none=True)
@@ -560,6 +559,10 @@ class MonitorEngine:
             rolled_back = True
         elif self.recovery is not None and not self._acted and self.recovery.ring.due(state.step):
             self.recovery.ring.take(state, self._judge.detector_states())
+        if self.recovery is not None:
+            # for the next optimizer.step() only: installed now, after this step's optimizer and scheduler
+            # steps (Lightning runs the step's closure, and so before_optimizer_step, inside optimizer.step())
+            self.recovery.scale_lr(step + 1, state.optimizers)
 
         stop = None
         if self._pending_stop:

@@ -206,7 +206,7 @@ class Recovery:
         self.last_step: int | None = None
         self.window: SkipWindow | None = None
         self.lr_until: int | None = None  # optimizer steps up to this one (inclusive) run at lr x lr_factor
-        self.lr = LrScale()
+        self.lr: list[LrScale] = []  # one per optimizer while a scaled step is due
         self.skipped_batches = 0  # over the run, counted by the adapters' streams
         self.history: list[dict[str, Any]] = []  # one entry per recovery (the summary and the benchmark read it)
         #: Where the adapter's data stream stands (epoch, next data index, batches given to the loop), kept
@@ -242,12 +242,18 @@ class Recovery:
             return True
         return False
 
-    def scale_lr(self, step: int, optimizer: Any) -> bool:
-        """Scale the learning rate of this step's ``optimizer.step()`` if the recovery asks for it."""
+    def scale_lr(self, step: int, optimizers: Any) -> bool:
+        """Scale the learning rate of optimizer step ``step`` (the next ``step()`` call of each optimizer) if a
+        recovery asks for it: steps ``recovery + 1 .. recovery + lr_steps``."""
+        for scale in self.lr:
+            scale.unwrap()
+        self.lr = []
         if self.lr_until is None or step > self.lr_until:
             self.lr_until = None
             return False
-        self.lr.wrap(optimizer, self.lr_factor)
+        self.lr = [LrScale() for _ in optimizers]
+        for scale, optimizer in zip(self.lr, optimizers, strict=True):
+            scale.wrap(optimizer, self.lr_factor)
         return True
 
     def message(self, entry: dict[str, Any]) -> str:
