@@ -121,6 +121,11 @@ class StableAttentionCallback(Callback):
       ranks it is not saved, and a resumed run says at WARNING that rollback history starts afresh;
     - ``"stop"``: the step's update is dropped, a checkpoint is saved to
       ``<log_dir>/stable_attn-stop-step=<step>.ckpt`` and the Trainer stops.
+    - ``"recover"``: the PaLM recipe (docs/RECOVERY.md): the update is dropped, the state of a snapshot
+      ``rollback_steps`` steps back is restored from a ring in host memory, the next ``skip_batches``
+      batches of the epoch are discarded before the fit loop sees them (through the fit loop's data
+      fetcher, undone at teardown), the learning rate optionally runs at ``x lr_factor`` for ``lr_steps``;
+      after ``max_recoveries`` (``cooldown_steps`` apart) the next spike stops as for ``"stop"``.
 
     Early warnings only alert.
 

@@ -22,8 +22,9 @@ transformers >= 5, whose Trainer also computes the gradient norm on every step):
 Why the callback reaches into the Trainer: its callbacks receive neither the loss, nor the gradient norm
 before clipping, nor a way to add metrics to the step's log (``on_log`` runs after ``log_history`` and
 the reporting integrations have their copy). So at ``on_train_begin`` the callback finds the Trainer
-that called it (it is ``self`` in the calling frame of ``CallbackHandler``) and wraps three of its
-bound methods on that instance only: ``training_step``, ``accelerator.clip_grad_norm_`` and ``log``.
+that called it (it is ``self`` in the calling frame of ``CallbackHandler``) and wraps four of its
+bound methods on that instance only: ``training_step``, ``accelerator.clip_grad_norm_``, ``log`` and
+``get_batch_samples`` (the data position of each micro-batch, and the skip window of ``on_spike="recover"``).
 ``on_train_end`` puts them back.
 """
 
@@ -96,7 +97,7 @@ _ABSENT = object()
 
 
 class _Taps:
-    """The three wrapped methods of one Trainer instance, and what they saw."""
+    """The four wrapped methods of one Trainer instance, and what they saw."""
 
     def __init__(self, trainer: Trainer, on_loss: Callable[[torch.Tensor], None],
                  on_batch: Callable[[Any, int, int], None] | None = None,
@@ -204,7 +205,10 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     update had been applied); ``"rollback"`` drops it and restores the model, optimizer, LR scheduler, grad
     scaler and RNG state kept in memory every ``rollback_every`` steps; ``"stop"`` drops it, saves a checkpoint
     (``<output_dir>/checkpoint-<step>``, the Trainer's own format, whatever ``save_strategy`` says) and stops
-    training. A NaN or inf loss or gradient never reaches the weights. Under DDP every rank shares its values
+    training; ``"recover"`` rolls back ``rollback_steps``, skips the next ``skip_batches`` batches through a
+    wrapped ``Trainer.get_batch_samples`` (exact on a resume inside the window), optionally scales the learning
+    rate, and stops after ``max_recoveries`` (docs/RECOVERY.md). A NaN or inf loss or gradient never reaches
+    the weights. Under DDP every rank shares its values
     each step, so all ranks take the same action. DeepSpeed is refused (ValueError at ``train()``): it applies
     each update inside ``backward()``, before any callback runs, so no update could be dropped.
 
