@@ -49,12 +49,12 @@ import torch
 
 from . import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, alerting, names
 from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAction: imported from here before
+from .data_position import data_position as _data_position
 from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
 from .qk_clip import QKClip
 from .recovery import Recovery
-from .data_position import data_position as _data_position
 from .resume_checks import check_resumed_state
 from .rollback import (
     Snapshot,

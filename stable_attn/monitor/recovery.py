@@ -280,22 +280,23 @@ class Recovery:
                                  + (" or None" if none else "") + "; resume from a checkpoint this run wrote")
             return value
 
-        self.used = count("used", state.get("used", 0))
-        self.last_step = count("last_step", state.get("last_step"), none=True)
-        self.lr_until = count("lr_until", state.get("lr_until"), none=True)
-        self.skipped_batches = count("skipped_batches", state.get("skipped_batches", 0))
+        # every field checked before any is assigned: a damaged state loads nothing
+        used = count("used", state.get("used", 0))
+        last_step = count("last_step", state.get("last_step"), none=True)
+        lr_until = count("lr_until", state.get("lr_until"), none=True)
+        skipped = count("skipped_batches", state.get("skipped_batches", 0))
         window = state.get("window")
         if window is not None:
             if not isinstance(window, dict):
                 raise ValueError(f"the checkpoint's recovery['window'] is {window!r}, expected None or a dict "
                                  "with epoch, start, stop; resume from a checkpoint this run wrote")
             window = SkipWindow(*(count(f"window.{k}", window.get(k)) for k in ("epoch", "start", "stop")))
-        self.window = window
-        self.history = [dict(e) for e in state.get("history", []) if isinstance(e, dict)]
         stream = state.get("stream")
         if stream is not None:
             if not isinstance(stream, dict):
                 raise ValueError(f"the checkpoint's recovery['stream'] is {stream!r}, expected None or a dict "
                                  "with epoch, index, given; resume from a checkpoint this run wrote")
             stream = {k: count(f"stream.{k}", stream.get(k)) for k in ("epoch", "index", "given")}
-        self.stream = stream
+        self.used, self.last_step, self.lr_until, self.skipped_batches = used, last_step, lr_until, skipped
+        self.window, self.stream = window, stream
+        self.history = [dict(e) for e in state.get("history", []) if isinstance(e, dict)]
