@@ -32,6 +32,7 @@ from ..monitor import names
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
+from ..monitor.recovery import SkipStream
 
 __all__ = ["StableAttentionCallback"]
 
@@ -120,6 +121,11 @@ class StableAttentionCallback(Callback):
       ranks it is not saved, and a resumed run says at WARNING that rollback history starts afresh;
     - ``"stop"``: the step's update is dropped, a checkpoint is saved to
       ``<log_dir>/stable_attn-stop-step=<step>.ckpt`` and the Trainer stops.
+    - ``"recover"``: the PaLM recipe (docs/RECOVERY.md): the update is dropped, the state of a snapshot
+      ``rollback_steps`` steps back is restored from a ring in host memory, the next ``skip_batches``
+      batches of the epoch are discarded before the fit loop sees them (through the fit loop's data
+      fetcher, undone at teardown), the learning rate optionally runs at ``x lr_factor`` for ``lr_steps``;
+      after ``max_recoveries`` (``cooldown_steps`` apart) the next spike stops as for ``"stop"``.
 
     Early warnings only alert.
 
@@ -165,6 +171,7 @@ class StableAttentionCallback(Callback):
     def __init__(self, **options: Unpack[MonitorOptions]) -> None:
         config = MonitorConfig.from_options(options, owner="StableAttentionCallback")
         self.engine = MonitorEngine.from_config(config, name=type(self).__name__)
+        self._stream: tuple[Any, SkipStream] | None = None  # on_spike="recover": (data fetcher, its stream)
 
     __init__.__signature__ = MonitorConfig.signature()  # type: ignore[attr-defined]  # for help() and IDEs
 
@@ -198,10 +205,47 @@ class StableAttentionCallback(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning calls no teardown hook when fit() raises (KeyboardInterrupt included): end the run here.
+        self._unstream()
         self.engine.end_run(f"after fit() raised {type(exception).__name__}")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._unstream()
         self.engine.end_run(f"at the end of {getattr(stage, 'value', stage)}()")
+
+    def _unstream(self) -> None:
+        """Give the data fetcher its own iterator back (on_spike="recover")."""
+        installed, self._stream = self._stream, None
+        if installed is not None and installed[0].iterator is installed[1]:
+            installed[0].iterator = installed[1].inner
+
+    def _batch_index(self, trainer: Trainer, batch_idx: int) -> int:
+        """The batch's index in the epoch's data. With ``on_spike="recover"`` the fit loop's data fetcher draws
+        from a :class:`~stable_attn.monitor.recovery.SkipStream` (installed at each epoch's first batch, over
+        the iterator the fetcher made), which discards the batches of a skip window before the loop sees them;
+        the fetcher has already drawn the batches it prefetches, so a window starts after those."""
+        if self.engine.recovery is None:
+            return batch_idx
+        from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+
+        fetcher = trainer.fit_loop._data_fetcher
+        epoch = trainer.current_epoch
+        if self._stream is None or self._stream[0] is not fetcher or fetcher.iterator is not self._stream[1] \
+                or self._stream[1].epoch != epoch:
+            if type(fetcher) is not _PrefetchDataFetcher or fetcher.iterator is None:
+                raise ValueError(f"on_spike='recover' skips batches through Lightning's data fetcher, and this fit "
+                                 f"loop uses {type(fetcher).__name__} (a training_step that takes dataloader_iter); "
+                                 "use a training_step(batch, batch_idx) or another on_spike")
+            self._unstream()
+            buffered = len(fetcher.batches)
+            # The batches drawn so far this epoch: this one and the prefetched; a restarted (resumed) epoch
+            # numbers Lightning's batches from where it stopped while its data loader starts again at 0.
+            stream = SkipStream(fetcher.iterator, epoch, self.engine.skips, index=1 + buffered,
+                                given=batch_idx + 1 + buffered)
+            stream.offset = batch_idx
+            fetcher.iterator = stream
+            self._stream = (fetcher, stream)
+            self.engine.skip_lag = buffered
+        return self._stream[1].data_index(batch_idx)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.engine.log_summary()
@@ -213,6 +257,7 @@ class StableAttentionCallback(Callback):
     # ------------------------------------------------------------ each step
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.engine.begin_step(trainer.global_step)
+        self.engine.add_batch(batch, epoch=trainer.current_epoch, batch_index=self._batch_index(trainer, batch_idx))
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self.engine.add_loss(loss)

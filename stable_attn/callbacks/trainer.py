@@ -22,8 +22,9 @@ transformers >= 5, whose Trainer also computes the gradient norm on every step):
 Why the callback reaches into the Trainer: its callbacks receive neither the loss, nor the gradient norm
 before clipping, nor a way to add metrics to the step's log (``on_log`` runs after ``log_history`` and
 the reporting integrations have their copy). So at ``on_train_begin`` the callback finds the Trainer
-that called it (it is ``self`` in the calling frame of ``CallbackHandler``) and wraps three of its
-bound methods on that instance only: ``training_step``, ``accelerator.clip_grad_norm_`` and ``log``.
+that called it (it is ``self`` in the calling frame of ``CallbackHandler``) and wraps four of its
+bound methods on that instance only: ``training_step``, ``accelerator.clip_grad_norm_``, ``log`` and
+``get_batch_samples`` (the data position of each micro-batch, and the skip window of ``on_spike="recover"``).
 ``on_train_end`` puts them back.
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -44,6 +46,7 @@ from ..monitor import names
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
+from ..monitor.recovery import SkipStream
 
 __all__ = ["StableAttentionTrainerCallback"]
 
@@ -94,18 +97,44 @@ _ABSENT = object()
 
 
 class _Taps:
-    """The three wrapped methods of one Trainer instance, and what they saw."""
+    """The four wrapped methods of one Trainer instance, and what they saw."""
 
-    def __init__(self, trainer: Trainer, on_loss: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self, trainer: Trainer, on_loss: Callable[[torch.Tensor], None],
+                 on_batch: Callable[[Any, int, int], None] | None = None,
+                 open_stream: Callable[[Any, int], SkipStream] | None = None) -> None:
         self.trainer = trainer
         self.norm: torch.Tensor | None = None  # the Trainer's pre-clip gradient norm of the current step
         self.pending: tuple[int, dict[str, float]] | None = None  # metrics waiting for the Trainer's log
         step_fn, clip_fn, log_fn = trainer.training_step, trainer.accelerator.clip_grad_norm_, trainer.log
+        samples_fn = trainer.get_batch_samples
         # What each wrapped name was on the instance itself (someone else's wrapper), to put back as it was.
         self._own = [(owner, name, owner.__dict__.get(name, _ABSENT)) for owner, name in
-                     ((trainer, "training_step"), (trainer.accelerator, "clip_grad_norm_"), (trainer, "log"))]
+                     ((trainer, "training_step"), (trainer.accelerator, "clip_grad_norm_"), (trainer, "log"),
+                      (trainer, "get_batch_samples"))]
+        # The data position of each micro-batch: the epoch's iterator is drawn through a SkipStream, which
+        # numbers the batches (and, with on_spike="recover", discards a skip window's before the loop sees them).
+        self.stream: SkipStream | None = None
+        self._source: Any = None  # the Trainer's epoch iterator the stream draws from
+        self._positions: list[int] = []  # data indices of the micro-batches drawn, not yet trained on
+
+        def get_batch_samples(epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> Any:
+            if epoch_iterator is not self._source or self.stream is None:
+                self._source = epoch_iterator
+                epoch = math.floor((trainer.state.epoch or 0.0) + 1e-9)
+                self.stream = open_stream(epoch_iterator, epoch) if open_stream is not None else \
+                    SkipStream(epoch_iterator, epoch, lambda e, i: False)
+                self._positions = []
+            stream = self.stream
+            before = stream.given
+            out = samples_fn(stream, num_batches, *args, **kwargs)
+            self._positions += [stream.data_index(p) for p in range(before, stream.given)]
+            return out
 
         def training_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if on_batch is not None and self.stream is not None:
+                inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+                index = self._positions.pop(0) if self._positions else None
+                on_batch(inputs, self.stream.epoch, index)
             loss = step_fn(*args, **kwargs)
             on_loss(loss)
             return loss
@@ -127,6 +156,7 @@ class _Taps:
         trainer.training_step = training_step
         trainer.accelerator.clip_grad_norm_ = clip_grad_norm_
         trainer.log = log_
+        trainer.get_batch_samples = get_batch_samples
 
     def grad_norm(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
         """The Trainer's pre-clip norm of this step; without one (a clip that bypasses the accelerator, such
@@ -175,7 +205,10 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     update had been applied); ``"rollback"`` drops it and restores the model, optimizer, LR scheduler, grad
     scaler and RNG state kept in memory every ``rollback_every`` steps; ``"stop"`` drops it, saves a checkpoint
     (``<output_dir>/checkpoint-<step>``, the Trainer's own format, whatever ``save_strategy`` says) and stops
-    training. A NaN or inf loss or gradient never reaches the weights. Under DDP every rank shares its values
+    training; ``"recover"`` rolls back ``rollback_steps``, skips the next ``skip_batches`` batches through a
+    wrapped ``Trainer.get_batch_samples`` (exact on a resume inside the window), optionally scales the learning
+    rate, and stops after ``max_recoveries`` (docs/RECOVERY.md). A NaN or inf loss or gradient never reaches
+    the weights. Under DDP every rank shares its values
     each step, so all ranks take the same action. DeepSpeed is refused (ValueError at ``train()``): it applies
     each update inside ``backward()``, before any callback runs, so no update could be dropped.
 
@@ -321,7 +354,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
                 "applies each update inside backward(), before the callback can drop it; train without a DeepSpeed "
                 "config (single process or DDP)")
         self._restore(args, state, checkpoint)
-        self._taps = _Taps(trainer, self.engine.add_loss)
+        self._stream_resumed = False
+        self._taps = _Taps(trainer, self.engine.add_loss, self._add_batch, self._open_stream)
         try:
             size = args.world_size
             world = World(rank=args.process_index, size=size, device=args.device,
@@ -345,6 +379,28 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         # exit ends the run (closes the channels within one webhook timeout, says what was not delivered).
         atexit.register(self._end, "at interpreter exit (train() did not finish)")
 
+    def _add_batch(self, inputs: Any, epoch: int, index: int | None) -> None:
+        self.engine.add_batch(inputs, epoch=epoch, batch_index=index)
+
+    def _open_stream(self, epoch_iterator: Any, epoch: int) -> SkipStream:
+        """The stream over one epoch's batches. A resumed epoch starts after the batches the Trainer's
+        ``skip_first_batches`` consumed (those it trained on); with ``on_spike="recover"`` the stream then
+        discards as many more as the checkpointed run had discarded in that epoch, so it continues at the same
+        batch, inside a skip window too (the window's batch indices are the data loader's)."""
+        recovery = self.engine.recovery
+        saved = recovery.stream if recovery is not None else None
+        if saved is not None and saved.get("epoch") == epoch and saved.get("given", 0) > 0 \
+                and not self._stream_resumed:
+            self._stream_resumed = True
+            caught_up = int(saved["index"])
+            skips = self.engine.skips
+            stream = SkipStream(epoch_iterator, epoch, lambda e, i: i < caught_up or skips(e, i),
+                                index=int(saved["given"]), given=int(saved["given"]))
+        else:
+            self._stream_resumed = True
+            stream = SkipStream(epoch_iterator, epoch, self.engine.skips)
+        return stream
+
     def _trainables(self, state: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> Trainables:
         scaler = getattr(self._taps.trainer.accelerator, "scaler", None) if self._taps is not None else None
         return Trainables(step=state.global_step, model=model, optimizers=[optimizer] if optimizer else [],
@@ -364,6 +420,10 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                     lr_scheduler: Any = None, **kwargs: Any) -> None:
         end = self.engine.end_step(self._trainables(state, model, optimizer, lr_scheduler))
+        recovery, stream = self.engine.recovery, self._taps.stream if self._taps is not None else None
+        if recovery is not None and stream is not None:
+            # where the epoch's data stands after this step: a checkpoint saved now resumes there
+            recovery.stream = {"epoch": stream.epoch, "index": stream.index, "given": stream.given}
         if end.metrics is not None and self._taps is not None:
             ours = {k: v for k, v in end.metrics.items() if k not in _TRAINER_LOGS}
             self._taps.pending = (state.global_step, ours)

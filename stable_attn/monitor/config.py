@@ -26,9 +26,9 @@ from .spikes import SpikeDetector
 
 __all__ = ["ACTIONS", "ACTION_WORDS", "MonitorConfig", "SpikeAction"]
 
-SpikeAction = Literal["warn", "skip", "rollback", "stop"]
+SpikeAction = Literal["warn", "skip", "rollback", "stop", "recover"]
 #: What ``on_spike`` accepts, in the order the docs give them.
-ACTIONS = ("warn", "skip", "rollback", "stop")
+ACTIONS = ("warn", "skip", "rollback", "stop", "recover")
 #: What each ``on_spike`` does to the update of a step whose loss or gradient norm spikes, in the words of the
 #: callbacks' start-up line (:meth:`MonitorConfig.spike_line`) and README.
 ACTION_WORDS = {
@@ -36,6 +36,7 @@ ACTION_WORDS = {
     "skip": "skip the update",
     "rollback": "roll back to the last snapshot",
     "stop": "stop with a checkpoint",
+    "recover": "roll back rollback_steps, skip skip_batches batches, stop after max_recoveries",
 }
 
 
@@ -78,7 +79,8 @@ class MonitorConfig:
     ``webhook_headers`` as a dict).
     """
 
-    on_spike: SpikeAction = _arg("warn", """``"warn"``, ``"skip"``, ``"rollback"`` or ``"stop"``.""")
+    on_spike: SpikeAction = _arg("warn", """``"warn"``, ``"skip"``, ``"rollback"``, ``"stop"`` or ``"recover"``
+        (docs/RECOVERY.md).""")
     log_every_n_steps: int | None = _arg(None, """optimizer steps between monitored steps; None follows
         {log_every}.""")
     swap: bool = _arg(True, """switch transformers models to ``"stable_attn"`` at setup.""")
@@ -103,7 +105,22 @@ class MonitorConfig:
         improving (a max logit that grows while the loss falls is learning), so a surge detector stays silent
         until it has seen 50 monitored steps' losses. Its time constants count monitored steps: with
         ``log_every_n_steps=50`` that is 2,500 optimizer steps.""")
-    rollback_every: int = _arg(100, """optimizer steps between snapshots for ``on_spike="rollback"``.""")
+    rollback_every: int = _arg(100, """optimizer steps between snapshots for ``on_spike="rollback"``; with
+        ``"recover"`` the snapshots are ``min(rollback_every, rollback_steps)`` steps apart.""")
+    # on_spike="recover" (issue 26): monitor/recovery.py, docs/RECOVERY.md
+    rollback_steps: int = _arg(100, """with ``on_spike="recover"``: roll back to the newest snapshot taken at
+        least this many optimizer steps before the spike (a ring of ``ceil(rollback_steps / spacing) + 1``
+        snapshots in host memory).""")
+    skip_batches: int = _arg(200, """with ``on_spike="recover"``: batches of the epoch skipped after the
+        rollback (0: none).""")
+    lr_factor: float = _arg(1.0, """with ``on_spike="recover"``: the learning rate is multiplied by this,
+        in (0, 1], for ``lr_steps`` optimizer steps after each recovery (1.0: unchanged).""")
+    lr_steps: int = _arg(100, """with ``on_spike="recover"``: optimizer steps that run at ``lr x lr_factor``
+        after a recovery.""")
+    max_recoveries: int = _arg(3, """with ``on_spike="recover"``: recoveries per run; a spike after the last
+        one stops the run with a checkpoint.""")
+    cooldown_steps: int = _arg(50, """with ``on_spike="recover"``: optimizer steps between recoveries; a spike
+        within them has its update skipped.""")
     on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None = _arg(None, """a callable or
         callables, each called with every :class:`~stable_attn.monitor.Alert` on the training thread (keep
         them fast: see **Delivery** in :class:`~stable_attn.callbacks.StableAttentionCallback`).""",
@@ -146,6 +163,15 @@ class MonitorConfig:
             raise ValueError(f"on_spike={self.on_spike!r} is not supported; use one of {ACTIONS}")
         _check_int("log_every_n_steps", self.log_every_n_steps, 1, allow_none=True)
         _check_int("rollback_every", self.rollback_every, 1)
+        _check_int("rollback_steps", self.rollback_steps, 1)
+        _check_int("skip_batches", self.skip_batches, 0)
+        _check_int("lr_steps", self.lr_steps, 0)
+        _check_int("max_recoveries", self.max_recoveries, 1)
+        _check_int("cooldown_steps", self.cooldown_steps, 1)
+        factor = self.lr_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0.0 < factor <= 1.0:
+            raise ValueError(f"lr_factor={factor!r} is not supported; use a number in (0, 1] (the learning "
+                             "rate's factor after a recovery; 1.0 leaves it unchanged)")
         _check_int("spike_action_cap", self.spike_action_cap, 1, allow_none=True)
         _check_int("spike_action_cooldown", self.spike_action_cooldown, 1)
         _check_int("layer_window", self.layer_window, 2)
@@ -227,6 +253,11 @@ class MonitorConfig:
     def rolls_back(self) -> bool:
         """``on_spike="rollback"``: the engine keeps rollback snapshots (a single-process checkpoint saves the last)."""
         return self.on_spike == "rollback"
+
+    @property
+    def recovers(self) -> bool:
+        """``on_spike="recover"``: the engine keeps a ring of snapshots and skip windows (monitor/recovery.py)."""
+        return self.on_spike == "recover"
 
     # ------------------------------------------------------ signatures and docs
     @classmethod

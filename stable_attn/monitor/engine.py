@@ -54,10 +54,12 @@ import torch
 from . import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, alerting, names
 from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAction: imported from here before
 from .evidence import Evidence
+from .data_position import data_position as _data_position
 from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
 from .qk_clip import QKClip
+from .recovery import Recovery
 from .resume_checks import check_resumed_state
 from .rollback import (
     Snapshot,
@@ -183,9 +185,8 @@ class MonitorEngine:
         self.alert_delivery: dict[str, dict[str, int]] = {}
         self.log_dir: str | None = None
         self.last: dict[str, float] = {}  # the last step's loss, gradient norm and learning rate
-        # Where the step's batch is in the data ({"epoch", "batch_index", "fingerprint"}, set by the adapter) and
-        # the batches a recovery skips ((first, last) or None): the alerts' evidence reads them (monitor/evidence.py).
-        self.data_position: dict | None = None
+        # The batches the latest recovery skips ((first, last) or None; set by _recover): the alerts' evidence
+        # reads it with data_position below (monitor/evidence.py).
         self.skipping_batches: tuple[int, int] | None = None
         self._evidence = Evidence()
 
@@ -215,6 +216,20 @@ class MonitorEngine:
         # QK-Clip (qk_clip=): the weight edits live in qk_clip.py; the engine feeds it each step's max logits
         self._qk = QKClip(config.qk_clip, config.qk_clip_alpha) if config.qk_clip is not None else None
         self._qk_modules: dict[str, torch.nn.Module] = {}
+        # on_spike="recover" (issue 26): the ring, skip window, LR factor and cap live in recovery.py
+        self.recovery = Recovery(rollback_steps=config.rollback_steps, rollback_every=config.rollback_every,
+                                 skip_batches=config.skip_batches, lr_factor=config.lr_factor,
+                                 lr_steps=config.lr_steps, max_recoveries=config.max_recoveries,
+                                 cooldown_steps=config.cooldown_steps) if config.recovers else None
+        self._recover_decision: str | None = None
+        self._pending_recover = False
+        #: Batches the adapter's data stream has already drawn past the current one when a recovery starts
+        #: (Lightning prefetches one): the skip window starts after them.
+        self.skip_lag = 0
+        #: Where the step's last micro-batch sits in the data: epoch, batch_index, fingerprint (add_batch).
+        self.data_position: dict[str, Any] | None = None
+        #: The step's micro-batches, as given to add_batch (references, no copies; cleared by begin_step).
+        self.step_batches: list[Any] = []
 
     @property
     def layers(self) -> LayerStats | None:
@@ -304,6 +319,15 @@ class MonitorEngine:
         # A snapshot of one process is the whole state; several ranks (DDP, FSDP) each hold their own, and a
         # checkpoint keeps rank zero's only.
         self._snapshot_in_checkpoint = self.world.size == 1
+        if self.recovery is not None:
+            ring = self.recovery.ring
+            ring.entries.clear()
+            ring.take(state, self._judge.detector_states())  # the oldest state a recovery can go back to
+            if resumed and self.world.is_zero:
+                log.warning("%s: recovery snapshot ring starts afresh at global_step %d (the ring is not saved "
+                            "in checkpoints); recoveries used: %d of %d", self.name, state.step,
+                            self.recovery.used, self.recovery.max_recoveries)
+            return
         if not self.config.rolls_back:
             return
         if loaded is not None:
@@ -334,6 +358,9 @@ class MonitorEngine:
                 log.warning("%s: torch.nn.functional.scaled_dot_product_attention not restored %s: %s",
                             self.name, when, exc)
         self._watch.enable(False)
+        if self.recovery is not None:
+            for scale in self.recovery.lr:
+                scale.unwrap()
 
     def log_summary(self) -> None:
         """The :meth:`summary` line at WARNING, on rank zero."""
@@ -348,6 +375,9 @@ class MonitorEngine:
             shown = ", ".join(map(str, self.skipped_steps[:5])) + (", ..." if len(self.skipped_steps) > 5 else "")
             line += f" (steps {shown})"
         line += f", {len(self.rollbacks)} rollback(s)"
+        if self.recovery is not None:
+            line += (f", {self.recovery.used} recovery(ies) of {self.recovery.max_recoveries} "
+                     f"({self.recovery.skipped_batches} batch(es) skipped)")
         if self.unconfirmed_grad_norm_jumps:
             line += (f"; {self.unconfirmed_grad_norm_jumps} gradient-norm jump(s) the loss did not confirm "
                      "(not alerted)")
@@ -371,12 +401,25 @@ class MonitorEngine:
         self._loss = None
         self._acted = False
         self._alerts_at_start = self.alert_count
+        self.step_batches = []
         self._monitor_now = monitor if monitor is not None else self._every > 0 and (step + 1) % self._every == 0
         self._watch.enable(self._monitor_now)
         if self._qk is not None:  # QK-Clip reads the max logits of every step; the entropy only when monitored
             for s in self._layer_stats().values():
                 s.enabled, s.with_entropy = True, self._monitor_now
         return self._monitor_now
+
+    def add_batch(self, batch: Any, *, epoch: int | None, batch_index: int | None) -> None:
+        """One micro-batch of the current step and where it sits in the data (its index in the epoch counts
+        the batches the data loader yielded, skipped ones included): sets :attr:`data_position` and appends
+        the batch to :attr:`step_batches`."""
+        self.step_batches.append(batch)
+        self.data_position = _data_position(batch, epoch, batch_index)
+
+    def skips(self, epoch: int, batch_index: int) -> bool:
+        """``on_spike="recover"``: the batch at ``batch_index`` of ``epoch`` is in the skip window (the adapters'
+        data streams ask before the training loop sees it; a True counts it as skipped)."""
+        return self.recovery is not None and self.recovery.skips(epoch, batch_index)
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """One micro-batch's loss, divided by the accumulation steps (the sum is the step's mean loss)."""
@@ -433,6 +476,9 @@ class MonitorEngine:
         for alert in judged.alerts:
             self._emit(alert)
         verdict = judged.verdict
+        decision, self._recover_decision = self._recover_decision, None
+        if verdict.recover:
+            verdict = self._recover_verdict(step, decision or "recover")
         if verdict.drop:
             # No gradients, no update: torch optimizers skip parameters whose .grad is None.
             optimizer.zero_grad(set_to_none=True)
@@ -443,6 +489,8 @@ class MonitorEngine:
                 self._pending_rollback = True
             elif verdict.stop:
                 self._pending_stop = True
+            elif verdict.recover:
+                self._pending_recover = True
         escalate = self._streak.update(verdict.not_training)
         if escalate is not None:
             if self._streak.stops:
@@ -452,7 +500,29 @@ class MonitorEngine:
         return Decision(step=step, drop=verdict.drop, action=verdict.action, rollback=self._pending_rollback,
                         stop=self._pending_stop)
 
+    def _recover_verdict(self, step: int, decision: str) -> Verdict:
+        """What ``on_spike="recover"`` does at this spike: recover, skip (cool-down) or stop (all used)."""
+        if decision == "recover":
+            return Verdict(action="recover", recover=True, not_training=True)
+        if decision == "skip":
+            return Verdict(action="skip", skip=True, not_training=True)
+        assert self.recovery is not None
+        r = self.recovery
+        self._emit(Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used, threshold=r.max_recoveries,
+                         lr=self.last.get(names.LR), action="stop", checkpoint=self._stop_path(step),
+                         message=f"the run spiked again after all {r.max_recoveries} recoveries (max_recoveries): "
+                                 "rolling back and skipping data did not keep it stable, so it stops with a "
+                                 "checkpoint; look at the data around the spikes and at the learning rate"))
+        return Verdict(action="stop", stop=True, not_training=True)
+
     def _action_note(self, step: int, verdict: Verdict) -> str:
+        if verdict.recover:
+            assert self.recovery is not None
+            self._recover_decision = decision = self.recovery.decide(step)
+            return {"recover": "; recovering (on_spike='recover')",
+                    "skip": f"; update skipped (within cooldown_steps={self.recovery.cooldown_steps} of the last "
+                            "recovery)",
+                    "stop": f"; stopping (max_recoveries={self.recovery.max_recoveries} used)"}[decision]
         if verdict.skip:
             return "; update skipped"
         if verdict.rollback:
@@ -495,6 +565,16 @@ class MonitorEngine:
                             self.name, self._snapshot.step, self._snapshot.step, step)
         elif self.config.rolls_back and not self._acted and state.step % self.rollback_every == 0:
             self._take_snapshot(state)
+        if self._pending_recover:
+            self._pending_recover = False
+            self._recover(step, state)
+            rolled_back = True
+        elif self.recovery is not None and not self._acted and self.recovery.ring.due(state.step):
+            self.recovery.ring.take(state, self._judge.detector_states())
+        if self.recovery is not None:
+            # for the next optimizer.step() only: installed now, after this step's optimizer and scheduler
+            # steps (Lightning runs the step's closure, and so before_optimizer_step, inside optimizer.step())
+            self.recovery.scale_lr(step + 1, state.optimizers)
 
         stop = None
         if self._pending_stop:
@@ -505,6 +585,30 @@ class MonitorEngine:
         self._watch.enable(False)
         return StepEnd(step=step, metrics=metrics, stop_checkpoint=stop, rolled_back=rolled_back,
                        alert_count_changed=self.alert_count != self._alerts_at_start)
+
+    def _recover(self, step: int, state: Trainables) -> None:
+        """Roll back to the ring's snapshot ``rollback_steps`` back, open the skip window, alert."""
+        r = self.recovery
+        assert r is not None
+        entry = r.ring.target(step, r.rollback_steps)
+        assert entry is not None  # train_start put the first snapshot in the ring
+        restore_snapshot(state, entry.snapshot)
+        if entry.detectors is not None:
+            self._judge.load_detector_states(entry.detectors)
+        self.rollbacks.append((step, entry.snapshot.step))
+        position = self.data_position or {}
+        epoch, index = position.get("epoch"), position.get("batch_index")
+        begun = r.begin(step, entry.snapshot.step, epoch, index + 1 + self.skip_lag if index is not None else None)
+        where = f" (after batch {index} of epoch {epoch}, fingerprint {position.get('fingerprint')})" \
+            if index is not None else ""
+        window = r.window
+        self.skipping_batches = (window.start, window.stop - 1) if window is not None else None
+        outcome = {"taken": "recover", "update_applied": False, "rolled_back_to": int(entry.snapshot.step),
+                   "skipping_batches": list(self.skipping_batches) if self.skipping_batches is not None else None,
+                   "stopped": False, "checkpoint": None}
+        self._emit(Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used,
+                         threshold=r.max_recoveries, lr=self.last.get(names.LR), action="recover",
+                         message=f"spike at step {step}{where}: {r.message(begun)}", outcome=outcome))
 
     # ---------------------------------------------------------------- QK-Clip
     def _layer_stats(self) -> dict[str, Any]:
@@ -589,6 +693,7 @@ class MonitorEngine:
             "layers": watch["layers"],
             "alert_delivery": self._delivery(),
             **({"qk_clip": self._qk.state_dict()} if self._qk is not None else {}),
+            **({"recovery": self.recovery.state_dict()} if self.recovery is not None else {}),
             **({"rollback_snapshot": snapshot_state(self._snapshot),
                 "rollback_detectors": copy.deepcopy(self._snapshot_detectors)} if self._snapshot is not None
                and self._snapshot_in_checkpoint and self.config.rolls_back else {}),
@@ -605,6 +710,8 @@ class MonitorEngine:
         value and what is accepted, and nothing is loaded); the rollback snapshot in it is checked against
         the run's own state at :meth:`train_start`. ``where`` names the state in those errors."""
         check_resumed_state(self, state_dict, where)
+        if self.recovery is not None:  # checks its own fields (ValueError) before the rest is loaded
+            self.recovery.load_state_dict(state_dict.get("recovery", {}))
         self._resumed = True
         self.alert_delivery = alerting.add_counts({}, state_dict.get("alert_delivery", {}))
         snapshot = state_dict.get("rollback_snapshot")
@@ -626,6 +733,7 @@ class MonitorEngine:
         self._watch.load_state_dict(state_dict)  # applied to layers found later too
         if self._qk is not None:
             self._qk.load_state_dict(state_dict.get("qk_clip", {}))
+
 
 
 MonitorConfig.document(MonitorEngine, log_every="the ``log_every_n_steps`` given to :meth:`MonitorEngine.start`",

@@ -36,7 +36,9 @@ __all__ = [
 #: attention statistic; ``early_warning``: a per-layer attention statistic surged; ``not_training``:
 #: many optimizer steps in a row had their update dropped or a non-finite loss (the run is not learning);
 #: ``qk_clip``: QK-Clip edited the weights of heads whose max logit passed ``qk_clip`` (first and every 100th).
-ALERT_KINDS = ("spike", "nonfinite", "early_warning", "not_training", "qk_clip")
+ALERT_KINDS = ("spike", "nonfinite", "early_warning", "not_training", "qk_clip", "recovery")
+#: The metric of ``kind="recovery"`` alerts (on_spike="recover"): the recoveries used so far.
+RECOVERIES = "stable_attn/recoveries"
 
 # ---------------------------------------------------------------------------------------------- files
 #: The callback's default alerts file, written in the run's log directory (``trainer.log_dir``).

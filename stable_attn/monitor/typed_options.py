@@ -34,6 +34,12 @@ class MonitorOptions(TypedDict, total=False):
     early_warnings: bool
     early_warning_warmup: int | None
     rollback_every: int
+    rollback_steps: int
+    skip_batches: int
+    lr_factor: float
+    lr_steps: int
+    max_recoveries: int
+    cooldown_steps: int
     on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None
     webhook_url: str | None
     webhook_timeout: float

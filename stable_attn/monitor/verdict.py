@@ -57,12 +57,13 @@ class Verdict:
     skip: bool = False  # the update is dropped and training goes on
     rollback: bool = False  # the update is dropped and the last snapshot is restored
     stop: bool = False  # the update is dropped and the run stops with a checkpoint
+    recover: bool = False  # the update is dropped and the engine's Recovery decides (monitor/recovery.py)
     not_training: bool = False  # the step counts towards the not-training streak (dropped, or a non-finite loss)
 
     @property
     def drop(self) -> bool:
         """The step's update is dropped."""
-        return self.skip or self.rollback or self.stop
+        return self.skip or self.rollback or self.stop or self.recover
 
 
 @dataclass
@@ -238,7 +239,8 @@ class StepJudge:
         dropped_as = "skip" if warn_only else self.on_spike  # what a dropped update means
         verdict = Verdict(action=dropped_as if drop or not warn_only else "warn",
                           skip=drop and dropped_as == "skip", rollback=drop and dropped_as == "rollback",
-                          stop=drop and dropped_as == "stop", not_training=drop or nonfinite_loss)
+                          stop=drop and dropped_as == "stop", recover=drop and dropped_as == "recover",
+                          not_training=drop or nonfinite_loss)
         action = verdict.action
         said = note(verdict)
         if nonfinite and warn_only:

@@ -1,0 +1,138 @@
+"""on_spike="recover" in a real Lightning run on the CPU: the rollback target, the skipped batches (by
+fingerprint), equality with a run that never saw the dropped and skipped batches, data loader workers, the
+LR factor, the escalation to stop, and nothing left patched."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from callback_lm import ByteLM, batches_loader, trainer
+from lightning.pytorch import Callback
+from torch.utils.data import DataLoader
+
+from stable_attn.callbacks import StableAttentionCallback
+from stable_attn.monitor import SpikeDetector
+from stable_attn.monitor.data_position import batch_fingerprint
+
+BAD = 50
+STEPS = 60
+
+
+def make_callback(**kwargs) -> StableAttentionCallback:
+    options = dict(on_spike="recover", rollback_steps=4, rollback_every=2, skip_batches=3, cooldown_steps=3,
+                   loss_detector=SpikeDetector.loss(warmup=20), grad_norm_detector=SpikeDetector.grad_norm(warmup=20))
+    options.update(kwargs)
+    return StableAttentionCallback(**options)
+
+
+class Positions(Callback):
+    def __init__(self, cb) -> None:
+        self.cb, self.at, self.lrs = cb, {}, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.at[trainer.global_step] = dict(self.cb.engine.data_position)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+
+def fit(tmp_path, pretrained, callbacks, batch_ids=range(STEPS), corrupt=(BAD,), workers=0, **kwargs):
+    L.seed_everything(0, verbose=False)
+    module = ByteLM(weights=pretrained)
+    loader = batches_loader(batch_ids, corrupt_batches=corrupt)
+    if workers:
+        loader = DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=False, num_workers=workers)
+    t = trainer(tmp_path, callbacks, len(list(batch_ids)), max_epochs=1, **kwargs)
+    t.fit(module, loader)
+    return t, module, loader
+
+
+def fingerprints(loader) -> list[str]:
+    return [batch_fingerprint(b) for b in loader]
+
+
+def test_recover_matches_a_run_that_never_saw_the_window(tmp_path, pretrained):
+    cb = make_callback()
+    pos = Positions(cb)
+    t, module, loader = fit(tmp_path / "a", pretrained, [cb, pos])
+    # snapshots every 2 steps; the newest at least 4 steps before the spike at 50 is the state after 46 steps
+    assert cb.rollbacks == [(BAD, 46)]
+    recovery = cb.engine.recovery
+    assert recovery.window.state_dict() == {"epoch": 0, "start": 51, "stop": 54}
+    assert recovery.skipped_batches == 3
+    prints = fingerprints(loader)
+    after = sorted(s for s in pos.at if s > BAD + 1)  # keyed by the steps done: step 51's batch is read by step 50
+    assert [pos.at[s]["batch_index"] for s in after] == list(range(54, STEPS))
+    assert all(pos.at[s]["fingerprint"] == prints[pos.at[s]["batch_index"]] for s in pos.at)
+    # the fetcher has its own iterator back
+    fetcher = t.fit_loop._data_fetcher
+    assert fetcher is None or fetcher.iterator is None or type(fetcher.iterator).__name__ != "SkipStream"
+
+    # a run that never saw batches 46..50 (rolled back) nor 51..53 (skipped) ends with the same weights
+    kept = [b for b in range(STEPS) if not 46 <= b <= 53]
+    ref_cb = StableAttentionCallback(loss_detector=SpikeDetector.loss(warmup=20),
+                                     grad_norm_detector=SpikeDetector.grad_norm(warmup=20))
+    _, ref, _ = fit(tmp_path / "b", pretrained, [ref_cb], batch_ids=kept, corrupt=())
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, ref.state_dict()[k]), k
+
+
+def test_two_workers_skip_the_same_batches(tmp_path, pretrained):
+    seen = []
+    for workers in (0, 2):
+        cb = make_callback()
+        pos = Positions(cb)
+        _, module, _ = fit(tmp_path / str(workers), pretrained, [cb, pos], workers=workers)
+        seen.append((cb.rollbacks, pos.at, [v.clone() for v in module.state_dict().values()]))
+    assert seen[0][:2] == seen[1][:2]
+    assert all(torch.equal(a, b) for a, b in zip(seen[0][2], seen[1][2], strict=True))
+
+
+def test_lr_factor_applies_for_lr_steps_and_the_schedule_is_untouched(tmp_path, pretrained):
+    cb = make_callback(lr_factor=0.5, lr_steps=4)
+    pos = Positions(cb)
+    t, _, _ = fit(tmp_path, pretrained, [cb, pos])
+    # Lightning runs the step's closure (and on_before_optimizer_step) inside optimizer.step(): the rate read
+    # there is the one the update uses; steps 51..54, after the recovery at 50, run at half the rate
+    scaled = sorted(s for s, lr in pos.lrs.items() if s > 10 and lr != pytest.approx(3e-3))
+    assert scaled == [51, 52, 53, 54]
+    assert all(pos.lrs[s] == pytest.approx(1.5e-3) for s in scaled)
+    opt = t.optimizers[0]
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-3)  # the scheduler never saw the scaled rate
+    assert t.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(3e-3)
+    assert not cb.engine.recovery.lr  # no wrapper left on the optimizer
+
+
+def test_a_spike_after_the_last_recovery_stops_with_a_checkpoint(tmp_path, pretrained):
+    cb = make_callback(max_recoveries=1)
+    t, _, _ = fit(tmp_path, pretrained, [cb], corrupt=(BAD, 56))
+    assert cb.engine.recovery.used == 1
+    assert cb.stop_checkpoint is not None and t.should_stop
+    import os
+
+    assert os.path.isfile(cb.stop_checkpoint)
+    assert cb.alert_kinds["recovery"] == 2
+
+
+@pytest.mark.slow
+def test_ddp_ranks_roll_back_and_skip_alike(tmp_path, pretrained):
+    """2 gloo processes; only rank 1 reads the corrupted batch (of its own shard)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    path = os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, os.path.join(here, "ddp_recover_run.py"), pretrained, str(tmp_path)],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["rollbacks"] == r1["rollbacks"] == [[BAD, 46]]
+    assert r0["window"] == r1["window"] == {"epoch": 0, "start": 51, "stop": 54}
+    assert r0["skipped"] == r1["skipped"] == 3
+    assert r0["positions"] == r1["positions"]  # the same batch indices of each rank's shard, step by step
+    assert r0["final"] == r1["final"]  # the replicas are still identical
