@@ -84,6 +84,7 @@ def attention(
     stats: AttentionStats | None = None,
     backend: str = DEFAULTS["backend"],
     block_n: int | None = DEFAULTS["block_n"],
+    pv_fp32: bool = DEFAULTS["pv_fp32"],
 ) -> torch.Tensor:
     """Scaled dot-product attention with the dynamic-max fix (Qiu & Yao, ICLR 2026).
 
@@ -119,15 +120,19 @@ def attention(
         block_n: key-block size (the partition the per-block rule sees); default (None) is
             ``options.BLOCK_N`` (64) on both backends (where no rule sees the partition, stabilize off
             without statistics, the Triton forward may tile the keys otherwise).
+        pv_fp32: keep ``P-bar`` in fp32 for the ``P-bar V`` product (Qiu & Yao: fp32 for that product alone
+            stabilises training); a comparison variant served by the PyTorch path only (``backend="triton"``
+            raises; ``"auto"`` on CUDA logs that the PyTorch path serves it). The backward is unchanged.
     """
     q, k, v = autocast_inputs(q, k, v)
     raise_problem(dense_problem(q, k, v, key_padding_mask, attn_mask))
     if not torch.compiler.is_compiling():  # a log call would break the graph; eager calls are where shapes go wrong
         warn_layout(q, k, causal)
     opts = Options.create(head_dim=q.shape[-1], causal=causal, scale=scale, window=window, softcap=softcap,
-                          dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n)
+                          dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n,
+                          pv_fp32=pv_fp32)
     check_stats(stats)
-    impl = resolve_backend(opts.backend, q, attn_mask is not None, k)
+    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.contiguous()  # the kernels index it as [b * Nk + j]
     q, k, v = unit_last_stride(q, k, v)
