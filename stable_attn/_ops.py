@@ -40,9 +40,18 @@ def log_once(key: str, message: str, level: int = logging.INFO) -> None:
 _TRITON_MAX_ELEMENTS_PER_BATCH = 2**31
 
 
-def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch.Tensor | None = None) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch.Tensor | None = None,
+                    pv_fp32: bool = False) -> str:
     """Pick the implementation. Never drops the stabilization: what Triton cannot serve goes to torch."""
     if backend == "torch":
+        return "torch"
+    if pv_fp32:  # a comparison variant (stable-attn replay, the numerics lab): the kernels keep P-bar V in bf16
+        if backend == "triton":
+            raise ValueError("pv_fp32=True with backend='triton' is not supported: the Triton kernels compute "
+                             "P-bar V in the input dtype; use backend='auto' or 'torch' (the PyTorch path serves it)")
+        if q.is_cuda:
+            log_once("pv_fp32", "stable_attn: pv_fp32=True is served by the PyTorch path (P-bar V in fp32; slower "
+                     "than the Triton kernel)", logging.WARNING)
         return "torch"
     if has_attn_mask:
         if backend == "triton" or q.is_cuda:

@@ -99,6 +99,7 @@ def attention(
     stats: AttentionStats | None = None,
     backend: str = DEFAULTS["backend"],
     block_n: int | None = DEFAULTS["block_n"],
+    pv_fp32: bool = DEFAULTS["pv_fp32"],
 ) -> torch.Tensor:
     """Scaled dot-product attention with the dynamic-max fix (Qiu & Yao, ICLR 2026).
 
@@ -134,6 +135,9 @@ def attention(
         block_n: key-block size (the partition the per-block rule sees); default (None) is
             ``options.BLOCK_N`` (64) on both backends (where no rule sees the partition, stabilize off
             without statistics, the Triton forward may tile the keys otherwise).
+        pv_fp32: keep ``P-bar`` in fp32 for the ``P-bar V`` product (Qiu & Yao: fp32 for that product alone
+            stabilises training); a comparison variant served by the PyTorch path only (``backend="triton"``
+            raises; ``"auto"`` on CUDA logs that the PyTorch path serves it). The backward is unchanged.
 
     A call that needs no gradient with at most 16 queries against at least two key blocks (no ``attn_mask``,
     no dropout, no ``stats``: a ``generate()`` step) takes the decode path on both backends: the keys split
@@ -145,12 +149,13 @@ def attention(
     if not torch.compiler.is_compiling():  # a log call would break the graph; eager calls are where shapes go wrong
         warn_layout(q, k, causal)
     opts = Options.create(head_dim=q.shape[-1], causal=causal, scale=scale, window=window, softcap=softcap,
-                          dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n)
+                          dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n,
+                          pv_fp32=pv_fp32)
     check_stats(stats)
     # no backward will be asked for: a short query may take the decode path (_decode)
     opts = opts.replace(forward_only=not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                        or v.requires_grad)))
-    impl = resolve_backend(opts.backend, q, attn_mask is not None, k)
+    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.contiguous()  # the kernels index it as [b * Nk + j]
     q, k, v = unit_last_stride(q, k, v)

@@ -59,6 +59,24 @@ def _probe_run(args: argparse.Namespace) -> int:
     return run_probe(args)
 
 
+def _replay_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bundle", metavar="BUNDLE_DIR",
+                        help="a replay bundle: a folder diagnose_spikes=True wrote below the run's log directory "
+                        "(replay/step-N) or stable_attn.monitor.replay.write_replay_bundle wrote")
+    parser.add_argument("--device", default="cpu", help="where to run the replay (default: cpu)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+
+
+def _replay_run(args: argparse.Namespace) -> int:
+    import json
+
+    from stable_attn.monitor.replay import replay_bundle, table
+
+    result = replay_bundle(args.bundle, device=args.device)
+    print(json.dumps(result, indent=1) if args.json else table(result))
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "report": Command(
         "rebuild the plots and report.md of a run from its metrics.csv or trainer_state.json and alerts JSONL",
@@ -69,6 +87,11 @@ COMMANDS: dict[str, Command] = {
         "measure per attention layer whether the rounding error of O and delta is biased, fix off and on",
         _probe_arguments,
         _probe_run,
+    ),
+    "replay": Command(
+        "re-run a spiking step with the fix off, with our fix and with P-bar V in fp32: numerical or data?",
+        _replay_arguments,
+        _replay_run,
     ),
 }
 

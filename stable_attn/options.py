@@ -57,8 +57,9 @@ DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "beta": 2.0,
     "backend": "auto",
     "block_n": None,  # BLOCK_N
+    "pv_fp32": False,  # P-bar V in the input dtype, as FlashAttention-2
 })
-MODEL_OPTIONS = ("stabilize", "beta", "backend", "block_n")
+MODEL_OPTIONS = ("stabilize", "beta", "backend", "block_n", "pv_fp32")
 
 
 def mode_of(stabilize: object) -> int:
@@ -145,10 +146,15 @@ def _check_block_n(x: object) -> None:
         raise ValueError(f"block_n={x!r} must be a power of two >= 16 or None ({BLOCK_N})")
 
 
+def _check_pv_fp32(x: object) -> None:
+    if not isinstance(x, bool):
+        raise TypeError(f"pv_fp32={x!r} must be True (P-bar V in fp32, served by the PyTorch path) or False")
+
+
 _CHECKS = {
     "causal": _check_causal, "scale": _check_scale, "window": _check_window, "softcap": _check_softcap,
     "dropout_p": _check_dropout_p, "stabilize": mode_of, "beta": _check_beta, "backend": _check_backend,
-    "block_n": _check_block_n,
+    "block_n": _check_block_n, "pv_fp32": _check_pv_fp32,
 }
 
 
@@ -209,6 +215,9 @@ class Options:
     # no backward will be asked for (attention() sets it): the forward may take the decode path
     # (kernels/decode_plan.takes_decode), whose key splits are decisions the training kernels do not make
     forward_only: bool = False
+    # P-bar kept in fp32 for the P-bar V product (Qiu & Yao: fp32 for that product alone stabilises training);
+    # the PyTorch path only (_ops.resolve_backend), the numerics lab's and stable-attn replay's comparison
+    pv_fp32: bool = DEFAULTS["pv_fp32"]
 
     @classmethod
     def create(cls, *, head_dim: int | None = None, seed: int = 0, **values: Any) -> Options:
@@ -227,7 +236,7 @@ class Options:
             causal=bool(v["causal"]), scale=float(scale), window=v["window"],
             softcap=None if v["softcap"] is None else float(v["softcap"]), dropout_p=float(v["dropout_p"]),
             seed=seed, mode=mode_of(v["stabilize"]), beta=float(v["beta"]), block_n=v["block_n"] or 0,
-            backend=v["backend"],
+            backend=v["backend"], pv_fp32=v["pv_fp32"],
         )
 
     @property
@@ -270,7 +279,7 @@ class Options:
     def model_options(self) -> dict[str, Any]:
         """The :data:`MODEL_OPTIONS` of these options, in the public vocabulary."""
         return {"stabilize": self.stabilize, "beta": self.beta, "backend": self.backend,
-                "block_n": self.block_n if self.key_block_given else None}
+                "block_n": self.block_n if self.key_block_given else None, "pv_fp32": self.pv_fp32}
 
     def op_args(self) -> tuple:
         """The fields the ops take as scalar arguments, in :func:`op_schema` order."""

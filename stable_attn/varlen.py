@@ -193,6 +193,7 @@ def attention_varlen(
     stats: AttentionStats | None = None,
     backend: str = DEFAULTS["backend"],
     block_n: int | None = DEFAULTS["block_n"],
+    pv_fp32: bool = DEFAULTS["pv_fp32"],
 ) -> torch.Tensor:
     """Attention over packed sequences with the dynamic-max fix; FlashAttention's varlen layout.
 
@@ -208,7 +209,7 @@ def attention_varlen(
         max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence (the kernels' grid).
         causal, window: per sequence, aligned bottom-right as in :func:`stable_attn.attention` (query
             ``i`` of a sequence stands at ``p = i + len_k - len_q``).
-        scale, softcap, stabilize, beta, backend, block_n: as in :func:`stable_attn.attention`.
+        scale, softcap, stabilize, beta, backend, block_n, pv_fp32: as in :func:`stable_attn.attention`.
         dropout_p: attention dropout; sequence ``b`` draws the mask :func:`stable_attn.attention` would
             draw on it alone with Philox seed ``seed + b`` (one seed drawn per call).
         stats: an :class:`AttentionStats` to accumulate per-head row statistics into, exactly as
@@ -220,10 +221,11 @@ def attention_varlen(
     q, k, v = autocast_inputs(q, k, v)
     raise_problem(packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     opts = Options.create(head_dim=q.shape[-1], causal=causal, scale=scale, window=window, softcap=softcap,
-                          dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n)
+                          dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n,
+                          pv_fp32=pv_fp32)
     check_stats(stats)
     # as one batch element: the whole packed tensor must fit the kernels' 32-bit offsets
-    impl = resolve_backend(opts.backend, q[None], False, k[None])
+    impl = resolve_backend(opts.backend, q[None], False, k[None], opts.pv_fp32)
     q, k, v = unit_last_stride(q, k, v)
     return _ops.run(_varlen_fwd, q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                     draw_seed(opts.dropout_p), opts, impl, stats)

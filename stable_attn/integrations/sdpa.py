@@ -128,6 +128,7 @@ def patch_sdpa(
     beta: float = DEFAULTS["beta"],
     backend: str = DEFAULTS["backend"],
     block_n: int | None = DEFAULTS["block_n"],
+    pv_fp32: bool = DEFAULTS["pv_fp32"],
 ) -> SdpaPatch:
     """Replace ``torch.nn.functional.scaled_dot_product_attention`` with a stable_attn wrapper, now.
 
@@ -135,7 +136,7 @@ def patch_sdpa(
     restores on exit) or keep it and call ``.restore()`` (or :func:`unpatch_sdpa`) later. The options
     are those of :func:`stable_attn.attention`; they are checked here, before anything is patched.
     """
-    options = {"stabilize": stabilize, "beta": beta, "backend": backend, "block_n": block_n}
+    options = {"stabilize": stabilize, "beta": beta, "backend": backend, "block_n": block_n, "pv_fp32": pv_fp32}
     return SdpaPatch(model_options(options, where="patch_sdpa"))
 
 

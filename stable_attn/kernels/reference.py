@@ -258,7 +258,8 @@ def walk_blocks(p: _Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: in
         t = fma_f32(s, c, -r_new[..., None]) if fused else s - r_new[..., None]  # log2 of P-bar, unrounded
         p_bar = torch.exp2(t)
         # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
-        p_cast = p_bar.to(dtype).float()
+        # (pv_fp32: the comparison variant that keeps P-bar in fp32 for the product, options.Options)
+        p_cast = p_bar if opts.pv_fp32 else p_bar.to(dtype).float()
         if entropy_on:
             # the entropy of softmax itself: fp32 P-bar over its own sum ent_l (triton_forward.fwd_weights
             # says why not l); moving the offset from r to r_new adds (r - r_new) to every earlier t, and

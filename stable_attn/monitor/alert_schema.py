@@ -122,6 +122,16 @@ EVIDENCE: dict[str, dict[str, Any]] = {
         "stopped": {"type": "boolean"},
         "checkpoint": _nullable({"type": "string"}),
     })),
+    # diagnose_spikes (monitor/replay.py): each variant's loss and gradient norm and the verdict, or why none
+    "diagnosis": _nullable({"type": "object", "properties": {
+        "verdict": {"enum": ["numerical", "data", "unclear"]},
+        "metric": {"enum": ["loss", "grad_norm"]},
+        "run_variant": {"type": "string"},
+        "variants": {"type": "object"},
+        "bundle": {"type": "string"},
+        "skipped": {"type": "string"},
+        "error": {"type": "string"},
+    }}),
 }
 
 #: The version-1 fields (every line has them; hand-written lines may lack some, which the report tolerates).

@@ -161,7 +161,7 @@ class Alert:
         time: wall-clock time of the alert, seconds since the epoch.
         version: the schema version of the line (:data:`~stable_attn.monitor.alert_schema.VERSION`; 1 for a
             line read back without one).
-        data_position, lrs, world_size, ranks, loss_window, attention, grad_norms, outcome: the evidence
+        data_position, lrs, world_size, ranks, loss_window, attention, grad_norms, outcome, diagnosis: the evidence
             (:attr:`EVIDENCE_FIELDS`), JSON values, each None when unknown; docs/ALERTS.md says what each
             holds. :mod:`stable_attn.monitor.evidence` fills them for the engine's alerts.
     """
@@ -196,6 +196,7 @@ class Alert:
     attention: dict[str, Any] | None = None
     grad_norms: dict[str, Any] | None = None
     outcome: dict[str, Any] | None = None
+    diagnosis: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ALERT_KINDS:
@@ -229,6 +230,7 @@ class Alert:
         action: str = "warn",
         message: str = "",
         checkpoint: str | None = None,
+        diagnosis: dict[str, Any] | None = None,
     ) -> Alert:
         """Build an alert from a detector's :class:`SpikeEvent` plus training context.
 
@@ -252,6 +254,7 @@ class Alert:
             action=action,
             message=message,
             checkpoint=checkpoint,
+            diagnosis=diagnosis,
         )
 
     def for_remote(self) -> Alert:

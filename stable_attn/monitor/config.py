@@ -146,6 +146,12 @@ class MonitorConfig:
         applied). None: no cap.""")
     spike_action_cooldown: int = _arg(20, """optimizer steps in a row without a spike that end a streak of
         spike actions (acting resumes).""")
+    diagnose_spikes: bool = _arg(False, """on a loss or gradient-norm spike, re-run the step's forward and backward
+        on its batches and pre-step weights with the fix off, with our fix and with ``P-bar V`` in fp32
+        (:mod:`stable_attn.monitor.replay`; one extra forward and backward per variant, on spike steps only, not
+        under DDP); the spike alert's ``diagnosis`` holds each variant's loss and gradient norm and the verdict
+        (numerical or data), and the first three spikes are kept under ``{log_dir}/replay/step-N`` for
+        ``stable-attn replay`` (one copy of the model on disk each).""")
     # QK-Clip (issue 25): monitor/qk_clip.py
     qk_clip: float | None = _arg(None, """QK-Clip's ``tau``: after each applied optimizer step, every attention
         head (key-value group) whose max scaled logit over the step's training forwards (all micro-batches and
@@ -179,7 +185,7 @@ class MonitorConfig:
         _check_int("not_training_after", self.not_training_after, 1)
         _check_int("not_training_stop_after", self.not_training_stop_after, self.not_training_after,
                    allow_none=True)
-        for arg in ("swap", "patch_sdpa", "monitor_grad_norm", "attention_stats", "early_warnings"):
+        for arg in ("swap", "patch_sdpa", "monitor_grad_norm", "attention_stats", "early_warnings", "diagnose_spikes"):
             flag = getattr(self, arg)
             if not isinstance(flag, bool):
                 raise TypeError(f"{arg}={flag!r} is not supported; use True or False")

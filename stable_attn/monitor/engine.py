@@ -187,6 +187,10 @@ class MonitorEngine:
         self.last: dict[str, float] = {}  # the last step's loss, gradient norm and learning rate
         # The batches the latest recovery skips ((first, last) or None; set by _recover): the alerts' evidence
         # reads it with data_position below (monitor/evidence.py).
+        # The step's micro-batches are step_batches below (add_batch); diagnose_spikes replays them (monitor/replay.py).
+        self._diagnosis: dict[str, Any] | None = None
+        self._root: torch.nn.Module | None = None
+        self.replay_bundles: list[str] = []
         self.skipping_batches: tuple[int, int] | None = None
         self._evidence = Evidence()
 
@@ -251,6 +255,7 @@ class MonitorEngine:
         """Swap the transformers models under ``root`` and attach layer statistics (new models only),
         and patch ``F.scaled_dot_product_attention`` once if ``patch_sdpa``; ``stage`` names the run."""
         self.world = world
+        self._root = root
         self._evidence.watch(root)
         self._swap_models(root)
         if self.patch_sdpa and self.sdpa_patch is None:
@@ -400,8 +405,9 @@ class MonitorEngine:
         self._step = step
         self._loss = None
         self._acted = False
-        self._alerts_at_start = self.alert_count
         self.step_batches = []
+        self._diagnosis = None
+        self._alerts_at_start = self.alert_count
         self._monitor_now = monitor if monitor is not None else self._every > 0 and (step + 1) % self._every == 0
         self._watch.enable(self._monitor_now)
         if self._qk is not None:  # QK-Clip reads the max logits of every step; the entropy only when monitored
@@ -471,6 +477,8 @@ class MonitorEngine:
             if self.world.is_zero:
                 log.warning("%s: %s", self.name, line)
         stop_path = self._stop_path(step) if judged.verdict.stop else None
+        if self.config.diagnose_spikes and judged.spikes:
+            self._diagnosis = self._diagnose(step, judged.spikes[0][0])
         for event, message in judged.spikes:
             self._alert(event, judged.verdict.action, message, stop_path)
         for alert in judged.alerts:
@@ -514,6 +522,39 @@ class MonitorEngine:
                                  "rolling back and skipping data did not keep it stable, so it stops with a "
                                  "checkpoint; look at the data around the spikes and at the learning rate"))
         return Verdict(action="stop", stop=True, not_training=True)
+
+    def _diagnose(self, step: int, event: SpikeEvent) -> dict[str, Any]:
+        """``diagnose_spikes``: replay the step three ways on its batches (the weights are still the pre-step
+        ones here) and say whether the spike is numerical or the data. Never raises: a replay that cannot run
+        says why in the result."""
+        from . import replay
+
+        metric = {names.LOSS: "loss", names.GRAD_NORM: "grad_norm"}.get(event.metric)
+        if metric is None:
+            return {"skipped": f"no replay for the metric {event.metric!r}"}
+        if self.world.size > 1:
+            return {"skipped": "not replayed under DDP (a backward outside DDP's forward would confuse its reducer)"}
+        if not self.step_batches or self._root is None:
+            return {"skipped": "the training loop passed no batches for this step (MonitorEngine.add_batch)"}
+        try:
+            run_variant = replay.run_variant_of(self._root)
+            result = replay.replay_step(self._root, self.step_batches, run_variant=run_variant,
+                                        variants=replay.variants_with(run_variant))
+            found = replay.verdict(result, metric, event.threshold)
+        except Exception as exc:  # a diagnosis is a courtesy: it never costs the alert or the run
+            log.warning("%s: the spike at step %d was not replayed: %s: %s", self.name, step, type(exc).__name__, exc)
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        diagnosis = {"metric": metric, "threshold": event.threshold, **result.as_dict(), "verdict": found}
+        if self.world.is_zero and self.log_dir and len(self.replay_bundles) < replay.MAX_BUNDLES:
+            try:
+                path = os.path.join(self.log_dir, replay.BUNDLES_DIR, f"step-{step}")
+                self.replay_bundles.append(replay.write_replay_bundle(
+                    path, self._root, self.step_batches, step=step, metric=metric, threshold=event.threshold,
+                    run_variant=run_variant))
+                diagnosis["bundle"] = os.path.basename(path)
+            except Exception as exc:
+                log.warning("%s: no replay bundle for step %d: %s: %s", self.name, step, type(exc).__name__, exc)
+        return diagnosis
 
     def _action_note(self, step: int, verdict: Verdict) -> str:
         if verdict.recover:
@@ -661,8 +702,10 @@ class MonitorEngine:
 
     def _alert(self, event: SpikeEvent, action: str, message: str, checkpoint: str | None = None) -> None:
         """An alert from a detector's event, with the step's learning rate and the layers that moved."""
+        diagnosis = self._diagnosis if event.step == self._step and event.kind == "spike" else None
         self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=self._watch.most_changed(),
-                                    action=action, message=message.lstrip("; "), checkpoint=checkpoint))
+                                    action=action, message=message.lstrip("; "), checkpoint=checkpoint,
+                                    diagnosis=diagnosis))
 
     def _emit(self, alert: Alert) -> None:
         """Count the alert on every rank (the count is shown and logged), deliver it on rank zero."""

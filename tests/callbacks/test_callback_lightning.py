@@ -34,7 +34,7 @@ STEPS = 60
 BAD = 50
 ALERT_KEYS = {"step", "kind", "metric", "value", "baseline", "threshold", "score", "lr", "layers", "action",
               "message", "checkpoint", "time", "version", "data_position", "lrs", "world_size", "ranks", "loss_window",
-              "attention", "grad_norms", "outcome"}
+              "attention", "grad_norms", "outcome", "diagnosis"}
 
 
 def make_callback(**kwargs) -> StableAttentionCallback:

@@ -73,6 +73,7 @@ def test_alert_sorts_layers_and_round_trips_through_strict_json() -> None:
         "checkpoint", "time",
         # schema version 2: the evidence (docs/ALERTS.md), null when the alert was not built by the engine
         "version", "data_position", "lrs", "world_size", "ranks", "loss_window", "attention", "grad_norms", "outcome",
+        "diagnosis",
     }
     assert data["version"] == 2 and all(data[k] is None for k in Alert.EVIDENCE_FIELDS)
     back = Alert.from_dict(data)

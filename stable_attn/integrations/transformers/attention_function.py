@@ -123,7 +123,8 @@ def stable_attn_attention_forward(
     dispatch.record(module, query, key, opts["backend"], attn_mask=attn_mask, varlen=documents is not None, who=who)
     common = dict(causal=causal, scale=scaling, window=window, softcap=softcap or None,
                   dropout_p=float(dropout) if module.training else 0.0, stabilize=opts["stabilize"],
-                  beta=opts["beta"], stats=stats, backend=opts["backend"], block_n=opts["block_n"])
+                  beta=opts["beta"], stats=stats, backend=opts["backend"], block_n=opts["block_n"],
+                  pv_fp32=opts["pv_fp32"])
     try:
         if documents is not None:
             B, Nq = query.shape[0], query.shape[2]

@@ -81,13 +81,14 @@ def configure(
     beta: float = DEFAULTS["beta"],
     backend: str = DEFAULTS["backend"],
     block_n: int | None = DEFAULTS["block_n"],
+    pv_fp32: bool = DEFAULTS["pv_fp32"],
 ) -> None:
     """Set the :func:`stable_attn.attention` options every attention layer of ``model`` uses.
 
     Takes precedence over ``config.stable_attn``. Values are checked here (``options.model_options``).
     """
-    options = model_options({"stabilize": stabilize, "beta": beta, "backend": backend, "block_n": block_n},
-                            where="configure")
+    options = model_options({"stabilize": stabilize, "beta": beta, "backend": backend, "block_n": block_n,
+                             "pv_fp32": pv_fp32}, where="configure")
     for _, module in _require_attention_modules(model):
         module.stable_attn_options = dict(options)
 
