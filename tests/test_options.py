@@ -125,7 +125,7 @@ def test_every_entry_points_defaults_agree_with_DEFAULTS(fn, names):
 
 def test_model_options_check_and_complete():
     assert model_options({"beta": 4.0}, where="x") == {"stabilize": True, "beta": 4.0, "backend": "auto",
-                                                        "block_n": None}
+                                                        "block_n": None, "pv_fp32": False}
     assert model_options(None) == model_options({})
     with pytest.raises(ValueError, match=r"^x: beta=0.5 must be a finite number > 1"):
         model_options({"beta": 0.5}, where="x")

@@ -23,7 +23,7 @@ DEFAULTS = {
     "webhook_timeout": 2.0, "webhook_headers": None, "alerts_file": names.ALERTS_FILE, "layer_window": 10,
     "not_training_after": 10, "not_training_stop_after": 100,
     # issue 21: the cap and cool-down of spike actions, added last
-    "spike_action_cap": 10, "spike_action_cooldown": 20, "qk_clip": None, "qk_clip_alpha": 0.5,
+    "spike_action_cap": 10, "spike_action_cooldown": 20, "diagnose_spikes": False, "qk_clip": None, "qk_clip_alpha": 0.5,
 }
 UNSAVED = ("loss_detector", "grad_norm_detector", "on_alert", "webhook_url", "webhook_headers")
 
