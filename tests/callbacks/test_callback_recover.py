@@ -4,6 +4,8 @@ LR factor, the escalation to stop, and nothing left patched."""
 
 from __future__ import annotations
 
+import json
+
 import lightning as L
 import pytest
 import torch
@@ -13,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from stable_attn.callbacks import StableAttentionCallback
 from stable_attn.monitor import SpikeDetector
+from stable_attn.monitor.alert_schema import validate_alert
 from stable_attn.monitor.data_position import batch_fingerprint
 
 BAD = 50
@@ -65,6 +68,16 @@ def test_recover_matches_a_run_that_never_saw_the_window(tmp_path, pretrained):
     after = sorted(s for s in pos.at if s > BAD + 1)  # keyed by the steps done: step 51's batch is read by step 50
     assert [pos.at[s]["batch_index"] for s in after] == list(range(54, STEPS))
     assert all(pos.at[s]["fingerprint"] == prints[pos.at[s]["batch_index"]] for s in pos.at)
+    # the alerts validate against the schema, and the recovery's says what it did (docs/ALERTS.md)
+    files = list((tmp_path / "a").rglob("stable_attn_alerts.jsonl"))
+    assert len(files) == 1, files
+    lines = [json.loads(line) for line in files[0].read_text().splitlines()]
+    for line in lines:
+        validate_alert(line)
+    recovery_alert = next(a for a in lines if a["kind"] == "recovery")
+    assert recovery_alert["outcome"] == {"taken": "recover", "update_applied": False, "rolled_back_to": 46,
+                                         "skipping_batches": [51, 53], "stopped": False, "checkpoint": None}
+    assert recovery_alert["data_position"]["batch_index"] == BAD
     # the fetcher has its own iterator back
     fetcher = t.fit_loop._data_fetcher
     assert fetcher is None or fetcher.iterator is None or type(fetcher.iterator).__name__ != "SkipStream"
