@@ -231,7 +231,10 @@ class MonitorEngine:
         #: (Lightning prefetches one): the skip window starts after them.
         self.skip_lag = 0
         #: Where the step's last micro-batch sits in the data: epoch, batch_index, fingerprint (add_batch).
-        self.data_position: dict[str, Any] | None = None
+        # (set by add_batch as (batch, epoch, index); the fingerprint, a host copy of the token ids, is taken only
+        # when data_position is read: an alert, a recovery, not every step)
+        self._position: tuple[Any, int | None, int | None] | None = None
+        self._position_read: dict[str, Any] | None = None
         #: The step's micro-batches, as given to add_batch (references, no copies; cleared by begin_step).
         self.step_batches: list[Any] = []
 
@@ -420,7 +423,19 @@ class MonitorEngine:
         the batches the data loader yielded, skipped ones included): sets :attr:`data_position` and appends
         the batch to :attr:`step_batches`."""
         self.step_batches.append(batch)
-        self.data_position = _data_position(batch, epoch, batch_index)
+        self._position, self._position_read = (batch, epoch, batch_index), None
+
+    @property
+    def data_position(self) -> dict[str, Any] | None:
+        """Where the step's last micro-batch sits in the data: ``{"epoch", "batch_index", "fingerprint"}``, or None
+        before the first :meth:`add_batch`. Computed when read (the fingerprint copies the token ids to the host)."""
+        if self._position_read is None and self._position is not None:
+            self._position_read = _data_position(*self._position)
+        return self._position_read
+
+    @data_position.setter
+    def data_position(self, value: dict[str, Any] | None) -> None:
+        self._position, self._position_read = None, value
 
     def skips(self, epoch: int, batch_index: int) -> bool:
         """``on_spike="recover"``: the batch at ``batch_index`` of ``epoch`` is in the skip window (the adapters'
