@@ -131,7 +131,8 @@ def machine(device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=1000, help="independent rows per cell (default 1000)")
-    ap.add_argument("--keys", type=int, default=256, help="keys per row N (default 256: 2 blocks of the 128-key partition)")
+    ap.add_argument("--keys", type=int, default=256,
+                    help="keys per row N (default 256: 2 blocks of the 128-key partition)")
     ap.add_argument("--head-dim", type=int, default=64, help="value dimension D (default 64)")
     ap.add_argument("--inputs", default=",".join(INPUTS), help=f"comma-separated subset of {','.join(INPUTS)}")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

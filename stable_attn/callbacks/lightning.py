@@ -122,9 +122,11 @@ class StableAttentionCallback(Callback):
     - ``"stop"``: the step's update is dropped, a checkpoint is saved to
       ``<log_dir>/stable_attn-stop-step=<step>.ckpt`` and the Trainer stops.
     - ``"recover"``: the PaLM recipe (docs/RECOVERY.md): the update is dropped, the state of a snapshot
-      ``rollback_steps`` steps back is restored from a ring in host memory, the next ``skip_batches``
-      batches of the epoch are discarded before the fit loop sees them (through the fit loop's data
-      fetcher, undone at teardown), the learning rate optionally runs at ``x lr_factor`` for ``lr_steps``;
+      ``rollback_steps`` steps back is restored from a ring (in host memory, or on disk over
+      ``snapshot_memory_limit``), the next ``skip_batches`` batches of the epoch are discarded before the fit
+      loop sees them (through the fit loop's data fetcher, undone at teardown; a run resumed mid-epoch
+      continues the epoch's data where the checkpoint stood), the learning rate optionally runs at
+      ``x lr_factor`` for ``lr_steps``;
       after ``max_recoveries`` (``cooldown_steps`` apart) the next spike stops as for ``"stop"``.
 
     Early warnings only alert.
@@ -172,6 +174,7 @@ class StableAttentionCallback(Callback):
         config = MonitorConfig.from_options(options, owner="StableAttentionCallback")
         self.engine = MonitorEngine.from_config(config, name=type(self).__name__)
         self._stream: tuple[Any, SkipStream] | None = None  # on_spike="recover": (data fetcher, its stream)
+        self._resumed_stream: dict[str, int] | None = None  # where a resumed epoch's data stood (load_state_dict)
 
     __init__.__signature__ = MonitorConfig.signature()  # type: ignore[attr-defined]  # for help() and IDEs
 
@@ -202,6 +205,54 @@ class StableAttentionCallback(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainables = _trainables(trainer, pl_module)
         self.engine.train_start(trainables)
+        saved, self._resumed_stream = self._resumed_stream, None
+        if saved is not None and saved["epoch"] == trainer.current_epoch and self.engine.recovery is not None:
+            self._resume_stream(trainer, saved)
+
+    def _resume_stream(self, trainer: Trainer, saved: dict[str, int]) -> None:
+        """A run resumed in the middle of epoch ``saved["epoch"]`` (on_spike="recover"): continue the epoch's data
+        where the checkpointed run stood, after data index ``saved["index"] - 1`` (the step's batch), inside a
+        skip window too. Lightning restarts a data loader that keeps no state (no ``state_dict``) at the epoch's
+        first batch: the stream discards the batches before ``saved["index"]``, which the checkpointed run had
+        trained on or skipped, so the run goes on exactly as if never interrupted wherever the loader's order is
+        reproducible (no shuffling, or a seeded sampler). A loader with ``state_dict`` / ``load_state_dict``
+        Lightning resumes itself: the stream only numbers its batches from ``saved["index"]``. Installed here,
+        after the fit loop made its data iterator and before it draws a batch (a loader without a length has one
+        prefetched: it is drawn again through the stream)."""
+        from lightning.fabric.utilities.types import _Stateful
+        from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+
+        fetcher = trainer.fit_loop._data_fetcher
+        loader = trainer.fit_loop._combined_loader
+        if type(fetcher) is not _PrefetchDataFetcher or fetcher.iterator is None or loader is None:
+            return  # _batch_index raises for a dataloader_iter step
+        stateful = all(isinstance(dl, _Stateful) for dl in loader.flattened)
+        resume_at, skips = saved["index"], self.engine.skips
+        buffered = list(fetcher.batches)
+        fetcher.batches.clear()
+        if stateful:
+            stream = SkipStream(fetcher.iterator, saved["epoch"], skips, index=resume_at + len(buffered),
+                                given=saved["given"])
+            fetcher.batches.extend(buffered)  # drawn past resume_at already: their indices come first
+            stream.yielded.update({saved["given"] + i: resume_at + i for i in range(len(buffered))})
+            stream.given += len(buffered)
+        else:
+            stream = SkipStream(fetcher.iterator, saved["epoch"], lambda e, i: i < resume_at or skips(e, i),
+                                index=len(buffered), given=saved["given"])
+            for _ in buffered:  # what the fetcher prefetched was the restarted epoch's first batch: draw again
+                try:
+                    fetcher.batches.append(next(stream))
+                except StopIteration:
+                    fetcher.done = not fetcher.batches
+                    break
+        stream.offset = saved["given"] - resume_at
+        fetcher.iterator = stream
+        self._stream = (fetcher, stream)
+        self.engine.skip_lag = len(fetcher.batches)
+        if self.engine.world.is_zero:
+            log.warning("%s: resumed inside epoch %d: its data continues after batch %d%s", self.engine.name,
+                        saved["epoch"], resume_at - 1, "" if stateful else f" (the {resume_at} batches before it, "
+                        "which Lightning's restart of the epoch yields again, are passed over)")
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning calls no teardown hook when fit() raises (KeyboardInterrupt included): end the run here.
@@ -245,7 +296,10 @@ class StableAttentionCallback(Callback):
             fetcher.iterator = stream
             self._stream = (fetcher, stream)
             self.engine.skip_lag = buffered
-        return self._stream[1].data_index(batch_idx)
+        index = self._stream[1].data_index(batch_idx)
+        # where the epoch's data stands after this batch: a checkpoint saved at this step resumes after it
+        self.engine.recovery.stream = {"epoch": epoch, "index": index + 1, "given": batch_idx + 1}
+        return index
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.engine.log_summary()
@@ -297,6 +351,8 @@ class StableAttentionCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Every field is checked there before any is loaded, the snapshot against the run at train_start.
         self.engine.load_state_dict(state_dict, f"{type(self).__name__} state")
+        recovery = self.engine.recovery
+        self._resumed_stream = dict(recovery.stream) if recovery is not None and recovery.stream else None
 
 
 MonitorConfig.document(StableAttentionCallback, log_every="the Trainer's ``log_every_n_steps``",

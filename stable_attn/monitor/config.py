@@ -111,6 +111,11 @@ class MonitorConfig:
     rollback_steps: int = _arg(100, """with ``on_spike="recover"``: roll back to the newest snapshot taken at
         least this many optimizer steps before the spike (a ring of ``ceil(rollback_steps / spacing) + 1``
         snapshots in host memory).""")
+    snapshot_memory_limit: int | None = _arg(8 * 2**30, """with ``on_spike="recover"``: bytes of host memory
+        the snapshot ring may take (8 GiB); a ring that would need more (its length x one snapshot's weights,
+        optimizer and scheduler state, measured at the first snapshot) keeps its snapshots as files in a
+        folder ``recovery`` in {log_dir} instead, one per snapshot and rank, deleted as the ring moves on and at
+        the end of the run. 0: always on disk; None: always in memory.""")
     skip_batches: int = _arg(200, """with ``on_spike="recover"``: batches of the epoch skipped after the
         rollback (0: none).""")
     lr_factor: float = _arg(1.0, """with ``on_spike="recover"``: the learning rate is multiplied by this,
@@ -170,6 +175,7 @@ class MonitorConfig:
         _check_int("log_every_n_steps", self.log_every_n_steps, 1, allow_none=True)
         _check_int("rollback_every", self.rollback_every, 1)
         _check_int("rollback_steps", self.rollback_steps, 1)
+        _check_int("snapshot_memory_limit", self.snapshot_memory_limit, 0, allow_none=True)
         _check_int("skip_batches", self.skip_batches, 0)
         _check_int("lr_steps", self.lr_steps, 0)
         _check_int("max_recoveries", self.max_recoveries, 1)

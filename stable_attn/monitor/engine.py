@@ -53,13 +53,13 @@ import torch
 
 from . import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, alerting, names
 from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAction: imported from here before
-from .evidence import Evidence
 from .data_position import data_position as _data_position
+from .evidence import Evidence
 from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
 from .qk_clip import QKClip
-from .recovery import Recovery
+from .recovery import RING_DIR, Recovery
 from .resume_checks import check_resumed_state
 from .rollback import (
     Snapshot,
@@ -224,7 +224,8 @@ class MonitorEngine:
         self.recovery = Recovery(rollback_steps=config.rollback_steps, rollback_every=config.rollback_every,
                                  skip_batches=config.skip_batches, lr_factor=config.lr_factor,
                                  lr_steps=config.lr_steps, max_recoveries=config.max_recoveries,
-                                 cooldown_steps=config.cooldown_steps) if config.recovers else None
+                                 cooldown_steps=config.cooldown_steps,
+                                 memory_limit=config.snapshot_memory_limit) if config.recovers else None
         self._recover_decision: str | None = None
         self._pending_recover = False
         #: Batches the adapter's data stream has already drawn past the current one when a recovery starts
@@ -329,8 +330,13 @@ class MonitorEngine:
         self._snapshot_in_checkpoint = self.world.size == 1
         if self.recovery is not None:
             ring = self.recovery.ring
-            ring.entries.clear()
+            ring.clear()
+            ring.directory, ring.rank = os.path.join(self.log_dir or ".", RING_DIR), self.world.rank
             ring.take(state, self._judge.detector_states())  # the oldest state a recovery can go back to
+            if self.world.is_zero:
+                log.info("%s: recovery snapshot ring of %d x %.1f MB %s", self.name, ring.length,
+                         (ring.snapshot_bytes or 0) / 1e6, f"on disk in {ring.directory} (over snapshot_memory_limit="
+                         f"{ring.memory_limit})" if ring.on_disk else "in host memory")
             if resumed and self.world.is_zero:
                 log.warning("%s: recovery snapshot ring starts afresh at global_step %d (the ring is not saved "
                             "in checkpoints); recoveries used: %d of %d", self.name, state.step,
@@ -369,6 +375,7 @@ class MonitorEngine:
         if self.recovery is not None:
             for scale in self.recovery.lr:
                 scale.unwrap()
+            self.recovery.ring.clear()  # its files, if on disk: a resumed run starts the ring afresh
 
     def log_summary(self) -> None:
         """The :meth:`summary` line at WARNING, on rank zero."""
@@ -648,18 +655,18 @@ class MonitorEngine:
         assert r is not None
         entry = r.ring.target(step, r.rollback_steps)
         assert entry is not None  # train_start put the first snapshot in the ring
-        restore_snapshot(state, entry.snapshot)
+        restore_snapshot(state, entry.load())
         if entry.detectors is not None:
             self._judge.load_detector_states(entry.detectors)
-        self.rollbacks.append((step, entry.snapshot.step))
+        self.rollbacks.append((step, entry.step))
         position = self.data_position or {}
         epoch, index = position.get("epoch"), position.get("batch_index")
-        begun = r.begin(step, entry.snapshot.step, epoch, index + 1 + self.skip_lag if index is not None else None)
+        begun = r.begin(step, entry.step, epoch, index + 1 + self.skip_lag if index is not None else None)
         where = f" (after batch {index} of epoch {epoch}, fingerprint {position.get('fingerprint')})" \
             if index is not None else ""
         window = r.window
         self.skipping_batches = (window.start, window.stop - 1) if window is not None else None
-        outcome = {"taken": "recover", "update_applied": False, "rolled_back_to": int(entry.snapshot.step),
+        outcome = {"taken": "recover", "update_applied": False, "rolled_back_to": int(entry.step),
                    "skipping_batches": list(self.skipping_batches) if self.skipping_batches is not None else None,
                    "stopped": False, "checkpoint": None}
         self._emit(Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used,

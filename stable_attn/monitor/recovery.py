@@ -8,8 +8,9 @@ On a spike the engine drops the step's update, then (this module):
    rollback_steps)`` steps and the ring keeps ``length = ceil(rollback_steps / spacing) + 1`` of them, so the
    snapshot it needs always exists once the run is that old: the rollback goes back between ``rollback_steps``
    and ``rollback_steps + spacing - 1`` steps (to the oldest snapshot, the start of the run or of the resume,
-   when the run is younger). The ring lives in host memory: ``length`` copies of the weights, the optimizer
-   state and the schedulers (with AdamW about ``3 x 4 bytes x parameters`` each; 2 copies with the defaults);
+   when the run is younger). The ring holds ``length`` copies of the weights, the optimizer state and the
+   schedulers (with AdamW about ``3 x 4 bytes x parameters`` each; 2 copies with the defaults), in host memory,
+   or, when that would take more than ``snapshot_memory_limit`` bytes, as files under ``{log_dir}/recovery``;
    snapshots newer than the one restored belong to the abandoned trajectory and are dropped;
 2. **skips** the next ``skip_batches`` batches of the epoch (:class:`SkipWindow`: epoch ``E``, batch indices
    ``A..B``, counted as the data loader yields them, skipped batches included). A window ends with its epoch:
@@ -28,7 +29,10 @@ scaling (plain values); the ring is not saved: a resumed run starts it afresh (t
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import re
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,9 +40,10 @@ from typing import Any
 
 import torch
 
-from .rollback import Snapshot, Trainables, take_snapshot
+from .rollback import Snapshot, Trainables, snapshot_from_state, snapshot_state, take_snapshot, tensors_in
 
-__all__ = ["LrScale", "Recovery", "RingEntry", "SkipStream", "SkipWindow", "SnapshotRing", "ring_layout"]
+__all__ = ["RING_DIR", "LrScale", "Recovery", "RingEntry", "SkipStream", "SkipWindow", "SnapshotRing", "ring_layout",
+           "snapshot_bytes"]
 
 
 def ring_layout(rollback_steps: int, rollback_every: int) -> tuple[int, int]:
@@ -48,8 +53,9 @@ def ring_layout(rollback_steps: int, rollback_every: int) -> tuple[int, int]:
 
 
 def _to_host(value: Any) -> Any:
+    """``value``'s tensors on the host; those already there are kept (take_snapshot's copies, not the run's)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu")
     if isinstance(value, dict):
         return {k: _to_host(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -59,44 +65,119 @@ def _to_host(value: Any) -> Any:
     return value
 
 
+def snapshot_bytes(snapshot: Snapshot) -> int:
+    """Bytes of the tensors a snapshot holds (weights, optimizer state, schedulers, precision plugin)."""
+    total = 0
+    for name in ("model", "optimizers", "schedulers", "precision"):
+        for _, t in tensors_in(getattr(snapshot, name), name):
+            total += t.numel() * t.element_size()
+    return total
+
+
+#: One snapshot file of the on-disk ring: ``snapshot-step=<step>-rank=<rank>.pt`` under ``{log_dir}/recovery``.
+RING_DIR = "recovery"
+_RING_FILE = re.compile(r"snapshot-step=(\d+)-rank=(\d+)\.pt")
+
+
 @dataclass
 class RingEntry:
-    """One snapshot of the ring, with the loss and gradient-norm detectors as they were then."""
+    """One snapshot of the ring, with the loss and gradient-norm detectors as they were then: in host memory
+    (``snapshot``) or in a file (``path``, the snapshot dropped from memory)."""
 
-    snapshot: Snapshot
+    step: int
+    snapshot: Snapshot | None
     detectors: dict[str, list[dict[str, Any]]] | None
+    path: str | None = None
+
+    def load(self) -> Snapshot:
+        """The snapshot, read back from its file if it is on disk (checked as a resumed one is)."""
+        if self.snapshot is not None:
+            return self.snapshot
+        assert self.path is not None
+        return snapshot_from_state(torch.load(self.path, map_location="cpu", weights_only=True))
+
+    def drop(self) -> None:
+        """Delete the entry's file (an entry in memory: nothing to do)."""
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
 
 
 class SnapshotRing:
-    """The last ``length`` snapshots, one every ``spacing`` optimizer steps, in host memory."""
+    """The last ``length`` snapshots, one every ``spacing`` optimizer steps, in host memory, or on disk when
+    they would take more than ``memory_limit`` bytes of it.
 
-    def __init__(self, spacing: int, length: int) -> None:
+    The choice is made at the first snapshot: ``length x`` its bytes against ``memory_limit`` (None: never on
+    disk; 0: always). On disk each snapshot is one ``torch.save`` file in ``directory``, written to a temporary
+    name and renamed (a run killed while writing leaves no half file under the ring's name), deleted when the
+    ring moves past it, when a rollback abandons it and by :meth:`clear`; files of the same rank that an
+    earlier run left there are deleted when the ring starts."""
+
+    def __init__(self, spacing: int, length: int, memory_limit: int | None = None, directory: str | None = None,
+                 rank: int = 0) -> None:
         self.spacing, self.length = spacing, length
-        self.entries: deque[RingEntry] = deque(maxlen=length)
+        self.memory_limit, self.directory, self.rank = memory_limit, directory, rank
+        self.entries: deque[RingEntry] = deque()
+        #: Decided at the first snapshot (None before): whether the snapshots are files.
+        self.on_disk: bool | None = None
+        #: One snapshot's bytes, measured at the first snapshot.
+        self.snapshot_bytes: int | None = None
 
     def due(self, step: int) -> bool:
-        return step % self.spacing == 0 and not (self.entries and self.entries[-1].snapshot.step == step)
+        return step % self.spacing == 0 and not (self.entries and self.entries[-1].step == step)
+
+    def _decide(self, snapshot: Snapshot) -> None:
+        self.snapshot_bytes = snapshot_bytes(snapshot)
+        self.on_disk = self.memory_limit is not None and self.length * self.snapshot_bytes > self.memory_limit
+        if self.on_disk:
+            if self.directory is None:
+                raise ValueError(f"the recovery ring needs {self.length} x {self.snapshot_bytes} bytes, over "
+                                 f"snapshot_memory_limit={self.memory_limit}, and has no directory for its files; "
+                                 "start the engine with a log_dir")
+            os.makedirs(self.directory, exist_ok=True)
+            for name in os.listdir(self.directory):  # an earlier run's files of this rank: never read again
+                match = _RING_FILE.fullmatch(name)
+                if match is not None and int(match.group(2)) == self.rank:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(self.directory, name))
 
     def take(self, state: Trainables, detectors: dict[str, list[dict[str, Any]]] | None = None) -> None:
         snapshot = take_snapshot(state)
         # Host copies: the ring holds several states and must not take the accelerator's memory.
         for name in ("model", "optimizers", "schedulers", "precision"):
             setattr(snapshot, name, _to_host(getattr(snapshot, name)))
-        self.entries.append(RingEntry(snapshot, detectors))
+        if self.on_disk is None:
+            self._decide(snapshot)
+        entry = RingEntry(snapshot.step, snapshot, detectors)
+        if self.on_disk:
+            assert self.directory is not None
+            entry.path = os.path.join(self.directory, f"snapshot-step={snapshot.step}-rank={self.rank}.pt")
+            partial = entry.path + ".partial"
+            torch.save(snapshot_state(snapshot), partial)
+            os.replace(partial, entry.path)
+            entry.snapshot = None
+        self.entries.append(entry)
+        while len(self.entries) > self.length:
+            self.entries.popleft().drop()
 
     def target(self, step: int, back: int) -> RingEntry | None:
         """The newest snapshot taken at least ``back`` steps before ``step`` (else the oldest; None if empty),
         dropping every newer one (they belong to the trajectory being abandoned)."""
         if not self.entries:
             return None
-        chosen = next((e for e in reversed(self.entries) if e.snapshot.step <= step - back), self.entries[0])
+        chosen = next((e for e in reversed(self.entries) if e.step <= step - back), self.entries[0])
         while self.entries[-1] is not chosen:
-            self.entries.pop()
+            self.entries.pop().drop()
         return chosen
+
+    def clear(self) -> None:
+        """Drop every snapshot (and its file)."""
+        while self.entries:
+            self.entries.pop().drop()
 
     @property
     def steps(self) -> list[int]:
-        return [e.snapshot.step for e in self.entries]
+        return [e.step for e in self.entries]
 
 
 @dataclass
@@ -197,11 +278,11 @@ class Recovery:
     """The recipe's state: the ring, the skip window, the LR scaling and the count of recoveries."""
 
     def __init__(self, *, rollback_steps: int, rollback_every: int, skip_batches: int, lr_factor: float,
-                 lr_steps: int, max_recoveries: int, cooldown_steps: int) -> None:
+                 lr_steps: int, max_recoveries: int, cooldown_steps: int, memory_limit: int | None = None) -> None:
         self.rollback_steps, self.skip_batches = rollback_steps, skip_batches
         self.lr_factor, self.lr_steps = lr_factor, lr_steps
         self.max_recoveries, self.cooldown_steps = max_recoveries, cooldown_steps
-        self.ring = SnapshotRing(*ring_layout(rollback_steps, rollback_every))
+        self.ring = SnapshotRing(*ring_layout(rollback_steps, rollback_every), memory_limit=memory_limit)
         self.used = 0
         self.last_step: int | None = None
         self.window: SkipWindow | None = None
@@ -209,8 +290,9 @@ class Recovery:
         self.lr: list[LrScale] = []  # one per optimizer while a scaled step is due
         self.skipped_batches = 0  # over the run, counted by the adapters' streams
         self.history: list[dict[str, Any]] = []  # one entry per recovery (the summary and the benchmark read it)
-        #: Where the adapter's data stream stands (epoch, next data index, batches given to the loop), kept
-        #: by the Trainer adapter so that a resume continues the epoch's stream at the same batch.
+        #: Where the adapter's data stream stands (epoch, data index, batches given to the loop), kept by each
+        #: adapter after every batch so that a resume continues the epoch's stream at the same batch (the
+        #: Trainer's: the inner iterator's next index; Lightning's: the index after the step's batch).
         self.stream: dict[str, int] | None = None
 
     def decide(self, step: int) -> str:

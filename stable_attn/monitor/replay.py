@@ -131,7 +131,8 @@ def _variant(modules: Sequence[torch.nn.Module], options: Mapping[str, Any]) -> 
     """Every layer runs ``options`` over its own; its options and statistics as they were afterwards."""
     from ..integrations.transformers.models import _options
 
-    saved = [(m, m.__dict__.get("stable_attn_options", _ABSENT), getattr(m, "stable_attn_stats", None)) for m in modules]
+    saved = [(m, m.__dict__.get("stable_attn_options", _ABSENT), getattr(m, "stable_attn_stats", None))
+             for m in modules]
     enabled = [(s, s.enabled) for _, _, s in saved if s is not None]
     try:
         for m, _, stats in saved:
@@ -220,7 +221,8 @@ def verdict(replay: Replay, metric: str, threshold: float) -> str:
     spiked = {name: not (r[metric] <= threshold) for name, r in replay.results.items()}  # NaN spikes
     if spiked and all(spiked.values()):
         return "data"
-    if spiked.get(replay.run_variant) and any(not spiked[n] for n in _FIXING if n in spiked and n != replay.run_variant):
+    if spiked.get(replay.run_variant) and any(not spiked[n] for n in _FIXING
+                                              if n in spiked and n != replay.run_variant):
         return "numerical"
     return "unclear"
 
@@ -280,7 +282,8 @@ def replay_bundle(path: str, variants: Sequence[str] = DEFAULT_VARIANTS, device:
     with open(meta_path) as f:
         meta = json.load(f)
     if meta.get("version") != BUNDLE_VERSION:
-        raise ValueError(f"{meta_path}: bundle version {meta.get('version')!r}; this stable_attn reads {BUNDLE_VERSION}")
+        raise ValueError(f"{meta_path}: bundle version {meta.get('version')!r}; this stable_attn reads "
+                         f"{BUNDLE_VERSION}")
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, meta.get("dtype", "float32"))

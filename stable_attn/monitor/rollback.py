@@ -153,16 +153,16 @@ def _refuse(field: str, value: Any, accepted: str, described: str | None = None)
     return ValueError(f"{_DAMAGED}: {field} is {shown}, expected {accepted}; {_FIX}")
 
 
-def _tensors(value: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+def tensors_in(value: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor in a nest of dicts, lists and tuples, with its place (``optimizers[0]['state'][3]['exp_avg']``)."""
     if isinstance(value, torch.Tensor):
         yield where, value
     elif isinstance(value, dict):
         for k, v in value.items():
-            yield from _tensors(v, f"{where}[{k!r}]")
+            yield from tensors_in(v, f"{where}[{k!r}]")
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            yield from _tensors(v, f"{where}[{i}]")
+            yield from tensors_in(v, f"{where}[{i}]")
 
 
 def _check_types(state: dict[str, Any]) -> None:
@@ -189,7 +189,7 @@ def _check_types(state: dict[str, Any]) -> None:
     if cuda is not None and not (isinstance(cuda, list) and all(
             isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)):
         raise _refuse("cuda_rng", cuda, "None or a list of uint8 tensors (torch.cuda.get_rng_state_all())")
-    for where, t in _tensors(state["optimizers"], "optimizers"):
+    for where, t in tensors_in(state["optimizers"], "optimizers"):
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise _refuse(where, t, "finite values (no non-finite update is ever applied)", "a tensor with NaN or inf")
 

@@ -35,6 +35,7 @@ class MonitorOptions(TypedDict, total=False):
     early_warning_warmup: int | None
     rollback_every: int
     rollback_steps: int
+    snapshot_memory_limit: int | None
     skip_batches: int
     lr_factor: float
     lr_steps: int

@@ -5,6 +5,7 @@ LR factor, the escalation to stop, and nothing left patched."""
 from __future__ import annotations
 
 import json
+import os
 
 import lightning as L
 import pytest
@@ -55,10 +56,30 @@ def fingerprints(loader) -> list[str]:
     return [batch_fingerprint(b) for b in loader]
 
 
-def test_recover_matches_a_run_that_never_saw_the_window(tmp_path, pretrained):
-    cb = make_callback()
-    pos = Positions(cb)
-    t, module, loader = fit(tmp_path / "a", pretrained, [cb, pos])
+class RingFiles(Callback):
+    """The ring's files after each step (on_spike="recover" with snapshot_memory_limit=0)."""
+
+    def __init__(self, cb) -> None:
+        self.cb, self.files = cb, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        ring = self.cb.engine.recovery.ring
+        if ring.on_disk:
+            self.files[trainer.global_step] = sorted(os.listdir(ring.directory))
+
+
+@pytest.mark.parametrize("memory_limit", [8 * 2**30, 0], ids=["in memory", "on disk"])
+def test_recover_matches_a_run_that_never_saw_the_window(tmp_path, pretrained, memory_limit):
+    cb = make_callback(snapshot_memory_limit=memory_limit)
+    pos, ring_files = Positions(cb), RingFiles(cb)
+    t, module, loader = fit(tmp_path / "a", pretrained, [cb, pos, ring_files])
+    ring = cb.engine.recovery.ring
+    assert ring.on_disk is (memory_limit == 0)
+    if ring.on_disk:  # the ring's three files (4 steps back, one every 2), written and deleted as it moved on
+        assert ring_files.files[40] == [f"snapshot-step={s}-rank=0.pt" for s in (36, 38, 40)]
+        assert ring_files.files[BAD + 1] == ["snapshot-step=46-rank=0.pt"]  # 48 and 50: the abandoned trajectory
+        assert os.listdir(ring.directory) == []  # the end of the run deletes the rest
+        assert os.path.dirname(ring.directory) == t.log_dir
     # snapshots every 2 steps; the newest at least 4 steps before the spike at 50 is the state after 46 steps
     assert cb.rollbacks == [(BAD, 46)]
     recovery = cb.engine.recovery
@@ -89,6 +110,62 @@ def test_recover_matches_a_run_that_never_saw_the_window(tmp_path, pretrained):
     _, ref, _ = fit(tmp_path / "b", pretrained, [ref_cb], batch_ids=kept, corrupt=())
     for k, v in module.state_dict().items():
         assert torch.equal(v, ref.state_dict()[k]), k
+
+
+class ResumableLoader(DataLoader):
+    """A data loader with ``state_dict`` / ``load_state_dict``, which Lightning resumes mid-epoch itself."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._start = self._drawn = 0
+
+    def __iter__(self):
+        start, self._start = self._start, 0
+        for i, batch in enumerate(super().__iter__()):
+            if i >= start:
+                self._drawn = i + 1
+                yield batch
+
+    def state_dict(self):
+        return {"drawn": self._drawn}
+
+    def load_state_dict(self, state):
+        self._start = state["drawn"]
+
+
+@pytest.mark.parametrize("resumable", [False, True], ids=["loader restarted", "loader resumable"])
+def test_resume_inside_the_skip_window_continues_it_exactly(tmp_path, pretrained, resumable):
+    """A checkpoint of the recovering step (rolled back, the window 51..53 open, none of it drawn yet); the
+    resumed run skips the window and trains on what the uninterrupted run trained on, to the same weights.
+    Lightning restarts a loader without state at the epoch's first batch: the stream passes over the batches the
+    checkpointed run had used; a resumable loader starts where it stood."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(folder, ckpt_path=None, save=False):
+        cb = make_callback()
+        pos = Positions(cb)
+        callbacks = [cb, pos] + ([ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=BAD + 1,
+                                                  save_top_k=-1)] if save else [])
+        L.seed_everything(0, verbose=False)
+        module = ByteLM(weights=pretrained)
+        plain = batches_loader(range(STEPS), corrupt_batches=(BAD,))
+        loader = ResumableLoader(plain.dataset, batch_size=plain.batch_size, shuffle=False) if resumable else plain
+        t = trainer(tmp_path / folder, callbacks, STEPS, max_epochs=1, enable_checkpointing=save)
+        t.fit(module, loader, ckpt_path=ckpt_path)
+        return cb, pos, module
+
+    first, pos, module = run("first", save=True)
+    assert first.rollbacks == [(BAD, 46)] and pos.at[BAD + 1]["batch_index"] == BAD
+    ckpt = tmp_path / "ckpt" / f"epoch=0-step={BAD + 1}.ckpt"
+    assert ckpt.is_file()
+    resumed, again, module2 = run("resumed", ckpt_path=str(ckpt))
+    assert resumed.engine.recovery.used == 1 and resumed.engine.recovery.skipped_batches == 3
+    assert sorted(again.at) == [s for s in sorted(pos.at) if s > BAD + 1]  # to the epoch's end (data exhausted)
+    assert len(again.at) == STEPS - 3 - (BAD + 1)
+    assert all(again.at[s] == pos.at[s] for s in again.at)  # the same batches (index and fingerprint) step by step
+    assert again.at[BAD + 2]["batch_index"] == 54  # after the window
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, module2.state_dict()[k]), k
 
 
 def test_two_workers_skip_the_same_batches(tmp_path, pretrained):
@@ -122,8 +199,6 @@ def test_a_spike_after_the_last_recovery_stops_with_a_checkpoint(tmp_path, pretr
     t, _, _ = fit(tmp_path, pretrained, [cb], corrupt=(BAD, 56))
     assert cb.engine.recovery.used == 1
     assert cb.stop_checkpoint is not None and t.should_stop
-    import os
-
     assert os.path.isfile(cb.stop_checkpoint)
     assert cb.alert_kinds["recovery"] == 2
 

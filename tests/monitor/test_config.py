@@ -18,12 +18,14 @@ from stable_attn.monitor.engine import MonitorEngine
 DEFAULTS = {
     "on_spike": "warn", "log_every_n_steps": None, "swap": True, "patch_sdpa": False, "loss_detector": None,
     "grad_norm_detector": None, "monitor_grad_norm": True, "attention_stats": True, "early_warnings": True,
-    "early_warning_warmup": None, "rollback_every": 100, "rollback_steps": 100, "skip_batches": 200,
+    "early_warning_warmup": None, "rollback_every": 100, "rollback_steps": 100,
+    "snapshot_memory_limit": 8 * 2**30, "skip_batches": 200,
     "lr_factor": 1.0, "lr_steps": 100, "max_recoveries": 3, "cooldown_steps": 50, "on_alert": None, "webhook_url": None,
     "webhook_timeout": 2.0, "webhook_headers": None, "alerts_file": names.ALERTS_FILE, "layer_window": 10,
     "not_training_after": 10, "not_training_stop_after": 100,
     # issue 21: the cap and cool-down of spike actions, added last
-    "spike_action_cap": 10, "spike_action_cooldown": 20, "diagnose_spikes": False, "qk_clip": None, "qk_clip_alpha": 0.5,
+    "spike_action_cap": 10, "spike_action_cooldown": 20, "diagnose_spikes": False, "qk_clip": None,
+    "qk_clip_alpha": 0.5,
 }
 UNSAVED = ("loss_detector", "grad_norm_detector", "on_alert", "webhook_url", "webhook_headers")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stable_attn.monitor.data_position import batch_fingerprint, data_position
-from stable_attn.monitor.recovery import LrScale, Recovery, SkipStream, SnapshotRing, ring_layout
+from stable_attn.monitor.recovery import LrScale, Recovery, SkipStream, SnapshotRing, ring_layout, snapshot_bytes
 from stable_attn.monitor.rollback import Trainables
 
 
@@ -40,6 +40,54 @@ def test_ring_target_is_the_newest_snapshot_far_enough_back_and_drops_newer_ones
     assert entry.snapshot.step == 8 and float(entry.snapshot.model["weight"][0, 0]) == 8.0
     assert ring.steps == [8]  # 10 and 12 belong to the abandoned trajectory
     assert ring.target(9, 100).snapshot.step == 8  # too young a run: the oldest one
+
+
+def test_ring_over_its_memory_limit_keeps_files_and_restores_the_same_state(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # optimizer moments to save
+    stale = tmp_path / "snapshot-step=4-rank=1.pt"  # an earlier run's file of this rank: deleted at the start
+    other = tmp_path / "snapshot-step=4-rank=0.pt"  # another rank's: kept
+    stale.write_bytes(b"x")
+    other.write_bytes(b"x")
+    ring = SnapshotRing(*ring_layout(4, 2), memory_limit=3 * (6 + 2) * 4 * 3 - 1, directory=str(tmp_path), rank=1)
+    kept = {}
+    for step in range(0, 13):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        if ring.due(step):
+            ring.take(state(step, model, opt), {"loss": [{"step": step}]})
+            kept[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    # weight 6 + bias 2 floats, with two AdamW moments: 3 x 8 x 4 bytes, and the step counter
+    assert ring.snapshot_bytes == snapshot_bytes(ring.entries[0].load()) >= 3 * 8 * 4
+    assert ring.on_disk and all(e.snapshot is None for e in ring.entries)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["snapshot-step=10-rank=1.pt", "snapshot-step=12-rank=1.pt", "snapshot-step=4-rank=0.pt",
+                     "snapshot-step=8-rank=1.pt"]  # 0..6 deleted as the ring moved on, the stale file at start
+    entry = ring.target(13, 4)
+    assert entry.step == 8 and entry.detectors == {"loss": [{"step": 8}]}
+    snap = entry.load()
+    assert all(torch.equal(snap.model[k], kept[8][k]) for k in kept[8])
+    assert snap.optimizers[0]["state"][0]["exp_avg"].shape == (2, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot-step=4-rank=0.pt", "snapshot-step=8-rank=1.pt"]
+    ring.clear()
+    assert [p.name for p in tmp_path.iterdir()] == ["snapshot-step=4-rank=0.pt"]
+
+
+def test_ring_within_its_memory_limit_stays_in_memory(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ring = SnapshotRing(2, 3, memory_limit=3 * 8 * 4, directory=str(tmp_path))
+    ring.take(state(0, model, opt))
+    assert ring.on_disk is False and ring.entries[0].snapshot is not None and not list(tmp_path.iterdir())
+
+
+def test_ring_on_disk_without_a_directory_raises():
+    model = torch.nn.Linear(3, 2)
+    ring = SnapshotRing(2, 3, memory_limit=0)
+    with pytest.raises(ValueError, match="snapshot_memory_limit=0"):
+        ring.take(state(0, model, torch.optim.SGD(model.parameters(), lr=0.1)))
 
 
 def test_decide_counts_recoveries_and_the_cooldown():

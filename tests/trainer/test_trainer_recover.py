@@ -46,11 +46,16 @@ def read_alerts(out) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def test_recover_rolls_back_rollback_steps_and_skips_exactly_the_window(tmp_path, pretrained):
-    cb = recover_cb()
+@pytest.mark.parametrize("memory_limit", [None, 0], ids=["in memory", "on disk"])
+def test_recover_rolls_back_rollback_steps_and_skips_exactly_the_window(tmp_path, pretrained, memory_limit):
+    cb = recover_cb(snapshot_memory_limit=memory_limit)
     pos = Positions(cb)
     trainer = make_trainer(str(tmp_path), [cb, pos], steps=16, weights=pretrained, corrupt=[BAD - 1], batches=40)
     trainer.train()
+    ring = cb.engine.recovery.ring
+    assert ring.on_disk is (memory_limit == 0)
+    if ring.on_disk:  # in the Trainer's output_dir; the end of the run deletes the files
+        assert ring.directory == os.path.join(str(tmp_path), "recovery") and os.listdir(ring.directory) == []
     # snapshots every min(2, 4) = 2 steps: the newest at least 4 steps before step 12 is step 8's
     assert cb.rollbacks == [(BAD, 8)]
     assert pos.weights[BAD] == pos.weights[8]
@@ -112,7 +117,8 @@ def test_a_spike_after_the_last_recovery_stops_with_a_checkpoint(tmp_path, pretr
 
 
 @pytest.mark.parametrize("bad", [dict(skip_batches=-1), dict(max_recoveries=0), dict(lr_factor=0.0),
-                                 dict(lr_factor=2.0), dict(rollback_steps=0), dict(cooldown_steps=True)])
+                                 dict(lr_factor=2.0), dict(rollback_steps=0), dict(cooldown_steps=True),
+                                 dict(snapshot_memory_limit=-1), dict(snapshot_memory_limit=1.5)])
 def test_bad_arguments_raise_naming_them(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
