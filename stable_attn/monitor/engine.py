@@ -417,6 +417,7 @@ class MonitorEngine:
         self._acted = False
         self.step_batches = []
         self._diagnosis = None
+        self.skipping_batches = None  # the window a recovery of this step opens (its alerts' outcome)
         self._alerts_at_start = self.alert_count
         self._monitor_now = monitor if monitor is not None else self._every > 0 and (step + 1) % self._every == 0
         self._watch.enable(self._monitor_now)

@@ -201,6 +201,11 @@ def test_a_spike_after_the_last_recovery_stops_with_a_checkpoint(tmp_path, pretr
     assert cb.stop_checkpoint is not None and t.should_stop
     assert os.path.isfile(cb.stop_checkpoint)
     assert cb.alert_kinds["recovery"] == 2
+    (alerts,) = list(tmp_path.rglob("stable_attn_alerts.jsonl"))
+    lines = [json.loads(line) for line in alerts.read_text().splitlines()]
+    # only the recovery's alert says which batches it skips; the alerts of the later stop do not
+    assert [a["outcome"]["skipping_batches"] for a in lines if a["kind"] == "recovery"] == [[51, 53], None]
+    assert all(a["outcome"]["skipping_batches"] is None for a in lines if a["step"] > BAD)
 
 
 @pytest.mark.slow
