@@ -208,6 +208,10 @@ class MonitorEngine:
         self._loss: torch.Tensor | None = None
         self._stepped = False
         self._spiked = False
+        # Alerts judged before a monitored step's attention statistics are reduced (spikes, in
+        # before_optimizer_step) wait for them: written by end_step (or end_run), with that step's statistics.
+        self._defer_attention = False
+        self._deferred: list[Alert] = []
         self._acted = False
         self._pending_rollback = False
         self._pending_stop = False
@@ -360,6 +364,7 @@ class MonitorEngine:
     def end_run(self, when: str) -> None:
         """Close the alert channels (within one webhook timeout in all), say what they did not deliver,
         put back ``F.scaled_dot_product_attention`` and switch statistics off. Idempotent."""
+        self._flush_deferred()  # a step that raised after its spike was judged: the alerts without its statistics
         dispatcher, self.dispatcher = self.dispatcher, None
         if dispatcher is not None:
             delivered = alerting.close_dispatcher(dispatcher, self.webhook_timeout, when)
@@ -502,10 +507,12 @@ class MonitorEngine:
         stop_path = self._stop_path(step) if judged.verdict.stop else None
         if self.config.diagnose_spikes and judged.spikes:
             self._diagnosis = self._diagnose(step, judged.spikes[0][0])
+        self._defer_attention = self._monitor_now and self._watch.layers is not None and len(self._watch.layers) > 0
         for event, message in judged.spikes:
             self._alert(event, judged.verdict.action, message, stop_path)
         for alert in judged.alerts:
             self._emit(alert)
+        self._defer_attention = False
         verdict = judged.verdict
         decision, self._recover_decision = self._recover_decision, None
         if verdict.recover:
@@ -610,6 +617,7 @@ class MonitorEngine:
         self._stepped = False
         clipped = self._qk_clip(step) if self._qk is not None else None
         metrics = self._monitor(step) if self._monitor_now else None
+        self._flush_deferred()
         if clipped:
             metrics = {**(metrics or {}), **clipped}
 
@@ -731,11 +739,23 @@ class MonitorEngine:
                                     diagnosis=diagnosis))
 
     def _emit(self, alert: Alert) -> None:
-        """Count the alert on every rank (the count is shown and logged), deliver it on rank zero."""
+        """Count the alert on every rank (the count is shown and logged), deliver it on rank zero; one judged
+        before its monitored step's attention statistics are reduced gets every other field of its evidence now
+        (the gradients are gone after the step) and is delivered with the statistics by :meth:`end_step`."""
         self.alert_count += 1
         self.alert_kinds[alert.kind] = self.alert_kinds.get(alert.kind, 0) + 1
-        if self.dispatcher is not None:
+        if self.dispatcher is None:
+            return
+        if self._defer_attention:
+            self._deferred.append(self._evidence.fill(alert, self, leave=("attention",)))
+        else:
             self.dispatcher.emit(self._evidence.fill(alert, self))
+
+    def _flush_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        if self.dispatcher is not None:
+            for alert in deferred:
+                self.dispatcher.emit(self._evidence.fill(alert, self))
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:

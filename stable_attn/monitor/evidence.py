@@ -15,8 +15,9 @@ an alert of the step (docs/ALERTS.md has each field, its unit and when it is nul
   (32) optimizer steps up to the alert's, the mean over ranks as ``train/loss`` logs it (since the process
   started: a resume starts the window afresh);
 - ``attention``: the per-layer statistics of the latest monitored step (the alert's step for an early
-  warning; for a spike, which is judged before that step's statistics are reduced, the monitored step
-  before it) and the layer and head that moved (:func:`moved`);
+  warning, and for a spike on a monitored step: the engine writes that alert once the step's statistics are
+  reduced, after the optimizer step; for a spike on another step, the monitored step before it) and the layer
+  and head that moved (:func:`moved`);
 - ``grad_norms``: the 5 parameters with the largest gradient norm, one ``torch._foreach_norm`` over the
   gradients on alert steps only (the every-step norm is one fused total; asking it for per-tensor norms would
   cost every step), once per step however many alerts it raises;
@@ -161,14 +162,15 @@ class Evidence:
         self.losses.append((step, float(loss)))
 
     # ------------------------------------------------------------------ fill
-    def fill(self, alert: Alert, engine: Any) -> Alert:
-        """``alert`` with its evidence fields filled from the engine's step (fields already set are kept)."""
+    def fill(self, alert: Alert, engine: Any, leave: tuple[str, ...] = ()) -> Alert:
+        """``alert`` with its evidence fields filled from the engine's step (fields already set, and those named
+        in ``leave``, are kept)."""
         fields: dict[str, Any] = {}
         for name, build in (("data_position", self._data_position), ("lrs", self._lrs_of),
                             ("world_size", self._world_size), ("ranks", self._ranks),
                             ("loss_window", self._loss_window), ("attention", self._attention),
                             ("grad_norms", self._grad_norms_of), ("outcome", self._outcome)):
-            if getattr(alert, name) is not None:
+            if getattr(alert, name) is not None or name in leave:
                 continue
             try:
                 fields[name] = json_safe(build(alert, engine))

@@ -103,6 +103,20 @@ def test_a_spike_alert_carries_the_evidence_of_its_step(tmp_path):
         assert part in line, (part, line)
 
 
+def test_a_spike_on_a_monitored_step_carries_that_steps_attention(tmp_path):
+    """The alert waits for the step's statistics (reduced after the optimizer step) and keeps the gradient norms
+    taken before the dropped update cleared the gradients."""
+    steps, bad = 40, 35
+    assert (bad + 1) % EVERY == 0  # a monitored step
+    engine, loop, received, lines = run_engine(tmp_path, steps, bad, on_spike="skip")
+    assert [(d["step"], d["metric"]) for d in lines] == [(bad, names.LOSS), (bad, names.GRAD_NORM)]
+    for line in lines:
+        validate_alert(line)
+        assert line["attention"]["step"] == bad and line["attention"]["moved"]["to_step"] == bad
+        assert len(line["grad_norms"]["top"]) == 5 and line["outcome"]["update_applied"] is False
+    assert [a.to_dict() for a in received] == lines  # the callables get the same, once each
+
+
 def test_the_outcome_of_a_rollback_and_of_a_stop(tmp_path):
     _, _, _, lines = run_engine(tmp_path / "rollback", 16, 10, on_spike="rollback", rollback_every=4)
     assert {d["outcome"]["rolled_back_to"] for d in lines} == {8}
