@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -39,3 +41,26 @@ def test_ddp_ranks_agree_on_every_action(tmp_path, pretrained):
     assert [(a["step"], a["kind"]) for a in loss] == [(BAD, "spike"), (NAN_STEP, "nonfinite")]
     assert all("on rank 1 of 2" in a["message"] and a["action"] == "skip" for a in loss)
     assert len(alerts) == r0["alert_count"]
+
+
+@pytest.mark.slow
+def test_ddp_ranks_recover_alike(tmp_path, pretrained):
+    """on_spike="recover" with 2 ranks, only rank 1 reading the garbled batch: the same rollback, the same
+    window of each rank's own shard, the same batch indices after it, identical replicas."""
+    from ddp_trainer_recover_run import BAD
+
+    path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.join(HERE, "ddp_trainer_recover_run.py"), pretrained, str(tmp_path)],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["rollbacks"] == r1["rollbacks"] == [[BAD, BAD - 4]]
+    assert r0["window"] == r1["window"] == {"epoch": 0, "start": BAD, "stop": BAD + 3}
+    assert r0["skipped"] == r1["skipped"] == 3
+    assert r0["positions"] == r1["positions"]
+    assert [r0["positions"][str(s)] for s in range(BAD - 1, BAD + 3)] == [BAD - 2, BAD - 1, BAD + 3, BAD + 4]
+    assert r0["final"] == r1["final"]
