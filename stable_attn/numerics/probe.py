@@ -473,6 +473,10 @@ def _load(config: str, seed: int):
         tokenizer = AutoTokenizer.from_pretrained(config, local_files_only=True)
     except (OSError, ValueError):
         tokenizer = None
+    # A folder without tokenizer files still gets a tokenizer of its model type from transformers 5, with an
+    # empty vocabulary (every text is zero tokens): the text's bytes are the ids then, as without one.
+    if tokenizer is not None and len(tokenizer) < 2:
+        tokenizer = None
     return model, tokenizer
 
 
@@ -488,7 +492,9 @@ def _batch(text: str | None, tokenizer, vocab: int, batch: int, seq_len: int, se
         return torch.randint(0, vocab, (batch, seq_len), generator=gen)
     ids = tokenizer(text)["input_ids"] if tokenizer is not None else list(text.encode("utf-8"))
     if not ids:
-        raise ValueError("--text: the file is empty")
+        raise ValueError("--text: the file is empty" if not text else "--text: the model's tokenizer gives no token "
+                         "for this text; pass a text in its language, or a model folder whose tokenizer has a "
+                         "vocabulary")
     ids = [i % vocab for i in ids]
     ids = (ids * (need // len(ids) + 1))[:need]
     return torch.tensor(ids, dtype=torch.int64).view(batch, seq_len)

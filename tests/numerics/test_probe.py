@@ -197,3 +197,15 @@ def test_verdict_says_what_to_do():
     assert "stabilize=False" in v([_layer("layer0", 1.0, 3.5)])
     none = v([_layer("layer0", 2.9, -2.0)], "h100")
     assert "no layer's O or delta is biased" in none and "2.90" in none and "emulated h100" in none
+
+
+def test_a_model_folder_without_tokenizer_files_probes_the_texts_bytes(tmp_path):
+    """transformers 5 builds an empty-vocabulary tokenizer for such a folder (every text zero tokens): the probe
+    reads the text's bytes as ids instead of calling the text empty."""
+    tiny_model("gpt2-tiny", 0).save_pretrained(tmp_path / "model")
+    model, tokenizer = probe_mod._load(str(tmp_path / "model"), 0)
+    assert tokenizer is None and model.config.n_layer == tiny_model("gpt2-tiny", 0).config.n_layer
+    ids = probe_mod._batch("hello, probe", tokenizer, model.config.vocab_size, 1, 8, 0)
+    assert ids[0].tolist() == list(b"hello, p")
+    with pytest.raises(ValueError, match="the file is empty"):
+        probe_mod._batch("", None, 256, 1, 8, 0)
