@@ -58,11 +58,17 @@ TEXT = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
 
 
 class Block(nn.Module):
-    """Pre-LN block without biases; optional LayerNorm on each head's queries and keys."""
+    """Pre-LN block without biases; optional LayerNorm on each head's queries and keys.
 
-    def __init__(self, width: int, heads: int, qk_norm: bool) -> None:
+    ``attend(block, q, k, v)`` (``[B, H, N, D]``, causal) replaces the attention call (None:
+    ``stable_attn.attention`` on the PyTorch path with the block's statistics); tensor_core_training.py
+    passes its emulated arithmetic here.
+    """
+
+    def __init__(self, width: int, heads: int, qk_norm: bool, attend=None) -> None:
         super().__init__()
         self.heads = heads
+        self.attend = attend
         self.ln1 = nn.LayerNorm(width, bias=False)
         self.ln2 = nn.LayerNorm(width, bias=False)
         self.qkv = nn.Linear(width, 3 * width, bias=False)
@@ -78,17 +84,20 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        a = attention(q, k, v, causal=True, stats=self.stats)
+        if self.attend is None:
+            a = attention(q, k, v, causal=True, stats=self.stats)
+        else:
+            a = self.attend(self, q, k, v)
         x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, width: int, heads: int, layers: int, seq: int, qk_norm: bool) -> None:
+    def __init__(self, width: int, heads: int, layers: int, seq: int, qk_norm: bool, attend=None) -> None:
         super().__init__()
         self.tok = nn.Embedding(256, width)
         self.pos = nn.Embedding(seq, width)
-        self.blocks = nn.ModuleList(Block(width, heads, qk_norm) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(width, heads, qk_norm, attend) for _ in range(layers))
         self.ln_f = nn.LayerNorm(width, bias=False)
         self.head = nn.Linear(width, 256, bias=False)
 

@@ -58,6 +58,9 @@ class ModelOutput:
     fired_rate: float
     # the key partition the model walked (tensor-core models; None where the kernel chose it itself)
     key_block: int | None = None
+    # per row: the base-2 log-sum-exp ``r + log2(l)`` the kernel saves for its backward (+inf on rows that see
+    # no key; tensor-core models only): what a training step needs to run the backward on this forward's O
+    lse2: torch.Tensor | None = None
 
 
 def _check(scores: torch.Tensor, values: torch.Tensor, fix: str) -> None:
@@ -267,6 +270,7 @@ def tensor_core_forward(x: torch.Tensor, values: torch.Tensor, fix: str, *, qk_s
     products), so such rows skip the block here, as the kernel skips blocks no row of its tile sees.
     ``model="fp32_matmul"`` replaces the MMA by ``acc * alpha + P-bar @ V`` in fp32 and the row sum by
     an fp32 sum: the PyTorch path's arithmetic (the cross-check against :func:`kernel_model`).
+    The result carries ``lse2 = r + log2(l)`` per row, as ``reference.attention_forward`` saves it.
     """
     if model != "fp32_matmul" and model not in tensor_core.MODELS:
         raise ValueError(f"model={model!r}; accepted values: {(*tensor_core.MODELS, 'fp32_matmul')}")
@@ -329,7 +333,8 @@ def tensor_core_forward(x: torch.Tensor, values: torch.Tensor, fix: str, *, qk_s
             fired[rows] += fire.double()
     seen = m > -float("inf")
     o = torch.where(seen[:, None], acc / l[:, None], torch.zeros_like(acc)).to(out_dtype)
-    return ModelOutput(o.double(), ones, fired.mean().item(), block_n)
+    lse2 = torch.where(seen, r + torch.log2(l), torch.full_like(l, math.inf))
+    return ModelOutput(o.double(), ones, fired.mean().item(), block_n, lse2)
 
 
 def tensor_core_model(scores: torch.Tensor, values: torch.Tensor, fix: str, block_n: int = BLOCK_N,
