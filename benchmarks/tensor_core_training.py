@@ -190,7 +190,8 @@ def random_top_share(width: int, trials: int = 20) -> float:
 
 
 def batches(steps: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets ``[steps, batch, seq]``: random windows of instability.TEXT, as instability.train draws them."""
+    """Inputs and targets ``[steps, batch, seq]``: random windows of instability.TEXT, as instability.train
+    draws them."""
     data = torch.frombuffer(bytearray(TEXT), dtype=torch.uint8).long()
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(data) - seq - 1, (steps, batch), generator=gen)
@@ -234,7 +235,8 @@ def train(args: argparse.Namespace, on_log=None) -> dict:
             tr["pbar"].append(arms[name].pbar if measured else None)
             if name == "twin":
                 continue
-            dq, dk = zip(*[(drift(wq, tq), drift(wk, tk)) for (wq, wk), (tq, tk) in zip(qk_weights(models[name]), twin)])
+            layer_pairs = zip(qk_weights(models[name]), twin)
+            dq, dk = zip(*[(drift(wq, tq), drift(wk, tk)) for (wq, wk), (tq, tk) in layer_pairs])
             tr["drift_q"].append([d[0] for d in dq])
             tr["top_share_q"].append([d[1] for d in dq])
             tr["drift_k"].append([d[0] for d in dk])
@@ -339,7 +341,8 @@ def table(traces: dict, args: argparse.Namespace, share0: float) -> str:
     half = len(steps) // 2
     lines += ["", "Over the run (per layer): drift from the twin at the last step, and the top-direction share "
                   "averaged over the second half of the logged steps",
-              "| arm | ||dW_q|| last | ||dW_k|| last | share dW_q, 2nd half | share dW_k, 2nd half |", "|---|---|---|---|---|"]
+              "| arm | ||dW_q|| last | ||dW_k|| last | share dW_q, 2nd half | share dW_k, 2nd half |",
+              "|---|---|---|---|---|"]
     for name in drifting:
         tr = traces["arms"][name]
         cells = [" / ".join(f"{tr['drift_' + key][-1][l]:.4g}" for l in layers) for key in ("q", "k")]
