@@ -172,6 +172,16 @@ def _table_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, pl
     return cfg
 
 
+def row_sum_parts(cc: int, dtype: torch.dtype, block_n: int) -> int:
+    """Accumulators of the exact mode's tensor-core row sum ``P-bar @ 1`` (``triton_forward.tc_row_sum_add``):
+    2 on sm_90 with 16-bit inputs, one product per half of each ``block_n``-key block (its halves at least 16
+    keys, ``tl.dot``'s smallest K), else 1. sm_90 (wgmma, benchmarks/kernel_resources.py): every exact
+    variant's loop shorter, D = 64 560 -> 551 loop SASS causal, 570 -> 559 not, D = 128 631 -> 619; sm_80
+    (mma.sync): longer (D = 64 675 -> 683) and D = 128 exact + stats spilled (8 / 48 bytes); the decode
+    kernel keeps one (its own launch constants)."""
+    return 2 if cc >= 90 and dtype != torch.float32 and block_n >= 32 else 1
+
+
 def bwd_config(block_d: int, dtype: torch.dtype, cc: int, tma: bool = True, heavy: bool = False) -> BwdConfig:
     """Backward tiling by padded head dim and compute capability (no partition constraint here).
 
@@ -305,7 +315,8 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
         if tile_n not in (block_n, 2 * block_n):
             raise ValueError(f"config.tile_n={cfg.tile_n} with key blocks of {block_n}: accepted are None, {block_n} "
                              f"and {2 * block_n} (one or two blocks of the partition per key tile)")
-        consts.update(MODE=mode, STATS=int(stats), BLOCK_M=cfg.block_m, BLOCK_N=block_n, TILE_N=tile_n, TMA=cfg.tma)
+        consts.update(MODE=mode, STATS=int(stats), BLOCK_M=cfg.block_m, BLOCK_N=block_n, TILE_N=tile_n, TMA=cfg.tma,
+                      ROW_SUM_PARTS=row_sum_parts(cc, dtype, block_n))
         return consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
     if kind not in ("bwd_dkdv", "bwd_dq"):
         raise ValueError(f"kind={kind!r}: one of 'fwd', 'bwd_dkdv', 'bwd_dq'")

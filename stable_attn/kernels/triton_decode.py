@@ -47,7 +47,7 @@ from .triton_attention import (
     _scalars,
     head_block,
 )
-from .triton_forward import FP32_MAX, L_COLS, MODE_EXACT, fwd_blocks, tensor_core_row_sum
+from .triton_forward import FP32_MAX, MODE_EXACT, fwd_blocks, tc_row_sum_total, tc_row_sum_zeros, tensor_core_row_sum
 from .triton_tiles import key_range, round_to
 
 MAX_QUERIES = tl.constexpr(decode_plan.MAX_QUERIES)
@@ -96,7 +96,8 @@ def attn_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     r_i = tl.full([BLOCK_M], -FP32_MAX, tl.float32)  # the initial offset: every split starts here
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, False):
-        l_i = tl.zeros([BLOCK_M, L_COLS], tl.float32)
+        # one accumulator (triton_attention.row_sum_parts: measured on the training forward's tiles only)
+        l_i = tc_row_sum_zeros(BLOCK_M, 1)
     else:
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -127,7 +128,7 @@ def attn_decode_kernel(
         cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2, max_shift2, beta, 0, 0.0, drop_row,
         True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, 0, False, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, False)
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, False):
-        l_i = tl.max(l_i, 1)
+        l_i = tc_row_sum_total(l_i)
 
     part = ((b64 * Hq + h) * Nq + offs_i) * n_splits + split_id  # partial (b, h, i, split)
     tl.store(Acc + part[:, None] * HEAD_D + offs_d[None, :], acc, mask=q_mask)

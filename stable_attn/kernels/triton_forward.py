@@ -62,6 +62,64 @@ def tensor_core_row_sum(block_d, dropout):
     return block_d <= 128 and not dropout
 
 
+# With two accumulators only their even columns are rescaled by alpha and read after the loop: every column
+# holds the same sum and each thread of the sm_90 tiles holds one even and one odd column of each of its rows
+# (wgmma's accumulator layout), so this halves the multiplies; the odd columns keep unscaled sums of P-bar
+# <= 1 (finite), never read. Not with one accumulator: there it lengthened the decode kernel's loops (16-row
+# tiles; benchmarks/decode_resources.py, exact, 128-key blocks: 470 -> 472 SASS at D = 64 on sm_90).
+@triton.jit
+def _even_cols():
+    return (tl.arange(0, L_COLS) % 2 == 0)[None, :]
+
+
+@triton.jit
+def tc_row_sum_zeros(BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
+    """The exact mode's tensor-core row sum before the first key: a tuple of ``PARTS`` (1 or 2)
+    ``[BLOCK_M, L_COLS]`` fp32 accumulators, one per column group of the key block (``tc_row_sum_add``)."""
+    if PARTS == 2:
+        return tl.zeros([BLOCK_M, L_COLS], tl.float32), tl.zeros([BLOCK_M, L_COLS], tl.float32)
+    else:
+        return (tl.zeros([BLOCK_M, L_COLS], tl.float32),)
+
+
+@triton.jit
+def tc_row_sum_add(l_i, p_cast, alpha, PREC: tl.constexpr):
+    """``l_i * alpha + P-bar @ 1`` on the tensor cores: ``P-bar @ 1`` reads the P-bar registers the P-bar V
+    product reads, instead of widening every element back to fp32; every column holds the row sum.
+
+    With two accumulators (``tc_row_sum_zeros``) each half of the block's keys goes into its own: two
+    products of ``BLOCK_N / 2`` keys against one ``[BLOCK_N / 2, L_COLS]`` tile of ones, whose shared-memory
+    descriptors (one per 16 keys) then stay in uniform registers. One product of ``BLOCK_N`` keys needs
+    twice as many and ptxas rebuilt half of them every iteration (sm_90, D = 64: 8 UMOV per key block; two
+    products, with the even columns' rescale below, 551 instead of 560 loop SASS causal and 559 instead of
+    570 not, benchmarks/kernel_resources.py, docs/BENCHMARKS.md). Two accumulators, not
+    one chained through both products: Triton waits for a product whose result another one in the same
+    iteration reads (its wgmma pipeline), only a loop-carried accumulator stays asynchronous.
+    """
+    if len(l_i) == 2:
+        n: tl.constexpr = p_cast.shape[1] // 2
+        # the halves of the key axis (column bit log2(n) is a register index of the dot's layout)
+        p_a, p_b = tl.split(tl.permute(tl.reshape(p_cast, [p_cast.shape[0], 2, n]), [0, 2, 1]))
+        ones = tl.full([n, L_COLS], 1.0, p_cast.dtype)
+        scale = tl.where(_even_cols(), alpha[:, None], 1.0)
+        l_i = (tl.dot(p_a, ones, l_i[0] * scale, input_precision=PREC),
+               tl.dot(p_b, ones, l_i[1] * scale, input_precision=PREC))
+    else:
+        ones = tl.full([p_cast.shape[1], L_COLS], 1.0, p_cast.dtype)
+        l_i = (tl.dot(p_cast, ones, l_i[0] * alpha[:, None], input_precision=PREC),)
+    return l_i
+
+
+@triton.jit
+def tc_row_sum_total(l_i):
+    """The row sum ``[BLOCK_M]`` of ``tc_row_sum_add``'s accumulators, after the loop."""
+    if len(l_i) == 2:
+        l = tl.max(tl.where(_even_cols(), l_i[0] + l_i[1], 0.0), 1)
+    else:
+        l = tl.max(l_i[0], 1)
+    return l
+
+
 @triton.jit
 def _top2_combine(a1, a2, b1, b2):
     return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
@@ -245,11 +303,8 @@ def fwd_weights(l_i, ent_i, ent_l, s, m_blk, r_i, r_new, start_n, offs_n0, qk_sc
     # the rounding point the paper is about: P-bar is cast to the input dtype before P-bar V
     p_cast = round_to(p, DTYPE, UPCAST)
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
-        # consistent normalisation: the row sum adds exactly the weights that multiply V. As P-bar @ 1
-        # on the tensor cores it reads the P-bar registers the P-bar V product reads, instead of
-        # widening every element back to fp32; every column of l_i holds the same row sum.
-        ones = tl.full([p_cast.shape[1], L_COLS], 1.0, p_cast.dtype)
-        l_i = tl.dot(p_cast, ones, l_i * alpha[:, None], input_precision=PREC)
+        # consistent normalisation: the row sum adds exactly the weights that multiply V
+        l_i = tc_row_sum_add(l_i, p_cast, alpha, PREC)
     elif MODE == MODE_EXACT:  # the same sum, element by element (where the accumulator would spill)
         l_i = l_i * alpha + tl.sum(p_cast.to(tl.float32), 1)
     elif MODE == MODE_PAPER:  # the published floor, in blocks where the row sees a key
@@ -467,6 +522,7 @@ def fwd_program(
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    ROW_SUM_PARTS: tl.constexpr,
 ):
     """The program of both forward kernels: ``BLOCK_M`` query rows of one (batch or sequence, head).
 
@@ -514,7 +570,7 @@ def fwd_program(
     # the first key block takes its own max (reference.py, docs/ALGORITHM.md "Rounding points")
     r_i = tl.full([BLOCK_M], -FP32_MAX, tl.float32)
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
-        l_i = tl.zeros([BLOCK_M, L_COLS], tl.float32)  # the row sum, as a tensor-core accumulator
+        l_i = tc_row_sum_zeros(BLOCK_M, ROW_SUM_PARTS)  # the row sum, as tensor-core accumulators
     else:
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -568,7 +624,7 @@ def fwd_program(
         UPCAST, PREC, TMA)
 
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
-        l_i = tl.max(l_i, 1)
+        l_i = tc_row_sum_total(l_i)
     seen = m_i > float("-inf")
     # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor)
     if DROPOUT:
@@ -629,6 +685,7 @@ def attn_fwd_kernel(
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    ROW_SUM_PARTS: tl.constexpr,
 ):
     """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V``
     are descriptors (blocks ``[1, 1, TILE_N, BLOCK_D]`` and ``[1, 1, BLOCK_N, BLOCK_D]``)."""
@@ -637,7 +694,7 @@ def attn_fwd_kernel(
                 stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
                 CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
-                TILE_N, DTYPE, UPCAST, PREC, TMA)
+                TILE_N, DTYPE, UPCAST, PREC, TMA, ROW_SUM_PARTS)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
@@ -651,6 +708,7 @@ def attn_fwd_varlen_kernel(
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    ROW_SUM_PARTS: tl.constexpr,
 ):
     """Program ``(query block, head, sequence)`` of packed ``[total, H, D]`` tensors (FlashAttention's
     varlen layout); the grid covers the longest sequence and the other programs end here at once.
@@ -668,4 +726,4 @@ def attn_fwd_varlen_kernel(
                 0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q, 0,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,
                 keep_frac, CAUSAL, WINDOW, SOFTCAP, False, MODE, STATS, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M,
-                BLOCK_N, TILE_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False)
+                BLOCK_N, TILE_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False, ROW_SUM_PARTS)

@@ -263,8 +263,10 @@ def tensor_core_forward(x: torch.Tensor, values: torch.Tensor, fix: str, *, qk_s
     of ``k_chunk`` keys, each one's ``D`` the next one's ``C``; each instruction is
     :func:`tensor_core.mma` under ``model`` (which splits it into its fused blocks). For ``fix="ours"``
     the row sum is ``tl.dot(P-bar, 1, l * alpha)`` on the tensor cores too (``tensor_core_row_sum``:
-    head dim <= 128), else ``l * alpha + sum(P-bar)`` in fp32 (the unrounded P-bar for ``"off"`` and
-    ``"paper"``, with the paper's floor). ``O = acc / l``, stored in ``out_dtype``.
+    head dim <= 128; one chain per block here, where the sm_90 kernel sums each half of the block's keys
+    into its own accumulator and adds the two after the loop, ``triton_attention.row_sum_parts``: the same
+    rounded P-bar in another fp32 order, not modelled), else ``l * alpha + sum(P-bar)`` in fp32 (the
+    unrounded P-bar for ``"off"`` and ``"paper"``, with the paper's floor). ``O = acc / l``, stored in ``out_dtype``.
 
     A row that sees no key of a block keeps its state bit for bit (``r_new = r``, ``alpha = 1``, zero
     products), so such rows skip the block here, as the kernel skips blocks no row of its tile sees.

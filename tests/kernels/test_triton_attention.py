@@ -245,6 +245,28 @@ def test_128_key_partition_takes_the_128_wide_tile(D, mode):
             (128, 64, 128, 8) if D > 64 else (128, 64, 64, 4))
 
 
+def test_row_sum_in_two_accumulators_on_sm90(monkeypatch):
+    """The exact mode's tensor-core row sum: two accumulators (one per half of each key block) on sm_90 with
+    16-bit inputs and halves of at least 16 keys, one elsewhere (``row_sum_parts``). Both give the same
+    decisions and the same output up to the fp32 summation order of the same rounded P-bar."""
+    kw = dict(causal=True, window=False, softcap=False, dropout=False, kpm=False, mode=rules.MODE_EXACT)
+    parts = {(cc, dtype, n): ta.launch_constants("fwd", 64, dtype, cc, block_n=n, **kw)[0]["ROW_SUM_PARTS"]
+             for cc in (80, 90) for dtype in (torch.bfloat16, torch.float32) for n in (16, 32, 128)}
+    assert {key for key, n in parts.items() if n == 2} == {(90, torch.bfloat16, 32), (90, torch.bfloat16, 128)}
+    assert set(parts.values()) == {1, 2}
+    dtype = torch.bfloat16
+    opts = opts_for(64, True)
+    q, k, v, _ = make(1, 2, 1, 150, 300, 64, dtype, seed=11, qk_std=2.0)
+    runs = {}
+    for n in (1, 2):
+        monkeypatch.setattr(ta, "row_sum_parts", lambda *a, n=n: n)
+        runs[n] = ta.forward(q, k, v, None, opts, True)
+    (out1, lse1, st1), (out2, lse2, st2) = runs[1], runs[2]
+    assert torch.equal(st1.fixed_blocks, st2.fixed_blocks) and torch.equal(st1.saturated, st2.saturated)
+    torch.testing.assert_close(lse2.cpu(), lse1.cpu(), rtol=1e-6, atol=1e-6)
+    close(out2, out1, 1, dtype, "out")
+
+
 def test_descriptor_loads_with_rule_and_statistics():
     """K/V through descriptors with the rule, the statistics (the sink's key picked out of the first
     tile), a padding mask and a padded head dim (40 -> 64): decisions bit for bit the reference's."""
