@@ -137,7 +137,7 @@ def test_traced_static_prefill_is_the_causal_prefix_rotated(q_offset, window):
     causal mask whose filled prefix ends at ``kv_end``; the keys rotated so that it ends at the last key,
     the empty slots masked, the same attention as sdpa's exact mask (padding and a window included).
     transformers 5.0 passes ``cache_position`` instead: non-contiguous positions get the exact mask."""
-    from stable_attn import attention
+    from stable_attn import AttentionStats, attention
     from stable_attn.integrations.transformers.masks import rotate_filled_prefix
 
     if not NEW_SIGNATURE:
@@ -162,10 +162,17 @@ def test_traced_static_prefill_is_the_causal_prefix_rotated(q_offset, window):
     exact = mu.sdpa_mask(**args, q_offset=q_offset, allow_is_causal_skip=False)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, 2, n, 8, generator=g) for n in (Nq, Nk, Nk))
-    k_rot, v_rot, kpm = rotate_filled_prefix(k, v, ours.key_padding_mask, ours.kv_end)
-    got = attention(q, k_rot, v_rot, causal=True, window=window, key_padding_mask=kpm)
-    want = attention(q, k, v, attn_mask=exact)
+    k_rot, v_rot, kpm = rotate_filled_prefix(k, v, ours.key_padding_mask, ours.kv_end, keep_first=window is None)
+    got_stats, want_stats = AttentionStats(), AttentionStats()
+    got = attention(q, k_rot, v_rot, causal=True, window=window, key_padding_mask=kpm, stats=got_stats)
+    want = attention(q, k, v, attn_mask=exact, stats=want_stats)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_stats.max_logit, want_stats.max_logit)
+    if window is None:  # key 0 kept at position 0: the sink statistic is key 0's (an empty slot's before)
+        assert want_stats.sink_mass.min() > 0.01
+        torch.testing.assert_close(got_stats.sink_mass, want_stats.sink_mass, rtol=1e-5, atol=1e-6)
+    else:  # a window measures positions: the plain rotation, whose position 0 is an empty slot (documented)
+        assert torch.equal(got_stats.sink_mass, torch.zeros_like(got_stats.sink_mass))
 
 
 @pytest.mark.skipif(not NEW_SIGNATURE, reason="transformers 5.0 passes cache_position")

@@ -95,7 +95,8 @@ def stable_attn_attention_forward(
         if attention_mask.kv_used is not None:  # a static cache: only its filled prefix can be seen
             key, value = key[:, :, :attention_mask.kv_used], value[:, :, :attention_mask.kv_used]
         if attention_mask.kv_end is not None:  # the same, traced: the prefix's length is a tensor
-            key, value, key_padding_mask = rotate_filled_prefix(key, value, key_padding_mask, attention_mask.kv_end)
+            key, value, key_padding_mask = rotate_filled_prefix(key, value, key_padding_mask, attention_mask.kv_end,
+                                                                 keep_first=attention_mask.window is None)
         if attention_mask.cu_seqlens is not None:
             cu, longest = attention_mask.cu_seqlens, attention_mask.max_seqlen
             documents = cu, cu, longest, longest

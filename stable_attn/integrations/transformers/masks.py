@@ -36,8 +36,9 @@ class StableAttnMask:
       prefix); the attention function slices the keys to them. None: all ``kv_length`` keys.
     - ``kv_end``: the same bound as a 0-dim tensor (a static cache's prefill while tracing, where its query
       offset cannot be read): the attention function rotates the keys so that the filled prefix ends at the
-      last key, where the kernel's bottom-right alignment puts it, and masks the empty slots, now in front,
-      through ``key_padding_mask`` (:func:`rotate_filled_prefix`). None: the prefix length is static.
+      last key, where the kernel's bottom-right alignment puts it, and masks the empty slots, now in front
+      of it, through ``key_padding_mask`` (:func:`rotate_filled_prefix`; without a window key 0 stays first).
+      None: the prefix length is static.
     - ``read_positions``: whether the attention function may read packed documents from ``position_ids``
       (False when the model got a 2D ``attention_mask``: then, as with sdpa, documents are not separated).
     - ``memo``: per-forward scratch shared by the layers (the documents read from ``position_ids`` once).
@@ -369,23 +370,33 @@ def _traced_prefix_mask(mask_function: Callable, batch_size: int, q_length: int,
 
 
 def rotate_filled_prefix(key: torch.Tensor, value: torch.Tensor, key_padding_mask: torch.Tensor | None,
-                         kv_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         kv_end: torch.Tensor, *, keep_first: bool = True,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys ``[B, H, Nk, D]`` of which only the first ``kv_end`` (0-dim tensor) can be seen, rotated along the key
     axis so that those end at the last key, and the key-padding mask ``[B, Nk]`` that hides the rest.
 
     The kernel aligns causal attention bottom-right (query ``i`` sees keys ``j <= i + Nk - Nq``); after the
     rotation by ``Nk - kv_end`` that is old key ``j - (Nk - kv_end) <= i + kv_end - Nq``, exactly the causal
-    prefix, and the empty slots (in front now) are padding. Static shapes, tensor ops (a gather): the same
-    graph for every offset.
+    prefix, and the empty slots are padding. With ``keep_first`` (no sliding window) key 0 stays at
+    position 0 and only keys ``1 .. kv_end - 1`` move to the end, the empty slots between them: every query
+    of a prefill sees key 0 either way (``kv_end >= Nq``), and the kernel's ``sink_mass`` (the probability on
+    position 0) is then key 0's, not an empty slot's. A sliding window measures distances in positions,
+    and the gap would move key 0 out of it: there the plain rotation serves, and ``sink_mass`` reads an
+    empty slot (0). Static shapes, tensor ops (a gather): the same graph for every offset.
     """
     B, n = key.shape[0], key.shape[2]
     j = torch.arange(n, device=key.device)
-    source = (j - (n - kv_end)) % n  # the old key now at position j
+    shift = n - kv_end
+    source = (j - shift) % n  # the old key now at position j
+    filled = (j >= shift)[None, :].expand(B, n)  # positions of the filled prefix
+    if keep_first:
+        # old key 0 at position 0, the empty slots (old kv_end ..) at 1 .. shift, old keys 1 .. at the end
+        source = torch.where(j == 0, 0, torch.where(j <= shift, (kv_end + j - 1) % n, j - shift))
+        filled = ((j == 0) | (j > shift))[None, :].expand(B, n)
     key, value = key.index_select(2, source), value.index_select(2, source)
-    filled = (j < kv_end)[None, :].expand(B, n)
     if key_padding_mask is not None:
-        filled = filled & key_padding_mask
-    return key, value, filled.index_select(1, source).contiguous()
+        filled = filled & key_padding_mask.index_select(1, source)
+    return key, value, filled.contiguous()
 
 
 def _single_query_mask(batch_size: int, kv_length: int, kv_offset: Any, mask_function: Callable,
