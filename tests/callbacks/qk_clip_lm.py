@@ -10,11 +10,14 @@ max logits as the kernel's statistics hold them when the optimizer step starts.
 from __future__ import annotations
 
 import copy
+import json
+import os
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import stable_attn.integrations.transformers as st
+from stable_attn.monitor import names
 from stable_attn.monitor.qk_clip import head_layout
 
 VOCAB, SEQ, BATCH = 64, 16, 4
@@ -151,3 +154,12 @@ class EditCheck:
             t = expected[n] = expected[n].clone()
             rows = t.narrow(dim, block.offset + head * head_dim, head_dim)
             rows.copy_((rows.float() * f).to(rows.dtype))
+
+
+def read_alerts(log_dir) -> list[dict]:
+    """The alert lines our callbacks wrote under ``log_dir`` (none: an empty list)."""
+    path = os.path.join(log_dir, names.ALERTS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]

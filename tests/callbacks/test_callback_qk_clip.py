@@ -23,6 +23,7 @@ from qk_clip_lm import (
     head_max_logits,
     moments,
     params,
+    read_alerts,
     tau_between,
     tiny_model,
 )
@@ -112,14 +113,6 @@ def fit(tmp_path, family, qk_clip, *, steps, accumulate=1, precision="32-true", 
                         num_sanity_val_steps=0)
     trainer.fit(module, DataLoader(data, batch_size=None), ckpt_path=ckpt_path)
     return trainer, module, cb, check, logger
-
-
-def read_alerts(log_dir) -> list[dict]:
-    path = os.path.join(log_dir, names.ALERTS_FILE)
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -6,7 +6,6 @@ them too). The Trainer numbers a step by the update it makes (1-based): metrics,
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -31,6 +30,7 @@ from qk_clip_lm import (  # noqa: E402 - tests/callbacks, put on the path above
     head_max_logits,
     moments,
     params,
+    read_alerts,
     tau_between,
     tiny_model,
 )
@@ -99,14 +99,6 @@ def train(out, family, qk_clip, *, steps, data, accumulate=1, nan_step=None, res
     trainer = Trainer(model=model, args=args, train_dataset=Rows(data), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, cb, check
-
-
-def read_alerts(out) -> list[dict]:
-    path = os.path.join(out, names.ALERTS_FILE)
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
