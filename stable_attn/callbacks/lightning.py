@@ -129,6 +129,11 @@ class StableAttentionCallback(Callback):
       ``x lr_factor`` for ``lr_steps``;
       after ``max_recoveries`` (``cooldown_steps`` apart) the next spike stops as for ``"stop"``.
 
+    ``"rollback"``, ``"stop"`` and ``"recover"`` lose progress, so they are taken when a loss or
+    gradient-norm spike has lasted ``spike_confirm_steps`` (3) steps in a row; its earlier steps are skipped
+    (their updates dropped, so the weights kept are the same), and a spike of one or two steps (a hard batch,
+    a corrupted one) only skips. A drift and a NaN or inf act at once.
+
     Early warnings only alert.
 
     **Delivery.** Every channel counts its alerts: delivered, failed, dropped (the webhook's queue was

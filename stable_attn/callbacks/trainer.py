@@ -207,7 +207,9 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     (``<output_dir>/checkpoint-<step>``, the Trainer's own format, whatever ``save_strategy`` says) and stops
     training; ``"recover"`` rolls back ``rollback_steps``, skips the next ``skip_batches`` batches through a
     wrapped ``Trainer.get_batch_samples`` (exact on a resume inside the window), optionally scales the learning
-    rate, and stops after ``max_recoveries`` (docs/RECOVERY.md). A NaN or inf loss or gradient never reaches
+    rate, and stops after ``max_recoveries`` (docs/RECOVERY.md). Those three lose progress, so they wait for a
+    spike that lasts ``spike_confirm_steps`` (3) steps in a row, skipping its earlier steps (a spike of one or
+    two steps only skips; a drift, a NaN or inf act at once). A NaN or inf loss or gradient never reaches
     the weights. Under DDP every rank shares its values
     each step, so all ranks take the same action. DeepSpeed is refused (ValueError at ``train()``): it applies
     each update inside ``backward()``, before any callback runs, so no update could be dropped.

@@ -24,11 +24,14 @@ from . import alerting, names
 from .alerts import Alert
 from .spikes import SpikeDetector
 
-__all__ = ["ACTIONS", "ACTION_WORDS", "MonitorConfig", "SpikeAction"]
+__all__ = ["ACTIONS", "ACTION_WORDS", "CONFIRMED_ACTIONS", "MonitorConfig", "SpikeAction"]
 
 SpikeAction = Literal["warn", "skip", "rollback", "stop", "recover"]
 #: What ``on_spike`` accepts, in the order the docs give them.
 ACTIONS = ("warn", "skip", "rollback", "stop", "recover")
+#: The actions that lose progress: taken only on a spike that lasts ``spike_confirm_steps`` steps in a row
+#: (its earlier steps are skipped; monitor/verdict.py).
+CONFIRMED_ACTIONS = ("rollback", "stop", "recover")
 #: What each ``on_spike`` does to the update of a step whose loss or gradient norm spikes, in the words of the
 #: callbacks' start-up line (:meth:`MonitorConfig.spike_line`) and README.
 ACTION_WORDS = {
@@ -151,6 +154,11 @@ class MonitorConfig:
         applied). None: no cap.""")
     spike_action_cooldown: int = _arg(20, """optimizer steps in a row without a spike that end a streak of
         spike actions (acting resumes).""")
+    spike_confirm_steps: int = _arg(3, """with ``on_spike`` ``"rollback"``, ``"stop"`` or ``"recover"``: the
+        optimizer steps in a row a loss or gradient-norm spike must last before that action is taken; the
+        spike's earlier updates are dropped as under ``"skip"`` (so the weights a later rollback or stop keeps
+        are the same). A drift (a sustained rise by construction) and a NaN or inf act at once. 1: act on the
+        spike's first step (before 0.3).""")
     diagnose_spikes: bool = _arg(False, """on a loss or gradient-norm spike, re-run the step's forward and backward
         on its batches and pre-step weights with the fix off, with our fix and with ``P-bar V`` in fp32
         (:mod:`stable_attn.monitor.replay`; one extra forward and backward per variant, on spike steps only, not
@@ -186,6 +194,7 @@ class MonitorConfig:
                              "rate's factor after a recovery; 1.0 leaves it unchanged)")
         _check_int("spike_action_cap", self.spike_action_cap, 1, allow_none=True)
         _check_int("spike_action_cooldown", self.spike_action_cooldown, 1)
+        _check_int("spike_confirm_steps", self.spike_confirm_steps, 1)
         _check_int("layer_window", self.layer_window, 2)
         _check_int("early_warning_warmup", self.early_warning_warmup, 0, allow_none=True)
         _check_int("not_training_after", self.not_training_after, 1)
@@ -258,7 +267,10 @@ class MonitorConfig:
         """What a spike does in this run, for the callbacks' start-up line: ``on a spike: skip the update
         (on_spike='skip')``, with ``the default`` when it is one, and that NaN/inf updates are never applied."""
         default = ", the default" if self.on_spike == self.default("on_spike") else ""
-        return (f"on a spike: {ACTION_WORDS[self.on_spike]} (on_spike={self.on_spike!r}{default}; "
+        lasting = (f", once the spike has lasted {self.spike_confirm_steps} steps in a row (its earlier steps: skip "
+                   "the update; spike_confirm_steps)"
+                   if self.on_spike in CONFIRMED_ACTIONS and self.spike_confirm_steps > 1 else "")
+        return (f"on a spike: {ACTION_WORDS[self.on_spike]}{lasting} (on_spike={self.on_spike!r}{default}; "
                 f"choose from {', '.join(map(repr, ACTIONS))}); a NaN or inf loss or gradient is never applied")
 
     @property

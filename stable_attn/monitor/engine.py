@@ -195,7 +195,8 @@ class MonitorEngine:
         self._evidence = Evidence()
 
         self._cap = ActionCap(config.spike_action_cap, config.spike_action_cooldown)
-        self._judge = StepJudge(config.on_spike, self.loss_detector, self.grad_norm_detector, self._cap)
+        self._judge = StepJudge(config.on_spike, self.loss_detector, self.grad_norm_detector, self._cap,
+                                confirm=config.spike_confirm_steps)
         self._streak = NotTrainingStreak(config.not_training_after, config.not_training_stop_after)
         self._phases = PhaseNotes()
         self._stop_path: Callable[[int], str] = self._default_stop_path

@@ -51,6 +51,7 @@ class MonitorOptions(TypedDict, total=False):
     not_training_stop_after: int | None
     spike_action_cap: int | None
     spike_action_cooldown: int
+    spike_confirm_steps: int
     diagnose_spikes: bool
     qk_clip: float | None
     qk_clip_alpha: float

@@ -38,7 +38,7 @@ def main(weights: str, out: str) -> None:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     cb = StableAttentionCallback(on_spike="recover", rollback_steps=4, rollback_every=2, skip_batches=3,
-                                 cooldown_steps=3, loss_detector=SpikeDetector.loss(warmup=20),
+                                 cooldown_steps=3, spike_confirm_steps=1, loss_detector=SpikeDetector.loss(warmup=20),
                                  grad_norm_detector=SpikeDetector.grad_norm(warmup=20))
     pos = Positions(cb)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, max_epochs=1, logger=False,

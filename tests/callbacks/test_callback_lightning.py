@@ -260,7 +260,7 @@ def test_rollback_matches_a_run_that_never_saw_the_dropped_batches(tmp_path, pre
     # Snapshots after every 4th step: the spike at step 50 restores the state after 48 steps, so the
     # batches of steps 48, 49 and 50 are dropped. Dropout is on, to check that the random number
     # generators are rolled back too.
-    cb = make_callback(on_spike="rollback", rollback_every=4)
+    cb = make_callback(on_spike="rollback", spike_confirm_steps=1, rollback_every=4)
     t, rolled = fit(tmp_path / "a", pretrained, [cb], dropout=0.1)
     assert cb.rollbacks == [(BAD, 48)]
     kept = [b for b in range(STEPS) if b not in (48, 49, 50)]
@@ -275,7 +275,8 @@ def test_rollback_matches_a_run_that_never_saw_the_dropped_batches(tmp_path, pre
 
 def test_stop_saves_a_checkpoint_and_stops(tmp_path, pretrained):
     spy = Spy(BAD)
-    cb = make_callback(on_spike="stop", attention_stats=False)  # loss and grad norm alone still act
+    # loss and grad norm alone still act (on the spike's first step: spike_confirm_steps=1)
+    cb = make_callback(on_spike="stop", spike_confirm_steps=1, attention_stats=False)
     t, module = fit(tmp_path, pretrained, [cb, spy])
     assert len(cb.layers) == 0 and not cb.surge_detectors
     assert not any(hasattr(m, "stable_attn_stats") for m in module.modules())

@@ -25,6 +25,7 @@ STEPS = 60
 
 def make_callback(**kwargs) -> StableAttentionCallback:
     options = dict(on_spike="recover", rollback_steps=4, rollback_every=2, skip_batches=3, cooldown_steps=3,
+                   spike_confirm_steps=1,
                    loss_detector=SpikeDetector.loss(warmup=20), grad_norm_detector=SpikeDetector.grad_norm(warmup=20))
     options.update(kwargs)
     return StableAttentionCallback(**options)

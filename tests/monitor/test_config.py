@@ -24,7 +24,8 @@ DEFAULTS = {
     "webhook_timeout": 2.0, "webhook_headers": None, "alerts_file": names.ALERTS_FILE, "layer_window": 10,
     "not_training_after": 10, "not_training_stop_after": 100,
     # issue 21: the cap and cool-down of spike actions, added last
-    "spike_action_cap": 10, "spike_action_cooldown": 20, "diagnose_spikes": False, "qk_clip": None,
+    "spike_action_cap": 10, "spike_action_cooldown": 20, "spike_confirm_steps": 3,
+    "diagnose_spikes": False, "qk_clip": None,
     "qk_clip_alpha": 0.5,
 }
 UNSAVED = ("loss_detector", "grad_norm_detector", "on_alert", "webhook_url", "webhook_headers")
@@ -100,7 +101,7 @@ def test_typed_options_match_the_config():
 
 
 def test_the_start_up_line_says_what_a_spike_does_and_follows_the_one_default():
-    from stable_attn.monitor.config import ACTION_WORDS, ACTIONS
+    from stable_attn.monitor.config import ACTION_WORDS, ACTIONS, CONFIRMED_ACTIONS
 
     assert tuple(ACTION_WORDS) == ACTIONS
     default = MonitorConfig.default("on_spike")
@@ -109,7 +110,11 @@ def test_the_start_up_line_says_what_a_spike_does_and_follows_the_one_default():
     assert line.startswith(f"on a spike: {ACTION_WORDS[default]} (on_spike={default!r}, the default;")
     for action in ACTIONS:
         line = MonitorConfig(on_spike=action).spike_line()
-        assert line.startswith(f"on a spike: {ACTION_WORDS[action]} (on_spike={action!r}")
+        lasting = (", once the spike has lasted 3 steps in a row (its earlier steps: skip the update; "
+                   "spike_confirm_steps)" if action in CONFIRMED_ACTIONS else "")
+        assert line.startswith(f"on a spike: {ACTION_WORDS[action]}{lasting} (on_spike={action!r}")
+        at_once = MonitorConfig(on_spike=action, spike_confirm_steps=1).spike_line()
+        assert at_once.startswith(f"on a spike: {ACTION_WORDS[action]} (on_spike={action!r}")
         assert ("the default" in line) == (action == default)
         assert line.endswith("a NaN or inf loss or gradient is never applied")
     assert MonitorConfig(on_spike="skip").spike_line().startswith("on a spike: skip the update")

@@ -137,7 +137,7 @@ def test_skip_in_a_plain_loop_leaves_the_spiking_step_unapplied(tmp_path):
 
 
 def test_rollback_restores_the_last_snapshot(tmp_path):
-    engine = MonitorEngine(on_spike="rollback", rollback_every=4)
+    engine = MonitorEngine(on_spike="rollback", spike_confirm_steps=1, rollback_every=4)
     loop = Loop(engine, str(tmp_path))
     loop.run(scale={BAD - 2: 20.0})  # step 10: the snapshot is the state after 8 steps
 
@@ -151,7 +151,7 @@ def test_rollback_restores_the_last_snapshot(tmp_path):
 def test_a_rollback_puts_the_detectors_back_with_the_weights(tmp_path):
     """The detectors judged the first losses after a rollback against the level the run had reached since
     the snapshot: on a falling loss those looked like a spike again, and rollbacks followed one another."""
-    engine = MonitorEngine(on_spike="rollback", rollback_every=4)
+    engine = MonitorEngine(on_spike="rollback", spike_confirm_steps=1, rollback_every=4)
     loop = Loop(engine, str(tmp_path))
     at_snapshot = {}
     original = engine._take_snapshot
@@ -166,14 +166,14 @@ def test_a_rollback_puts_the_detectors_back_with_the_weights(tmp_path):
     assert engine._judge.detector_states() == at_snapshot[8]
     saved = engine.state_dict()
     assert saved["rollback_detectors"] == at_snapshot[8]  # a resumed run rolls back the detectors too
-    resumed = MonitorEngine(on_spike="rollback", rollback_every=4)
+    resumed = MonitorEngine(on_spike="rollback", spike_confirm_steps=1, rollback_every=4)
     resumed.load_state_dict(saved)
     resumed.train_start(loop.trainables(BAD - 1))
     assert resumed._snapshot_detectors == at_snapshot[8]
 
 
 def test_stop_names_the_checkpoint_and_a_nan_is_never_applied(tmp_path):
-    engine = MonitorEngine(on_spike="stop")
+    engine = MonitorEngine(on_spike="stop", spike_confirm_steps=1)
     loop = Loop(engine, str(tmp_path))
     loop.run(steps=BAD + 1, scale={BAD: 20.0})
     (stop,) = [e for e in loop.ends if e.stop_checkpoint is not None]

@@ -118,10 +118,11 @@ def test_a_spike_on_a_monitored_step_carries_that_steps_attention(tmp_path):
 
 
 def test_the_outcome_of_a_rollback_and_of_a_stop(tmp_path):
-    _, _, _, lines = run_engine(tmp_path / "rollback", 16, 10, on_spike="rollback", rollback_every=4)
+    _, _, _, lines = run_engine(tmp_path / "rollback", 16, 10, on_spike="rollback", spike_confirm_steps=1,
+                                rollback_every=4)
     assert {d["outcome"]["rolled_back_to"] for d in lines} == {8}
     assert all(d["outcome"]["taken"] == "rollback" and d["outcome"]["update_applied"] is False for d in lines)
-    engine, _, received, lines = run_engine(tmp_path / "stop", 16, 10, on_spike="stop")
+    engine, _, received, lines = run_engine(tmp_path / "stop", 16, 10, on_spike="stop", spike_confirm_steps=1)
     assert all(validate_alert(d) == 2 for d in lines)
     outcome = lines[0]["outcome"]
     assert outcome["stopped"] and outcome["checkpoint"] == names.stop_checkpoint(10)
@@ -248,7 +249,7 @@ def test_moved_and_top_grad_norms_by_hand() -> None:
 
 def test_the_report_shows_the_evidence_and_reads_old_lines(tmp_path, capsys) -> None:
     run = tmp_path / "run"
-    _, _, _, lines = run_engine(run, 16, 10, on_spike="rollback", rollback_every=4)
+    _, _, _, lines = run_engine(run, 16, 10, on_spike="rollback", spike_confirm_steps=1, rollback_every=4)
     old = {k: v for k, v in lines[0].items() if k in V1_FIELDS} | {"step": 3, "message": "an old line"}
     bad = dict(lines[1], step=12, ranks=[{"rank": "zero", "loss": None, "grad_norm": None}])
     with open(run / names.ALERTS_FILE, "a") as f:

@@ -35,7 +35,8 @@ class Positions(TrainerCallback):
 def main(weights: str, out: str) -> None:
     torch.set_num_threads(1)
     cb = StableAttentionTrainerCallback(on_spike="recover", rollback_steps=4, rollback_every=2, skip_batches=3,
-                                        cooldown_steps=3, loss_detector=SpikeDetector.loss(warmup=10),
+                                        cooldown_steps=3, spike_confirm_steps=1,
+                                        loss_detector=SpikeDetector.loss(warmup=10),
                                         grad_norm_detector=SpikeDetector.grad_norm(warmup=10))
     pos = Positions(cb)
     # rank r reads global batches r, r + 2, ...: batch 2 * (BAD - 1) + 1 is rank 1's at step BAD

@@ -131,7 +131,7 @@ def test_gradient_accumulation_one_garbled_micro_batch(tmp_path, pretrained):
 
 
 def test_rollback_restores_the_last_snapshot(tmp_path, pretrained):
-    cb = StableAttentionTrainerCallback(on_spike="rollback", rollback_every=5)
+    cb = StableAttentionTrainerCallback(on_spike="rollback", spike_confirm_steps=1, rollback_every=5)
     probe = Probe()
     trainer = make_trainer(str(tmp_path), [cb, probe], steps=BAD + 2, weights=pretrained, corrupt=batch_of(BAD))
     trainer.train()
@@ -141,7 +141,7 @@ def test_rollback_restores_the_last_snapshot(tmp_path, pretrained):
 
 
 def test_stop_saves_a_checkpoint_and_stops(tmp_path, pretrained):
-    cb = StableAttentionTrainerCallback(on_spike="stop")
+    cb = StableAttentionTrainerCallback(on_spike="stop", spike_confirm_steps=1)
     probe = Probe()
     trainer = make_trainer(str(tmp_path), [cb, probe], steps=BAD + 10, weights=pretrained, corrupt=batch_of(BAD))
     trainer.train()
@@ -205,7 +205,7 @@ def test_bf16_autocast_run(tmp_path, pretrained):
 
 
 def test_resume_rolls_back_to_the_snapshot_saved_with_the_checkpoint(tmp_path, pretrained):
-    first = StableAttentionTrainerCallback(on_spike="rollback", rollback_every=5)
+    first = StableAttentionTrainerCallback(on_spike="rollback", spike_confirm_steps=1, rollback_every=5)
     probe = Probe()
     trainer = make_trainer(str(tmp_path), [first, probe], steps=12, weights=pretrained, batches=20,
                            save_strategy="steps", save_steps=12)
@@ -214,7 +214,7 @@ def test_resume_rolls_back_to_the_snapshot_saved_with_the_checkpoint(tmp_path, p
 
     # resumed at 12, the garbled batch at 14 rolls back to step 10's state, as in an uninterrupted run
     # (a snapshot taken afresh at the resume would be step 12's)
-    resumed = StableAttentionTrainerCallback(on_spike="rollback", rollback_every=5)
+    resumed = StableAttentionTrainerCallback(on_spike="rollback", spike_confirm_steps=1, rollback_every=5)
     after = Probe()
     trainer = make_trainer(str(tmp_path), [resumed, after], steps=15, weights=pretrained, batches=20,
                            corrupt=batch_of(14))

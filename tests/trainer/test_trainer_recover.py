@@ -36,7 +36,8 @@ class Positions(TrainerCallback):
 
 
 def recover_cb(**kw):
-    options = dict(on_spike="recover", rollback_steps=4, rollback_every=2, skip_batches=3, cooldown_steps=3)
+    options = dict(on_spike="recover", spike_confirm_steps=1, rollback_steps=4, rollback_every=2, skip_batches=3,
+                   cooldown_steps=3)
     options.update(kw)
     return StableAttentionTrainerCallback(**options)
 
