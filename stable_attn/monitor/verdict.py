@@ -43,10 +43,8 @@ from typing import Any
 from . import Alert, SpikeDetector, SpikeEvent, names
 from .config import CONFIRMED_ACTIONS
 
-__all__ = ["FIELDS", "GRAD_NORM_CONFIRM_SHARE", "SPIKE_ACTIONS", "ActionCap", "Judgement",
-           "NotTrainingStreak",
-           "PhaseNotes", "RankDetectors",
-           "StepJudge", "Verdict"]
+__all__ = ["FIELDS", "GRAD_NORM_CONFIRM_SHARE", "SPIKE_ACTIONS", "ActionCap", "Judgement", "NotTrainingStreak",
+           "PhaseNotes", "RankDetectors", "StepJudge", "Verdict"]
 
 # Columns of the per-rank row: loss, gradient norm, has a loss, non-finite gradients.
 FIELDS = 4
@@ -139,7 +137,8 @@ class RankDetectors:
 class ActionCap:
     """At most ``cap`` updates dropped for spikes in one streak; a streak ends after ``cooldown`` steps in
     a row without a spike. A guard that drops update after update of a healthy run (a detector whose
-    noise estimate is wrong for it) does more harm than none: at the cap it says so once and stops acting."""
+    noise estimate is wrong for it) does more harm than none: at the cap it says so once and stops acting.
+    It also counts the steps in a row that spiked (``lasted``), which ``spike_confirm_steps`` waits for."""
 
     def __init__(self, cap: int | None, cooldown: int) -> None:
         self.cap, self.cooldown = cap, cooldown
@@ -171,8 +170,14 @@ class ActionCap:
         return {"count": self.count, "quiet": self.quiet, "lasted": self.lasted}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count, self.quiet = int(state.get("count", 0)), int(state.get("quiet", 0))
-        self.lasted = int(state.get("lasted", 0))  # absent before 0.3
+        values = {}
+        for key in ("count", "quiet", "lasted"):  # "lasted" is absent before 0.3
+            value = state.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"spike_actions.{key}={value!r} in the saved monitor state is not supported; "
+                                 "expected an integer >= 0 (the state a MonitorEngine saved)")
+            values[key] = value
+        self.count, self.quiet, self.lasted = values["count"], values["quiet"], values["lasted"]
 
     def alert(self, step: int, action: str, lr: float) -> Alert:
         return Alert(

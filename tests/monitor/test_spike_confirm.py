@@ -114,6 +114,8 @@ def test_the_wait_is_counted_in_the_saved_state():
     older = ActionCap(10, 20)
     older.load_state_dict({"count": 1, "quiet": 0})  # a state saved before spike_confirm_steps
     assert older.lasted == 0
+    with pytest.raises(ValueError, match=r"spike_actions.lasted='2' .* expected an integer >= 0"):
+        ActionCap(10, 20).load_state_dict({"count": 1, "quiet": 0, "lasted": "2"})
 
 
 def test_the_setting_is_checked():
