@@ -11,7 +11,8 @@ detectors (healthy runs: false alarms), the gradient-norm jumps it counts but do
 not confirm them), and whether the corrupted step is alerted, and then the worst excursions of healthy batches
 beside the corrupted ones: the ratio over the median of the previous 5 losses, and the share of the run's
 progress the value undoes, ``(value - median) / (initial - median)`` with the initial loss the median of the
-first 5. Seeds 0-2 are the ones looked at while the detectors were changed, 3-5 are held out.
+first 5. Seeds 0-2 are the ones looked at while the detectors were changed, 3-5 are held out, and 6 on
+(``--first-seed 6``) were recorded only after the last change, to judge it.
 """
 
 from __future__ import annotations
@@ -83,12 +84,13 @@ def replay(runs: dict, **loss_options) -> None:
           "corrupted step alerted |")
     print("|---|---|---|---|---|---|")
     excursions = []
-    false_alarms = {"looked at": 0, "held out": 0}
-    caught = {"looked at": [0, 0], "held out": [0, 0]}
+    groups = ("looked at", "held out", "fresh")
+    false_alarms = {g: 0 for g in groups}
+    caught = {g: [0, 0] for g in groups}
     for key, trace in runs.items():
         task, seed, bad = key.split("/")
         got, unconfirmed = alerts(trace, **loss_options)
-        held = "held out" if int(seed) >= 3 else "looked at"
+        held = groups[min(int(seed) // 3, 2)]  # 0-2 looked at, 3-5 held out, 6 on fresh (never looked at)
         if bad == "None":
             hit = "-"
             false_alarms[held] += len(got)
@@ -107,7 +109,7 @@ def replay(runs: dict, **loss_options) -> None:
             if bad == "None" or corrupted:
                 excursions.append((corrupted, task, values[i] / median, (values[i] - median) / (initial - median)))
     print()
-    for held in ("looked at", "held out"):
+    for held in (g for g in groups if caught[g][1] or false_alarms[g]):
         print(f"seeds {held}: {false_alarms[held]} spike alert(s) on the healthy runs; corrupted batches alerted on "
               f"their step: {caught[held][0]}/{caught[held][1]}")
     print()
@@ -125,10 +127,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=6)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="data seeds first-seed .. first-seed + seeds - 1 (6 on: never looked at while tuning)")
     parser.add_argument("--tasks", default="memorise,small_batch,text")
     parser.add_argument("--traces", help="a JSON file of recorded traces: replayed if it exists, else written")
     parser.add_argument("--min-progress-share", type=float, default=None,
                         help="replay with SpikeDetector.loss(min_progress_share=...) (default: off, as the callbacks)")
+    parser.add_argument("--noisy-progress-share", type=float, default=None,
+                        help="replay with SpikeDetector.loss(noisy_progress_share=...); a negative value: None (off, "
+                             "the detector before 0.3); default: the callbacks' 0.1")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in ("lightning", "lightning.pytorch", "stable_attn"):
@@ -138,11 +145,14 @@ def main() -> None:
         with open(args.traces) as f:
             runs = json.load(f)
     else:
-        runs = record(args.tasks.split(","), list(range(args.seeds)), args.steps)
+        runs = record(args.tasks.split(","), list(range(args.first_seed, args.first_seed + args.seeds)), args.steps)
         if args.traces:
             with open(args.traces, "w") as f:
                 json.dump(runs, f)
-    replay(runs, **({} if args.min_progress_share is None else {"min_progress_share": args.min_progress_share}))
+    options = {} if args.min_progress_share is None else {"min_progress_share": args.min_progress_share}
+    if args.noisy_progress_share is not None:
+        options["noisy_progress_share"] = None if args.noisy_progress_share < 0 else args.noisy_progress_share
+    replay(runs, **options)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s, torch {torch.__version__}, 1 thread")
 
 

@@ -32,6 +32,10 @@ measurements behind every number):
   once the forecast has been unbiased for 20 updates in a row.
 - ``"jump"`` and ``"drift"`` (:class:`SpikeDetector`, phase ``"calibrated"``): after ``warmup=100``
   finite updates and once the forecast is unbiased (typically by update 100-130 on a real loss).
+
+While a loss's measured relative noise is 5% per update or more (:data:`NOISY_RELATIVE_NOISE`), a gross
+rise or a jump must also undo ``noisy_progress_share`` (0.1) of the run's progress to be flagged: a low,
+noisy loss (memorisation, fine-tuning) has healthy batches of a few times its level.
 """
 
 from __future__ import annotations
@@ -105,6 +109,13 @@ _ROBUST_DIFFS = 8
 _REENTRY_RUN = 2
 # The run's start, for min_progress_share: the median of this many first finite values.
 _FIRST_VALUES = 5
+# From this relative noise on (the run's measured noise, as the gross rule reads it: the scale of the
+# successive differences of the last values' logs; 0.05 = 5% per step) a jump or gross rise must also
+# undo ``noisy_progress_share`` of the run's progress. A loss that has fallen far below its start and is
+# that noisy (memorisation, fine-tuning to a low loss) has healthy batches of a few times its level; on
+# the synthetic traces, whose noise is 0.3-4% of the loss except the scale/noise family's, the gate
+# changed no flag from this value on (docs/DETECTORS.md, "A low, noisy loss").
+NOISY_RELATIVE_NOISE = 0.05
 _REENTRY_AFTER = 3
 # The drift sum divides its increments by sqrt((1 + rho) / (1 - rho)) for the residuals' lag-1
 # autocorrelation rho (the long-run standard deviation of an AR(1) in units of its marginal one),
@@ -252,7 +263,15 @@ class SpikeDetector:
             below where it started (memorisation, fine-tuning to a low loss): there the healthy loss
             spikes of a few times the level undo a few percent of it, a corrupted batch all of it. It
             costs recall on small spikes: 0.1 took the synthetic benchmark's recall from 0.96-0.98 to
-            0.80-0.86 (docs/DETECTORS.md), so it is not the default. The drift rule is not gated.
+            0.80-0.86 (docs/DETECTORS.md), so it is not on at every noise level by default. The drift
+            rule is not gated.
+        noisy_progress_share: the same gate, on only while the run's measured relative noise
+            (:meth:`relative_noise`) is at least :data:`NOISY_RELATIVE_NOISE` (5% per update): 0.1 by
+            default (:meth:`grad_norm`: None). A loss that noisy at a level far below its start has
+            healthy batches of a few times its level (memorisation at 0.05-0.3 nats: 2.4-3.4x), and
+            there they undo a few percent of the progress; on the synthetic traces, whose noise is
+            below 5% except in the scale/noise family, it changes no flag. None switches it off.
+            Where both are set the larger share applies.
     """
 
     def __init__(
@@ -276,6 +295,7 @@ class SpikeDetector:
         direction: Literal["up", "both"] = "up",
         log_space: bool = True,
         min_progress_share: float | None = None,
+        noisy_progress_share: float | None = 0.1,
     ) -> None:
         self.metric = check_metric(metric)
         if direction not in ("up", "both"):
@@ -305,6 +325,9 @@ class SpikeDetector:
         if min_progress_share is not None:
             min_progress_share = check_positive("min_progress_share", min_progress_share, allow_zero=True)
         self.min_progress_share = min_progress_share
+        if noisy_progress_share is not None:
+            noisy_progress_share = check_positive("noisy_progress_share", noisy_progress_share, allow_zero=True)
+        self.noisy_progress_share = noisy_progress_share
         self._kappa = huber_consistency(self.clip)
         # The smallest margin a jump must clear in log space (see _sigma for why it also floors the scale).
         self._min_margin = math.log1p(self.min_rel_change) if log_space else 0.0
@@ -323,6 +346,7 @@ class SpikeDetector:
         of the norm's own noise where that is wider (the 5x ratio already allows for the usual swings)."""
         kwargs.setdefault("gross_ratio", 5.0)
         kwargs.setdefault("gross_z", 4.0)
+        kwargs.setdefault("noisy_progress_share", None)  # a norm does not fall from a start as a loss does
         return cls(metric, **kwargs)
 
     # ----------------------------------------------------------------- state
@@ -459,6 +483,7 @@ class SpikeDetector:
             "direction": self.direction,
             "log_space": self.log_space,
             "min_progress_share": self.min_progress_share,
+            "noisy_progress_share": self.noisy_progress_share,
         }
 
     # ------------------------------------------------------------ properties
@@ -748,13 +773,32 @@ class SpikeDetector:
         return (value - base) / progress if progress > 0.0 else None
 
     def _material(self, value: float, reference: float) -> bool:
-        """A rise to ``value`` from ``reference`` (transformed) undoes at least ``min_progress_share`` of the
-        run's progress; always True without the setting or where the share is unknown."""
-        if self.min_progress_share is None:
+        """A rise to ``value`` from ``reference`` (transformed) undoes at least the share of the run's progress
+        :meth:`_required_share` asks for; always True where none is asked for or the share is unknown."""
+        required = self._required_share()
+        if required is None:
             return True
         base = self._to_value(reference)
         share = self._share(value, base) if value > base else None  # a drop ("both") is not weighed
-        return share is None or share >= self.min_progress_share
+        return share is None or share >= required
+
+    def _required_share(self) -> float | None:
+        """``min_progress_share``, raised to ``noisy_progress_share`` while the run's relative noise is at
+        least :data:`NOISY_RELATIVE_NOISE`; None where neither applies."""
+        required = self.min_progress_share
+        if self.noisy_progress_share is not None and self.relative_noise() >= NOISY_RELATIVE_NOISE:
+            required = max(required or 0.0, self.noisy_progress_share)
+        return required
+
+    def relative_noise(self) -> float:
+        """The run's measured noise per update relative to its level (0.05 = 5%): in log space the scale of
+        the successive differences of the last values' logs, in linear space that of the values over the
+        magnitude of the recent median; 0 before two values."""
+        rel, _ = self._window_noise()
+        if self.log_space:
+            return rel
+        level = abs(_median(self._noise[-_GROSS_WINDOW - 1 : -1])) if len(self._noise) > 1 else 0.0
+        return rel / level if level > 0.0 else 0.0
 
     def _window_noise(self) -> tuple[float, float]:
         """The run's measured noise: a robust scale of the successive differences of the last finite

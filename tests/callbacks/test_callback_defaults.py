@@ -93,21 +93,19 @@ def fit_periodic(tmp_path, steps: int, on_spike: str, seed: int = 1, corrupt=())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_healthy_low_loss_run_skips_little(tmp_path, seed):
+def test_a_healthy_low_loss_run_skips_nothing(tmp_path, seed):
     # Before issue 21 the gross rule (1.25x the median of 5) and the jump rules, blind to this noise,
-    # flagged 30-35 of 200 healthy steps from step ~60 on, and "skip" dropped 68-72 updates. Not zero
-    # yet (issue 21 is open on this): a batch with several random bytes (the Poisson tail of a noise
-    # whose median lies far below its mean) can still read as a jump, and one seed's run, once skipped
-    # there, stays above the bar until spike_action_cap (10) stops the skipping.
+    # flagged 30-35 of 200 healthy steps from step ~60 on, and "skip" dropped 68-72 updates. With the
+    # noise-relative bars seeds 1 and 2 still skipped 1 and 5 (a batch with several random bytes, the
+    # Poisson tail of a noise whose median lies far below its mean, read as a jump at 0.1 nats); since the
+    # noisy-loss gate (noisy_progress_share=0.1: at 10-14% noise such a batch undoes 3-6% of the progress)
+    # none, and skip leaves the weights as the run that only warns.
     module, cb, received = fit_periodic(tmp_path, 200, "skip", seed=seed)
-    assert len(cb.skipped_steps) <= 10, [a.format() for a in received]
-    spikes = [a for a in received if a.kind == "spike" and a.metric != "stable_attn/spike_actions"]
-    assert len({a.step for a in spikes}) <= 10
-    if not cb.skipped_steps:
-        # skip changed nothing: the same weights as the same run that only warns
-        reference, _, _ = fit_periodic(tmp_path / "warn", 200, "warn", seed=seed)
-        for (name, a), b in zip(module.state_dict().items(), reference.state_dict().values()):
-            assert torch.equal(a, b), name
+    assert cb.skipped_steps == [], [a.format() for a in received]
+    assert [a for a in received if a.kind == "spike"] == [], [a.format() for a in received]
+    reference, _, _ = fit_periodic(tmp_path / "warn", 200, "warn", seed=seed)
+    for (name, a), b in zip(module.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("bad", [30, 120])
