@@ -87,10 +87,12 @@ def replay(runs: dict, **loss_options) -> None:
     groups = ("looked at", "held out", "fresh")
     false_alarms = {g: 0 for g in groups}
     caught = {g: [0, 0] for g in groups}
+    present = set()  # the groups that have a run
     for key, trace in runs.items():
         task, seed, bad = key.split("/")
         got, unconfirmed = alerts(trace, **loss_options)
         held = groups[min(int(seed) // 3, 2)]  # 0-2 looked at, 3-5 held out, 6 on fresh (never looked at)
+        present.add(held)
         if bad == "None":
             hit = "-"
             false_alarms[held] += len(got)
@@ -109,7 +111,7 @@ def replay(runs: dict, **loss_options) -> None:
             if bad == "None" or corrupted:
                 excursions.append((corrupted, task, values[i] / median, (values[i] - median) / (initial - median)))
     print()
-    for held in (g for g in groups if caught[g][1] or false_alarms[g]):
+    for held in (g for g in groups if g in present):
         print(f"seeds {held}: {false_alarms[held]} spike alert(s) on the healthy runs; corrupted batches alerted on "
               f"their step: {caught[held][0]}/{caught[held][1]}")
     print()

@@ -36,4 +36,9 @@ def test_replay_reports_the_engines_alerts_and_the_unconfirmed_gradient_norm_jum
     assert "| text/0/None | looked at | " in out and "| text/0/50 | looked at | - | 50: " in out
     assert "seeds looked at: 0 spike alert(s) on the healthy runs; corrupted batches alerted on their step: 1/1" in out
     assert "seeds held out: 0 spike alert(s) on the healthy runs; corrupted batches alerted on their step: 0/0" in out
+    assert "seeds fresh" not in out  # no run of data seed 6 or later
+    ht.replay({"text/7/None": _run(None), "text/7/50": _run(50)})
+    out = capsys.readouterr().out
+    assert "| text/7/50 | fresh | - | 50: " in out and "seeds looked at" not in out
+    assert "seeds fresh: 0 spike alert(s) on the healthy runs; corrupted batches alerted on their step: 1/1" in out
     assert "| text |" in out.split("corrupted batches: smallest ratio")[1]
