@@ -294,9 +294,7 @@ def test_calibrated_bar_before_warmup_once_the_forecast_is_unbiased(step: int) -
 
 def test_min_progress_share_ignores_low_loss_spikes_a_corrupted_batch_still_undoes() -> None:
     """A loss fallen from 5.5 to 0.1 nats: a 3x spike undoes 4% of that progress, a corrupted batch all of it."""
-    rng = np.random.default_rng(3)
-    t = np.arange(300, dtype=np.float64)
-    losses = (0.1 + 5.4 * np.exp(-t / 20.0)) * np.exp(0.05 * rng.standard_normal(len(t)))
+    losses = low_loss(3, 0.05)
     spiky = losses.copy()
     spiky[200] = 3.0 * losses[199]
     corrupted = losses.copy()
