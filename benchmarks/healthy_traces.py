@@ -79,6 +79,27 @@ def alerts(trace: dict[str, list[tuple[int, float]]], **loss_options) -> tuple[d
     return out, unconfirmed
 
 
+SHAPE_FROM = 60  # the noise shape is read after the first descent
+SHAPE_WINDOW = 9  # residuals about the centred median of this many values
+
+
+def noise_shape(values: list[float]) -> tuple[float, float, float]:
+    """The skewness of a healthy run's noise in linear and in log space, and its size relative to the loss:
+    residuals about the centred median of 9 values, from step 60 on. Noise that is Gaussian in linear space
+    has skewness ~0 there and a negative one in log space; log-normal noise the other way round."""
+    tail = [v for v in values[SHAPE_FROM:] if math.isfinite(v) and v > 0]
+    half = SHAPE_WINDOW // 2
+    out = []
+    for space in (tail, [math.log(v) for v in tail]):
+        res = [space[i] - statistics.median(space[i - half:i + half + 1]) for i in range(half, len(space) - half)]
+        mean = statistics.fmean(res)
+        m2 = statistics.fmean([(r - mean) ** 2 for r in res])
+        out.append(statistics.fmean([(r - mean) ** 3 for r in res]) / m2 ** 1.5 if m2 > 0 else math.nan)
+        if len(out) == 1:
+            out.append(math.sqrt(m2) / statistics.fmean(tail))
+    return out[0], out[2], out[1]
+
+
 def replay(runs: dict, **loss_options) -> None:
     print("| run | seeds | final loss | spike alerts (step: metrics) | gradient-norm jumps not confirmed | "
           "corrupted step alerted |")
@@ -123,6 +144,16 @@ def replay(runs: dict, **loss_options) -> None:
         bad = [(r, m) for c, t, r, m in excursions if t == task and c]
         print(f"| {task} | {max(r for r, _ in ok):.2f} | {max(m for _, m in ok):.2f} | "
               f"{min(r for r, _ in bad):.2f} | {min(m for _, m in bad):.2f} |")
+    print()
+    print(f"| task | healthy runs | noise / loss | skewness, linear space | skewness, log space |  (from step "
+          f"{SHAPE_FROM}, about the centred median of {SHAPE_WINDOW}; mean over runs)")
+    print("|---|---|---|---|---|")
+    for task in sorted({key.split("/")[0] for key in runs}):
+        shapes = [noise_shape([v for _, v in trace[names.LOSS]]) for key, trace in runs.items()
+                  if key.startswith(task + "/") and key.endswith("/None") and len(trace[names.LOSS]) > SHAPE_FROM + 20]
+        if shapes:
+            lin, log, size = (statistics.fmean(col) for col in zip(*shapes))
+            print(f"| {task} | {len(shapes)} | {size:.3f} | {lin:.2f} | {log:.2f} |")
 
 
 def main() -> None:

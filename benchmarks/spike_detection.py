@@ -5,7 +5,8 @@ Run:  python benchmarks/spike_detection.py              (defaults: 100 tuning + 
 
 Three detectors, each fed one loss per step and scored on the same traces:
 
-- **ours**: ``stable_attn.monitor.SpikeDetector("train/loss")`` at its defaults;
+- **ours**: ``stable_attn.monitor.SpikeDetector("train/loss")`` at its defaults (and, as a reference column
+  for the noise-shape trade-off, the same with ``log_space=False``: not what the callbacks use);
 - **Lightning**: ``lightning.fabric.utilities.spike.SpikeDetection`` at its documented defaults
   (mode="min", window=10, warmup=1, atol=None, rtol=2.0, finite_only=True): from batch 1 on, a value
   is a spike if it is non-finite, or if it rose from the last accepted value and
@@ -18,7 +19,7 @@ Three detectors, each fed one loss per step and scored on the same traces:
   tuning traces only (the smallest ``k`` on a grid whose false alarms stay <= 0.2 per 10,000 clean
   steps), then applied unchanged to the held-out ones.
 
-The two trace families (all sizes in units of sigma(t), the standard deviation of the clean
+The trace families (all sizes in units of sigma(t), the standard deviation of the clean
 per-step noise at step t):
 
 - **tuning** (what the detector's defaults were chosen on; the same recipe as before): power-law or
@@ -38,8 +39,12 @@ per-step noise at step t):
   traces (AR(1), phi 0.2-0.8, sigma(t) is its marginal deviation) and whose level changes abruptly
   (x0.4-2.5 at 1-3 random steps); clusters of hard batches (2-8 steps in a row at 2-4 sigma, plus the
   isolated ones); and events from step 20 on, inside the steep first descent.
+- **scale/noise** (issue 21's kind, never tuned on; :func:`scale_curve_noise`): held-out curves rescaled
+  to end at 0.001-10 nats, white noise of 1-50% of the loss, relative or absolute, drifting +-50%, benign
+  3-sigma outliers; scored twice on the same draws: with Gaussian noise added in linear space, and with
+  the noise made log-normal at the same size (:func:`multiplicative`), the shape real noisy runs have.
 
-In both: a 0.1% grey zone of 4-8 sigma bumps (neither clean nor ground truth, reported apart), and
+In all: a 0.1% grey zone of 4-8 sigma bumps (neither clean nor ground truth, reported apart), and
 events placed >= 150 (tuning: 250) clean steps apart: corrupted batch (one step), spike with recovery
 (rise over 1-3 steps, exponential recovery with time constant 2-200 steps), isolated NaN / inf step,
 and at most one run-ending explosion per trace (fast: x1.5-3 per step; slow: x1.01-1.08 per step)
@@ -89,6 +94,7 @@ FA_TARGET = 0.2  # false alarms per 10,000 clean steps
 # revision it closes (10000: the first; 20000: the second, when the first had been seen; 30000: the
 # third, when all three earlier held-out sets had been looked at).
 FRESH_SEEDS = (10_000, 20_000, 30_000)
+SCALE_FAMILIES = ("scale", "scale_lognormal")  # issue 21's held-out kind: additive (Gaussian) or log-normal noise
 
 
 @dataclass
@@ -183,13 +189,24 @@ def scale_curve_noise(rng: np.random.Generator, t: np.ndarray) -> tuple[np.ndarr
     return curve, cv * base * drift, rng.standard_normal(len(t))
 
 
+def multiplicative(curve: np.ndarray, sigma: np.ndarray, noise: np.ndarray) -> np.ndarray:
+    """The noise term of ``curve + sigma * noise`` made log-normal at the same size: the value becomes
+    ``curve * (1 + r)^noise`` with ``r = sigma / curve`` (the shape healthy_traces.py measures on real runs
+    whose noise is 50% of the loss: skewed up in linear space, near symmetric in log space)."""
+    r = sigma / curve
+    return np.expm1(np.log1p(r) * noise) / r
+
+
 def make_trace(seed: int, steps: int, family: str) -> Trace:
     offset = 1_000_003 if family == "heldout" else 2_000_029
     rng = np.random.default_rng(seed if family == "tuning" else offset + seed)
     t = np.arange(steps, dtype=np.float64)
     heldout = family == "heldout"
-    if family == "scale":
+    scale = family in SCALE_FAMILIES
+    if scale:
         curve, sigma, noise = scale_curve_noise(rng, t)
+        if family == "scale_lognormal":  # the same trace (same draws) with log-normal noise
+            noise = multiplicative(curve, sigma, noise)
         phi = 0.0
     else:
         curve = heldout_curve(rng, t) if heldout else tuning_curve(rng, t)
@@ -208,11 +225,11 @@ def make_trace(seed: int, steps: int, family: str) -> Trace:
     if heldout:  # clusters: a run of hard batches (one hard source spread over consecutive batches)
         for start in np.nonzero(rng.random(steps) < 0.002)[0]:
             hard[start : start + int(rng.integers(2, 9))] = True
-    noise[hard] = 3.0 if family == "scale" else rng.uniform(2.0, 4.0, hard.sum())  # scale: benign 3-sigma outliers
+    noise[hard] = 3.0 if scale else rng.uniform(2.0, 4.0, hard.sum())  # scale: benign 3-sigma outliers
     grey = (rng.random(steps) < 0.001) & ~hard
     noise[grey] = rng.uniform(4.0, 8.0, grey.sum())
     values = curve + sigma * noise
-    if family == "scale":  # a loss is never negative: noise of up to 50% folds at zero
+    if scale:  # a loss is never negative: noise of up to 50% folds at zero
         values = np.abs(values) + 1e-6 * curve
 
     events: list[Event] = []
@@ -278,6 +295,13 @@ def make_trace(seed: int, steps: int, family: str) -> Trace:
 # ------------------------------------------------------------------------------------------- detectors
 def ours_flags(values: np.ndarray) -> np.ndarray:
     det = SpikeDetector.loss()  # what the callbacks use
+    update = det.update
+    return np.array([update(i, x) is not None for i, x in enumerate(values.tolist())], dtype=bool)
+
+
+def ours_linear_flags(values: np.ndarray) -> np.ndarray:
+    """Ours with ``log_space=False``: a reference column (the noise-shape trade-off), not what the callbacks use."""
+    det = SpikeDetector.loss(log_space=False)
     update = det.update
     return np.array([update(i, x) is not None for i, x in enumerate(values.tolist())], dtype=bool)
 
@@ -471,12 +495,16 @@ def main() -> None:
     # issue 21: loss scale 0.001-10 nats, noise 1-50% (relative or absolute) drifting +-50%, 3-sigma outliers
     scale_traces = [make_trace(seed, args.steps, "scale") for seed in range(n_held)]
     families.append(("scale/noise held-out (issue 21)", scale_traces))
+    # the same traces (same curves, noise sizes, events) with log-normal noise: the shape of real noisy runs
+    lognormal_traces = [make_trace(seed, args.steps, "scale_lognormal") for seed in range(n_held)]
+    families.append(("scale/noise held-out, log-normal noise", lognormal_traces))
     k, tried = tune_mad_k(tuning)
 
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for family, traces in families:
         scores, times = {}, {}
-        for name, detect in (("ours", ours_flags), ("Lightning", lightning_flags),
+        for name, detect in (("ours", ours_flags), ("ours, linear space", ours_linear_flags),
+                             ("Lightning", lightning_flags),
                              (f"median/MAD k={k:g}", lambda v: median_mad_flags(v, k))):
             scores[name], times[name] = score(traces, detect)
         total = sum(len(t.values) for t in traces)

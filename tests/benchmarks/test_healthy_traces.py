@@ -42,3 +42,24 @@ def test_replay_reports_the_engines_alerts_and_the_unconfirmed_gradient_norm_jum
     assert "| text/7/50 | fresh | - | 50: " in out and "seeds looked at" not in out
     assert "seeds fresh: 0 spike alert(s) on the healthy runs; corrupted batches alerted on their step: 1/1" in out
     assert "| text |" in out.split("corrupted batches: smallest ratio")[1]
+
+
+def test_noise_shape_tells_gaussian_noise_from_log_normal_noise():
+    import random
+
+    rng = random.Random(0)
+    gauss = [1.0 + 0.3 * rng.gauss(0.0, 1.0) for _ in range(600)]
+    gauss = [abs(v) + 1e-6 for v in gauss]
+    lognormal = [math.exp(math.log1p(0.3) * rng.gauss(0.0, 1.0)) for _ in range(600)]
+    lin, log, size = ht.noise_shape(gauss)
+    assert abs(lin) < 0.3 and log < -0.8 and 0.2 < size < 0.4
+    lin, log, size = ht.noise_shape(lognormal)
+    assert lin > 0.5 and abs(log) < 0.3
+
+
+def test_replay_prints_the_noise_shape_of_the_healthy_runs(capsys):
+    long = {"train/loss": [(s, 0.2 + 5.3 * math.exp(-s / 15.0) + 0.01 * (-1) ** s) for s in range(120)],
+            "train/grad_norm": [(s, 1.0 + 0.05 * (-1) ** s) for s in range(120)]}  # the shape is read from step 60
+    ht.replay({"text/0/None": long, "text/0/50": _run(50), "text/1/None": _run(None)})
+    out = capsys.readouterr().out.split("skewness, log space")[1]
+    assert "| text | 1 | " in out  # the 60-step run is too short to be read
