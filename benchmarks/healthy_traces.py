@@ -89,15 +89,17 @@ def noise_shape(values: list[float]) -> tuple[float, float, float]:
     has skewness ~0 there and a negative one in log space; log-normal noise the other way round."""
     tail = [v for v in values[SHAPE_FROM:] if math.isfinite(v) and v > 0]
     half = SHAPE_WINDOW // 2
-    out = []
-    for space in (tail, [math.log(v) for v in tail]):
+
+    def moments(space: list[float]) -> tuple[float, float]:  # skewness and standard deviation of the residuals
         res = [space[i] - statistics.median(space[i - half:i + half + 1]) for i in range(half, len(space) - half)]
         mean = statistics.fmean(res)
         m2 = statistics.fmean([(r - mean) ** 2 for r in res])
-        out.append(statistics.fmean([(r - mean) ** 3 for r in res]) / m2 ** 1.5 if m2 > 0 else math.nan)
-        if len(out) == 1:
-            out.append(math.sqrt(m2) / statistics.fmean(tail))
-    return out[0], out[2], out[1]
+        skew = statistics.fmean([(r - mean) ** 3 for r in res]) / m2 ** 1.5 if m2 > 0 else math.nan
+        return skew, math.sqrt(m2)
+
+    linear, sd = moments(tail)
+    log, _ = moments([math.log(v) for v in tail])
+    return linear, log, sd / statistics.fmean(tail)
 
 
 def replay(runs: dict, **loss_options) -> None:

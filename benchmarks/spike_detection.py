@@ -293,17 +293,18 @@ def make_trace(seed: int, steps: int, family: str) -> Trace:
 
 
 # ------------------------------------------------------------------------------------------- detectors
-def ours_flags(values: np.ndarray) -> np.ndarray:
-    det = SpikeDetector.loss()  # what the callbacks use
+def detector_flags(det: SpikeDetector, values: np.ndarray) -> np.ndarray:
     update = det.update
     return np.array([update(i, x) is not None for i, x in enumerate(values.tolist())], dtype=bool)
+
+
+def ours_flags(values: np.ndarray) -> np.ndarray:
+    return detector_flags(SpikeDetector.loss(), values)  # what the callbacks use
 
 
 def ours_linear_flags(values: np.ndarray) -> np.ndarray:
     """Ours with ``log_space=False``: a reference column (the noise-shape trade-off), not what the callbacks use."""
-    det = SpikeDetector.loss(log_space=False)
-    update = det.update
-    return np.array([update(i, x) is not None for i, x in enumerate(values.tolist())], dtype=bool)
+    return detector_flags(SpikeDetector.loss(log_space=False), values)
 
 
 def lightning_flags(values: np.ndarray, window: int = 10, warmup: int = 1, rtol: float = 2.0) -> np.ndarray:
