@@ -201,6 +201,7 @@ class MonitorEngine:
         self._phases = PhaseNotes()
         self._stop_path: Callable[[int], str] = self._default_stop_path
         self._swapped: dict[int, str] = {}
+        self._checkpointing_undo: list[Any] = []  # config.use_cache and the dynamo switch, put back by end_run
         self.sdpa_patch: Any = None  # the patch_sdpa() handle while F.scaled_dot_product_attention is patched
         self._every = 1
         self._step = -1
@@ -287,8 +288,11 @@ class MonitorEngine:
             return
         from ..integrations.transformers import attach_stats, attention_modules
 
+        from ..integrations.transformers.checkpointing import prepare_checkpointed_training
+
         if self.swap:
             swap_attention(models)
+        self._checkpointing_undo.append(prepare_checkpointed_training(models.values(), self.name, self.world.is_zero))
         stats: dict[str, Any] = {}
         several = len(models) + len(self._swapped) > 1
         for path, model in models.items():
@@ -378,6 +382,9 @@ class MonitorEngine:
                 log.warning("%s: torch.nn.functional.scaled_dot_product_attention not restored %s: %s",
                             self.name, when, exc)
         self._watch.enable(False)
+        for undo in self._checkpointing_undo:
+            undo.restore()
+        self._checkpointing_undo = []
         if self.recovery is not None:
             for scale in self.recovery.lr:
                 scale.unwrap()
