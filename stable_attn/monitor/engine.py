@@ -279,10 +279,10 @@ class MonitorEngine:
         # imported here: the engine imports no transformers until a run sets up
         from ..integrations.transformers.swap import prepare_models
 
-        prepared = prepare_models(root, swap=self.swap, stats=self.attention_stats,
+        prepared = prepare_models(root, swap=self.config.swap, stats=self.config.attention_stats,
                                   prepared=self._swapped.values())
         if not prepared.models:
-            if not self._swapped and not self.patch_sdpa:
+            if not self._swapped and not self.config.patch_sdpa:
                 log.warning("%s: no transformers PreTrainedModel found in %s; attention is not swapped and no layer "
                             "statistics are logged", self.name, type(root).__name__)
             return
@@ -293,7 +293,7 @@ class MonitorEngine:
             self._qk.setup(self._qk_modules)  # raises on a layout it cannot edit, naming the module class
         if self.world.is_zero:
             found = ", ".join(type(m).__name__ for m in prepared.models.values())
-            what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.swap else \
+            what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.config.swap else \
                 "monitoring %d transformers model(s) [%s] (attention not switched)"
             log.warning("%s: " + what + ": %d attention layer(s), backend %s",
                         self.name, len(prepared.models), found, prepared.attention_layers, self.world.backend)
