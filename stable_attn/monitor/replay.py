@@ -1,4 +1,4 @@
-"""Replay a spiking step three ways: was the spike the attention numerics or the data? (issue 26)
+"""Replay a spiking step three ways: was the spike the attention numerics or the data?
 
 :func:`replay_step` re-runs, on the model's current weights (the pre-step weights when it is called before the
 optimizer step, as the engine does with ``diagnose_spikes=True``), the forward and backward of the step's

@@ -623,7 +623,7 @@ class SpikeDetector:
             del self._episode[:-RECENT_FLAGGED]
         self._clean = 0
         # The re-baseline counts flags among the last 2 * rebaseline_after finite updates: 50 in a row
-        # re-baseline as before, and so do 50 of 100 interleaved with accepted values (a shift whose
+        # re-baseline, and so do 50 of 100 interleaved with accepted values (a shift whose
         # noise lets some values through would otherwise be flagged for ever).
         self._marks.append(self._seen)
         self._marks = [m for m in self._marks if m > self._seen - 2 * self.rebaseline_after]
