@@ -15,7 +15,8 @@ at the logging interval would.
 Rules (each is given exactly what its source does; none is tuned here):
 
 - **ours**: ``SpikeDetector.loss()`` on the loss and ``SpikeDetector.grad_norm()`` on the gradient norm, as
-  ``MonitorEngine`` builds them; a point is flagged when ``update`` returns an event.
+  ``MonitorEngine`` builds them; a point is flagged when ``update`` returns an event. A reference row (not a
+  default): the same with ``gross_z=0``, the gross rule's ratio without its noise bar.
 - **Lightning**: ``lightning.fabric.utilities.spike.SpikeDetection`` at its defaults (mean of the last 10
   accepted values, ``rtol=2.0``, mode ``min``), as ``benchmarks/spike_detection.py`` reimplements it
   (checked against Lightning's class when this runs).
@@ -120,6 +121,12 @@ def ours_flags(values: np.ndarray, signal: str) -> np.ndarray:
     return sd.detector_flags(det, values)
 
 
+def ours_ratio_only_flags(values: np.ndarray, signal: str) -> np.ndarray:
+    """A reference row, not a default: ours with ``gross_z=0`` (the gross rule's ratio alone, no noise bar)."""
+    det = SpikeDetector.loss(gross_z=0.0) if signal == "loss" else SpikeDetector.grad_norm(gross_z=0.0)
+    return sd.detector_flags(det, values)
+
+
 def olmo_flags(values: np.ndarray, window: int = OLMO_WINDOW, sigma: float = OLMO_SIGMA) -> np.ndarray:
     """OLMo-core's skip decision per value (see the module docstring)."""
     flags = np.zeros(len(values), dtype=bool)
@@ -190,6 +197,7 @@ def cosmos_flags(values: np.ndarray, factor: float = COSMOS_FACTOR, window: int 
 Rule = Callable[[np.ndarray, str], "np.ndarray | None"]
 RULES: dict[str, Rule] = {
     "ours": ours_flags,
+    "ours, gross_z=0 (reference)": ours_ratio_only_flags,
     "Lightning": lambda v, s: sd.lightning_flags(v),
     f"median/MAD k={MAD_K:g}": lambda v, s: sd.median_mad_flags(v, MAD_K),
     "OLMo-core 6σ/128": lambda v, s: olmo_flags(v),
@@ -319,6 +327,23 @@ def synthetic_table(results: dict[str, dict[str, SyntheticScore | None]]) -> lis
     return lines
 
 
+def kind_table(results: dict[str, dict[str, SyntheticScore | None]]) -> list[str]:
+    """Recall per kind of synthetic event, the families pooled."""
+    kinds = ["corrupted_batch", "spike_recovery", "nan_step", "fast_explosion", "slow_explosion"]
+    lines = ["| rule | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for name, per in results.items():
+        scores = [s for s in per.values() if s is not None]
+        if not scores:
+            lines.append(f"| {name} | " + " | ".join("-" for _ in kinds) + " |")
+            continue
+        cells = []
+        for kind in kinds:
+            hits = [h for s in scores for h in s.recall.detected.get(kind, [])]
+            cells.append(f"{np.mean(hits):.3f} ({sum(hits)}/{len(hits)})" if hits else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def event_table(series: list[Series]) -> list[str]:
     """Per labelled event and signal: the step of each rule's first flag inside the window ('-': missed)."""
     names = [n for n in RULES]
@@ -378,6 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
     lines += [f"**Loss, synthetic families** ({args.traces} traces x {args.steps} steps each; "
               "benign episodes per 10k clean steps, recall of spikes >= 8 sigma, mean delay in steps)", ""]
     lines += synthetic_table(synthetic) + [""]
+    lines += ["**Loss, synthetic families pooled: recall by event kind**", ""] + kind_table(synthetic) + [""]
     ours = corpus["ours"]
     for signal in SIGNALS:
         at = ", ".join(f"{run} @{step}" + (f" ({n} pts)" if n > 1 else "") for run, step, n in ours[signal].benign_at)
