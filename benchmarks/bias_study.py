@@ -152,6 +152,8 @@ FP8_MODELS = {
                                                                  pbar_dtype=torch.float8_e4m3fn),
     "e_fp8_ieee": lambda s, v, fix: arithmetic.tensor_core_model(s, v, fix, model="ieee",
                                                                  pbar_dtype=torch.float8_e4m3fn),
+    "e_fp8_b200": lambda s, v, fix: arithmetic.tensor_core_model(s, v, fix, model="b200",
+                                                                 pbar_dtype=torch.float8_e4m3fn),
 }
 
 
@@ -274,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", default=",".join(map(str, ASYM_KS)), help="asym: numbers of tied maxima")
     ap.add_argument("--blocks", default=",".join(map(str, ASYM_BLOCKS)), help="asym: key-block sizes")
     ap.add_argument("--gap", type=float, default=ASYM_GAP, help="asym: other keys sit gap + Exp(2) below the max")
-    ap.add_argument("--tc-models", default="a100,h100", help="asym: tensor-core models of (d)")
+    ap.add_argument("--tc-models", default="a100,h100", help="asym: tensor-core models of (d) (a100, h100, b200)")
     args = ap.parse_args(argv)
     if args.study == "asym":
         torch.set_num_threads(args.threads)
+        commit = git_commit()  # before the run: the code it ran
         t0 = time.perf_counter()
         res = run_asym(args)
         elapsed = time.perf_counter() - t0
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nprediction held in {sum(held)}/{len(held)} cells; {elapsed:.1f} s on {machine('cpu')}")
         res.update({"command": " ".join(["python", "benchmarks/bias_study.py",
                                          *(argv if argv is not None else sys.argv[1:])]),
-                    "commit": git_commit(), "machine": machine("cpu"), "seconds": elapsed})
+                    "commit": commit, "machine": machine("cpu"), "seconds": elapsed})
         res["config"].update({"trials": args.trials, "keys": args.keys, "head_dim": args.head_dim, "seed": args.seed,
                               "threads": args.threads, "unit": "2^-8 * rms(O_row)", "bias_t": 3.0})
         with open(args.json, "w") as f:
@@ -301,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
     torch.set_num_threads(args.threads)
+    commit = git_commit()
     models = models_for(args.device, args.pbar)
     t_start = time.perf_counter()
     cells, verdicts = [], []
@@ -348,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(cells)} cells in {elapsed:.1f} s on {machine(args.device)}")
     result = {
         "command": " ".join(["python", "benchmarks/bias_study.py", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": commit,
         "machine": machine(args.device),
         "config": {"trials": args.trials, "keys": args.keys, "head_dim": args.head_dim, "device": args.device,
                    "pbar": args.pbar,
