@@ -295,12 +295,15 @@ def train(args: argparse.Namespace, on_log=None) -> dict:
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     if ckpt is not None and ckpt.exists():  # resume: same arguments, so the same batches and arms
         saved = torch.load(ckpt, weights_only=False)
-        if saved["key"] != _checkpoint_key(args):
+        key = _checkpoint_key(args)
+        if {k: saved["key"].get(k) for k in key} != key:
             raise ValueError(f"--checkpoint {ckpt}: written by another configuration ({saved['key']}); remove it")
         for name in names:
             models[name].load_state_dict(saved["models"][name])
             opts[name].load_state_dict(saved["opts"][name])
         traces, start = saved["traces"], saved["step"]
+        if start > args.steps:
+            raise ValueError(f"--checkpoint {ckpt} is at step {start}, past --steps={args.steps}")
         seconds.update(traces["seconds"])
         print(f"resumed from {ckpt} at step {start}")
     else:
@@ -337,8 +340,10 @@ def train(args: argparse.Namespace, on_log=None) -> dict:
 
 
 def _checkpoint_key(args: argparse.Namespace) -> dict:
-    """What a checkpoint must share with the run that resumes it."""
-    keys = ("steps", "log_every", "lr", "warmup", "width", "heads", "layers", "seq", "batch", "seed", "arithmetic",
+    """What a checkpoint must share with the run that resumes it. Not ``--steps``: the first N steps' batches do
+    not depend on it (one generator draws them row by row) and the schedule is a warm-up only, so a longer run
+    resumes a shorter one's checkpoint and continues it."""
+    keys = ("log_every", "lr", "warmup", "width", "heads", "layers", "seq", "batch", "seed", "arithmetic",
             "arms", "data", "paper_block")
     return {k: getattr(args, k) for k in keys}
 

@@ -155,6 +155,11 @@ def test_control_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
     assert len(b_paper) == 2 and all(0 <= d["tie_rate"] <= 1 and 0 <= d["fired_rate"] <= 1 for d in b_paper)
     with pytest.raises(ValueError, match="another configuration"):
         tct.train(tct.parse([*CONTROL, "--seed", "3", "--checkpoint", str(tmp_path / "c.pt")]))
+    # a shorter run's checkpoint continues into a longer run: the same steps as the longer run from scratch
+    short = tct.parse([*CONTROL, "--steps", "4", "--checkpoint", str(tmp_path / "s.pt")])
+    tct.train(short)
+    longer = tct.train(tct.parse([*CONTROL, "--checkpoint", str(tmp_path / "s.pt")]))
+    assert longer["arms"]["b_off"]["loss_every_step"] == ref["arms"]["b_off"]["loss_every_step"]
 
 
 @pytest.mark.slow
