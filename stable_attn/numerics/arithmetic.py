@@ -22,7 +22,7 @@ bf16 values ``v`` ``[T, N, D]``, one independent row per trial ``t``, and return
 
 - (d) :func:`tensor_core_model`: our kernel's forward, key block by key block, with ``P-bar V`` (and
   the exact mode's tensor-core row sum) as a GPU's tensor cores compute them
-  (:func:`stable_attn.numerics.tensor_core.mma`, ``model="a100"``/``"h100"``/``"ieee"``).
+  (:func:`stable_attn.numerics.tensor_core.mma`, ``model="a100"``/``"h100"``/``"b200"``/``"ieee"``).
 
 ``fix`` is ``"off"`` (plain safe softmax), ``"ours"`` (stable_attn's rule: exact trigger, minimum and
 capped shift, rules.py) or ``"paper"`` (the published rule: 1e-3 window, ``beta*m`` or 0).
