@@ -59,6 +59,7 @@ from stable_attn.numerics.paper_attention import PaperStats, paper_attention
 from stable_attn.options import BLOCK_N, FIX_NAMES, Options
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/instability.py, machine.py
+from bias_study import git_commit  # noqa: E402
 from instability import TEXT, TinyGPT  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
@@ -678,12 +679,14 @@ def run_seeds(args: argparse.Namespace) -> dict[int, dict]:
     """``train`` once per ``--seeds`` seed, each with its own JSON and checkpoint."""
     runs = {}
     base_json, base_ckpt = args.json, args.checkpoint
+    commit = git_commit()  # the code this run ran (a resumed run's earlier steps may have run at another)
     for seed in args.seeds:
         args.seed, args.json, args.checkpoint = seed, _suffixed(base_json, seed), _suffixed(base_ckpt, seed)
         json_path = Path(args.json)
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        runs[seed] = train(args, lambda tr, p=json_path: p.write_text(json.dumps({"args": vars(args), **tr})))
-        json_path.write_text(json.dumps({"args": vars(args), **runs[seed]}))
+        runs[seed] = train(args, lambda tr, p=json_path: p.write_text(json.dumps({"args": vars(args), "commit": commit,
+                                                                                  **tr})))
+        json_path.write_text(json.dumps({"args": vars(args), "commit": commit, **runs[seed]}))
         print(f"seed {seed}: {runs[seed]['steps'][-1]} steps, wrote {json_path}", flush=True)
     args.json, args.checkpoint = base_json, base_ckpt
     return runs
