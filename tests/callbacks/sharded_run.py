@@ -4,9 +4,10 @@ NAN_GRAD (after the gradients were reduced: faulty hardware or user code).
 
 A case is ``STRATEGY:ACTION``: ``fsdp`` is ``ModelParallelStrategy(data_parallel_size=2)`` with ``fully_shard``
 per GPT-2 block and on the model in ``configure_model`` (FSDP2; Lightning's ``FSDPStrategy`` refuses the CPU),
-``ddp`` the same model replicated; ``ACTION`` is an ``on_spike`` value. ``fsdp-ckpt`` adds activation
-checkpointing of every block with torch's ``apply_activation_checkpointing`` (as torchtitan does),
-``fsdp-hfckpt`` with transformers' ``gradient_checkpointing_enable``.
+``ddp`` the same model replicated; ``ACTION`` is an ``on_spike`` value, or ``recover-disk`` (the ring in
+files). ``fsdp-ckpt`` adds activation checkpointing of every block with torch's
+``apply_activation_checkpointing`` (as torchtitan does), ``fsdp-hfckpt`` with transformers'
+``gradient_checkpointing_enable``.
 
 Run by test_callback_sharded.py as ``python sharded_run.py WEIGHTS OUT_DIR CASE [CASE ...]`` in two processes
 that it starts itself (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` set: Lightning then launches
@@ -42,6 +43,8 @@ ACTION_OPTIONS = {
     "recover": {"spike_confirm_steps": 1, "rollback_steps": 4, "rollback_every": 2, "skip_batches": 2,
                 "cooldown_steps": 2},
 }
+# the recover ring on disk: each rank writes its own files (FSDP2: its shards, as DTensors)
+ACTION_OPTIONS["recover-disk"] = dict(ACTION_OPTIONS["recover"], snapshot_memory_limit=0)
 
 
 class Net(torch.nn.Module):
@@ -164,7 +167,7 @@ def run_case(case: str, weights: str, out: str) -> dict:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    cb = StableAttentionCallback(on_spike=action, log_every_n_steps=1, **ACTION_OPTIONS[action])
+    cb = StableAttentionCallback(on_spike=action.split("-")[0], log_every_n_steps=1, **ACTION_OPTIONS[action])
     steps = Steps(cb)
     logger = MemoryLogger(os.path.join(out, case.replace(":", "-")), name="run")
     trainer = L.Trainer(

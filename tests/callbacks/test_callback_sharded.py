@@ -114,7 +114,7 @@ def test_fsdp2_skip_on_one_rank_matches_ddp(tmp_path, pretrained):
 
 
 SLOW_CASES = ["fsdp:warn", "ddp:warn", "fsdp:rollback", "ddp:rollback", "fsdp:stop", "ddp:stop", "fsdp:recover",
-              "ddp:recover", "ddp:skip", "fsdp-ckpt:skip", "fsdp-hfckpt:skip"]
+              "ddp:recover", "fsdp:recover-disk", "ddp:skip", "fsdp-ckpt:skip", "fsdp-hfckpt:skip"]
 
 
 @pytest.mark.slow
@@ -128,6 +128,9 @@ def test_fsdp2_fault_matrix_matches_ddp(tmp_path, pretrained):
     for action in ("warn", "rollback", "stop", "recover"):
         check_sharded(r0[f"fsdp:{action}"])
         check_like_ddp(tmp_path, r0[f"fsdp:{action}"], r0[f"ddp:{action}"], f"fsdp:{action}", f"ddp:{action}")
+    check_like_ddp(tmp_path, r0["fsdp:recover-disk"], r0["ddp:recover"], "fsdp:recover-disk", "ddp:recover")
+    ring = os.path.join(r0["fsdp:recover-disk"]["log_dir"], "recovery")
+    assert os.path.isdir(ring) and not os.listdir(ring)  # each rank's files were written, and removed at the end
     for case in ("fsdp-ckpt:skip", "fsdp-hfckpt:skip"):  # the recompute neither changes nor recounts anything
         check_sharded(r0[case])
         check_like_ddp(tmp_path, r0[case], r0["ddp:skip"], case, "ddp:skip")
