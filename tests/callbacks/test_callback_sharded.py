@@ -107,6 +107,7 @@ def test_fsdp2_skip_on_one_rank_matches_ddp(tmp_path, pretrained):
     assert set(f0["unchanged"]) == {BAD, NAN_LOSS, NAN_GRAD}
     check_like_ddp(tmp_path, f0, d0, "fsdp:skip", "ddp:skip")
     check_rows_counted_once(f0)
+    check_rows_counted_once(d0)
     alerts = read_alerts(f0["log_dir"])
     assert {(a["step"], a["action"]) for a in alerts if a["metric"] == "train/loss"} >= {(BAD, "skip"),
                                                                                          (NAN_LOSS, "skip")}

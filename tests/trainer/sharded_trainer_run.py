@@ -60,10 +60,18 @@ class RankFaults(TrainerCallback):
     """Rank 1's NaN logits (NAN_LOSS) and NaN logit gradients (NAN_GRAD); full-weight digests around each step.
     Listed before the monitoring callback, so its on_step_begin runs first."""
 
-    def __init__(self) -> None:
+    def __init__(self, cb: StableAttentionTrainerCallback) -> None:
+        self.cb = cb
         self.before: dict[int, str] = {}
         self.after: dict[int, str] = {}
+        self.rows: dict[int, list[int]] = {}
         self.handle = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        # this rank's attention rows per layer, counted by the step's forward
+        layers = self.cb.engine.layers
+        if layers is not None and all(s.rows is not None for s in layers.stats.values()):
+            self.rows[state.global_step + 1] = [int(s.rows.sum()) for s in layers.stats.values()]
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         step = state.global_step + 1
@@ -96,7 +104,7 @@ def force_fsdp(trainer) -> None:
 
 def run(weights: str, out: str, strategy: str, action: str) -> dict:
     cb = StableAttentionTrainerCallback(on_spike=action, log_every_n_steps=1, **ACTION_OPTIONS[action])
-    faults = RankFaults()
+    faults = RankFaults(cb)
     case_dir = os.path.join(out, f"{strategy}-{action}")
     # max_grad_norm far above the norm: the Trainer still measures the norm (the callback reads it) and scales by
     # exactly 1.0, so FSDP2's and DDP's updates stay bitwise equal (their norms differ in the last bits)
@@ -130,6 +138,7 @@ def run(weights: str, out: str, strategy: str, action: str) -> dict:
         "dtensor": all(type(p).__name__ == "DTensor" for p in model.parameters()),
         "unchanged": sorted(s for s in faults.after if faults.before.get(s) == faults.after[s]),
         "grad_norm": logged,
+        "rows": faults.rows,
         "stop": stop,
         "stop_files": sorted(os.listdir(stop)) if stop and os.path.isdir(stop) else None,
         "alerts_file": os.path.join(case_dir, "stable_attn_alerts.jsonl"),

@@ -64,6 +64,16 @@ def test_trainer_fsdp2_skip_on_one_rank(tmp_path, pretrained):
     assert loss == [(BAD, "spike", "skip"), (NAN_LOSS, "nonfinite", "skip")]
     grads = {a["step"]: a["kind"] for a in alerts if a["metric"] == "train/grad_norm"}
     assert grads.get(NAN_GRAD) == "nonfinite"
+    check_rows(res)
+
+
+def check_rows(res: dict) -> None:
+    """Each step's attention rows per layer on this rank: one forward's (batch x tokens x heads)."""
+    from callback_lm import SEQ
+    from trainer_lm import BATCH
+
+    assert len(res["rows"]) == res["global_step"]
+    assert all(rows == [BATCH * SEQ * 2] * 2 for rows in res["rows"].values()), res["rows"]  # 2 heads, 2 layers
 
 
 @pytest.mark.slow
@@ -78,6 +88,9 @@ def test_trainer_fsdp2_fault_matrix_matches_ddp(tmp_path, pretrained):
     for action in ACTIONS:
         f, d = fsdp[action], ddp[action]
         assert f["dtensor"] and not d["dtensor"]
+        if action != "recover":  # a recovery's skipped batches are drawn but not trained on
+            check_rows(f)
+            check_rows(d)
         for key in ("global_step", "skipped_steps", "rollbacks", "unchanged", "alert_count"):
             assert f[key] == d[key], (action, key)
         want = torch.load(tmp_path / "ddp" / f"ddp-{action}.pt", weights_only=True)
