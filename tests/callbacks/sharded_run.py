@@ -45,6 +45,8 @@ ACTION_OPTIONS = {
 }
 # the recover ring on disk: each rank writes its own files (FSDP2: its shards, as DTensors)
 ACTION_OPTIONS["recover-disk"] = dict(ACTION_OPTIONS["recover"], snapshot_memory_limit=0)
+# stop, then a second fit resumed from the stop checkpoint (FSDP2: Lightning's sharded one), which stops again
+ACTION_OPTIONS["stop-resume"] = {}
 
 
 class Net(torch.nn.Module):
@@ -160,23 +162,31 @@ def digest_full(module: torch.nn.Module) -> str:
 def run_case(case: str, weights: str, out: str) -> dict:
     strategy_name, action = case.split(":")
     checkpointing = {"fsdp-ckpt": "torch", "fsdp-hfckpt": "hf"}.get(strategy_name)
-    L.seed_everything(0, verbose=False)
-    if strategy_name == "ddp":
-        strategy = "ddp"
-    else:
-        from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    cb = StableAttentionCallback(on_spike=action.split("-")[0], log_every_n_steps=1, **ACTION_OPTIONS[action])
-    steps = Steps(cb)
-    logger = MemoryLogger(os.path.join(out, case.replace(":", "-")), name="run")
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, max_epochs=1, logger=logger,
-        callbacks=[cb, steps], use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, log_every_n_steps=1, num_sanity_val_steps=0,
-    )
-    module = ShardedLM(weights, checkpointing=checkpointing)
-    trainer.fit(module)
+    def fit(name: str, ckpt_path: str | None = None):
+        L.seed_everything(0, verbose=False)
+        if strategy_name == "ddp":
+            strategy = "ddp"
+        else:
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        cb = StableAttentionCallback(on_spike=action.split("-")[0], log_every_n_steps=1, **ACTION_OPTIONS[action])
+        steps = Steps(cb)
+        logger = MemoryLogger(os.path.join(out, name), name="run")
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, max_epochs=1, logger=logger,
+            callbacks=[cb, steps], use_distributed_sampler=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, num_sanity_val_steps=0,
+        )
+        module = ShardedLM(weights, checkpointing=checkpointing)
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return cb, steps, logger, trainer, module
+
+    cb, steps, logger, trainer, module = fit(case.replace(":", "-"))
+    first_stop = cb.stop_checkpoint
+    if action == "stop-resume":
+        cb, steps, logger, trainer, module = fit(case.replace(":", "-") + "-resumed", ckpt_path=first_stop)
     params = list(module.model.parameters())
     state = full_state(module)
     if trainer.global_rank == 0:
@@ -195,6 +205,7 @@ def run_case(case: str, weights: str, out: str) -> dict:
         "metrics_steps": sorted(logger.seen),
         "rows": steps.rows,
         "stop": stop,
+        "first_stop": first_stop,
         "stop_files": sorted(os.listdir(stop)) if stop and os.path.isdir(stop) else None,
         "log_dir": cb.log_dir,
         "final": digest_full(module),

@@ -115,7 +115,8 @@ def test_fsdp2_skip_on_one_rank_matches_ddp(tmp_path, pretrained):
 
 
 SLOW_CASES = ["fsdp:warn", "ddp:warn", "fsdp:rollback", "ddp:rollback", "fsdp:stop", "ddp:stop", "fsdp:recover",
-              "ddp:recover", "fsdp:recover-disk", "ddp:skip", "fsdp-ckpt:skip", "fsdp-hfckpt:skip"]
+              "ddp:recover", "fsdp:recover-disk", "ddp:skip", "fsdp-ckpt:skip", "fsdp-hfckpt:skip",
+              "fsdp:stop-resume", "ddp:stop-resume"]
 
 
 @pytest.mark.slow
@@ -126,7 +127,7 @@ def test_fsdp2_fault_matrix_matches_ddp(tmp_path, pretrained):
     r0, r1 = launch(tmp_path, pretrained, SLOW_CASES, timeout=900)
     for case in SLOW_CASES:
         check_same_on_both_ranks(r0[case], r1[case])
-    for action in ("warn", "rollback", "stop", "recover"):
+    for action in ("warn", "rollback", "stop", "recover", "stop-resume"):
         check_sharded(r0[f"fsdp:{action}"])
         check_like_ddp(tmp_path, r0[f"fsdp:{action}"], r0[f"ddp:{action}"], f"fsdp:{action}", f"ddp:{action}")
     check_like_ddp(tmp_path, r0["fsdp:recover-disk"], r0["ddp:recover"], "fsdp:recover-disk", "ddp:recover")
@@ -157,3 +158,12 @@ def test_fsdp2_fault_matrix_matches_ddp(tmp_path, pretrained):
     # FSDP2's stop checkpoint is Lightning's sharded (torch.distributed.checkpoint) save: one file per rank
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(stop["stop_files"])
     assert ddp_stop["stop_files"] is None and os.path.isfile(os.path.join(tmp_path, ddp_stop["stop"]))
+
+    # resumed from the stop checkpoint (FSDP2: Lightning's sharded one): the model, the optimizer and the
+    # callback's state come back (its skipped steps), training goes on after the stop step and stops at the next
+    # fault, as under DDP (compared above)
+    resumed = r0["fsdp:stop-resume"]
+    assert resumed["first_stop"].endswith(f"stable_attn-stop-step={NAN_LOSS}.ckpt")
+    assert resumed["stop"].endswith(f"stable_attn-stop-step={NAN_GRAD}.ckpt")
+    assert resumed["global_step"] == NAN_GRAD + 1 and resumed["skipped_steps"] == [BAD]
+    assert sorted(int(s) for s in resumed["rows"]) == list(range(NAN_LOSS + 1, NAN_GRAD + 1))
