@@ -183,11 +183,19 @@ def define(name: str, inputs: str, forward: Callable, backward: Callable,
     return fwd, bwd
 
 
+def recomputing() -> bool:
+    """Whether this eager forward runs inside a backward pass: activation checkpointing recomputing it
+    (``torch.utils.checkpoint``, reentrant or not, FSDP2's and transformers' wrappers). Its statistics were
+    counted when the forward first ran. A compiled graph recomputes inside its own backward, never here."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def run(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: tuple, seed: torch.Tensor | None,
         opts: Options, backend: str, stats: AttentionStats | None) -> torch.Tensor:
-    """Call a forward op of :func:`define` on ``backend`` and fold its statistics into ``stats``."""
+    """Call a forward op of :func:`define` on ``backend`` and fold its statistics into ``stats`` (once per
+    forward: a recompute under activation checkpointing runs the same op, and folds nothing)."""
     level = stats_level(stats)
     outs = op(q, k, v, *inputs, seed, level, *opts.replace(backend=backend).op_args())
-    if level and outs[2].numel() > 0:  # an empty batch has no rows to fold in
+    if level and outs[2].numel() > 0 and not recomputing():  # an empty batch has no rows to fold in
         stats.update(RowStats(*outs[2:]))
     return outs[0]

@@ -353,8 +353,9 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             # on_pre_optimizer_step: no update (a NaN one included) could be dropped, whatever on_spike says.
             raise ValueError(
                 f"{_NAME} does not support DeepSpeed (TrainingArguments.deepspeed={args.deepspeed!r}): DeepSpeed "
-                "applies each update inside backward(), before the callback can drop it; train without a DeepSpeed "
-                "config (single process or DDP)")
+                "applies each update inside backward(), before the callback can drop it (a NaN update included); "
+                "for sharded training use FSDP2 (fsdp='full_shard', fsdp_config={'version': 2}), or train without "
+                "a DeepSpeed config (single process, DDP): docs/DISTRIBUTED.md")
         self._restore(args, state, checkpoint)
         self._stream_resumed = False
         self._taps = _Taps(trainer, self.engine.add_loss, self._add_batch, self._open_stream)

@@ -44,6 +44,22 @@ from .config import check_qk_clip
 __all__ = ["HeadLayout", "QKClip", "QKClipRecord", "head_layout"]
 
 
+def _held(t: torch.Tensor, dim: int, lo: int, length: int) -> tuple[torch.Tensor, int] | None:
+    """The part of ``t``'s elements ``[lo, lo + length)`` along ``dim`` that this rank holds, as a view of its
+    own storage, and the global index of that part's first element; None where it holds none. A plain tensor
+    holds the whole range. A DTensor (FSDP2, tensor parallelism) is read and edited through its local shard:
+    ``DTensor.narrow`` along a sharded dim returns a gathered copy, whose edit never reaches the parameter."""
+    if type(t).__name__ != "DTensor":
+        return t.narrow(dim, lo, length), lo
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    start, stop = max(lo, offset[dim]), min(lo + length, offset[dim] + shape[dim])
+    if stop <= start:
+        return None
+    return t.to_local().narrow(dim, start - offset[dim], stop - start), start
+
+
 @dataclass(frozen=True)
 class _Block:
     """One projection's heads inside a parameter: ``heads`` blocks of ``head_dim`` output features from
@@ -55,12 +71,20 @@ class _Block:
     dim: int
 
     def scale(self, head: int, head_dim: int, factor: float) -> None:
+        """Scale global head ``head``'s rows (and bias), as far as this rank holds them."""
         lo = self.offset + head * head_dim
-        rows = self.weight.data.narrow(self.dim, lo, head_dim)
-        rows.copy_((rows.float() * factor).to(rows.dtype))
-        if self.bias is not None:
-            b = self.bias.data.narrow(0, lo, head_dim)
-            b.copy_((b.float() * factor).to(b.dtype))
+        for t, dim in ((self.weight.data, self.dim), (None if self.bias is None else self.bias.data, 0)):
+            part = _held(t, dim, lo, head_dim) if t is not None else None
+            if part is not None:
+                part[0].copy_((part[0].float() * factor).to(part[0].dtype))
+
+    def held_heads(self, heads: int, head_dim: int) -> tuple[int, int]:
+        """``(first, count)``: the heads whose rows this rank's shard of the weight holds (all of them unless
+        the weight is a DTensor sharded along the heads); under tensor parallelism the heads it computes."""
+        part = _held(self.weight.data, self.dim, self.offset, heads * head_dim)
+        if part is None:
+            return 0, 0
+        return (part[1] - self.offset) // head_dim, part[0].shape[self.dim] // head_dim
 
 
 @dataclass(frozen=True)
@@ -182,10 +206,27 @@ class QKClip:
         for i, name in enumerate(names):
             mx = getattr(stats.get(name), "max_logit", None)
             if mx is not None:
-                local[i, :self.layouts[name].heads] = mx.detach().to(device=device, dtype=torch.float32)
+                first = self._first_head(name, mx.numel())
+                local[i, first:first + mx.numel()] = mx.detach().to(device=device, dtype=torch.float32)
         if all_gather is not None:
             local = all_gather(local).reshape(-1, *local.shape).amax(dim=0)
         return {name: local[i, :self.layouts[name].heads] for i, name in enumerate(names)}
+
+    def _first_head(self, name: str, seen: int) -> int:
+        """The global index of the first of the ``seen`` heads whose statistics this rank's layer ``name``
+        collected: 0 when it computed every head; under tensor parallelism (q_proj sharded along its heads,
+        each rank computing its own), the first head of this rank's shard."""
+        layout = self.layouts[name]
+        if seen == layout.heads:
+            return 0
+        first, held = layout.query.held_heads(layout.heads, layout.head_dim)
+        if held != seen:
+            raise ValueError(
+                f"qk_clip: layer {name!r} ({layout.module_class}) computed {seen} query heads on this rank, and "
+                f"its query weight holds {layout.heads} heads, {held} of them in this rank's shard; QK-Clip needs "
+                "each rank to compute either every head or the heads of its own shard (tensor parallelism with "
+                "q_proj / k_proj column-wise): use qk_clip=None for this sharding")
+        return first
 
     @torch.no_grad()
     def apply(self, max_logits: Mapping[str, torch.Tensor]) -> QKClipRecord:

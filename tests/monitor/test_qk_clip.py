@@ -24,6 +24,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+import stable_attn
 import stable_attn.integrations.transformers as st
 from stable_attn.monitor.qk_clip import QKClip, head_layout
 
@@ -140,6 +141,19 @@ def test_non_positive_unseen_and_nan_logits_never_clip():
     assert record.clipped_heads == 0 and clip.clip_steps == 0 and not clip.alert_due()
     assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_statistics_of_neither_every_head_nor_this_ranks_shard_are_refused_naming_the_layer():
+    """Heads computed by a rank are every head, or under tensor parallelism those of its shard of q_proj
+    (tests/monitor/test_tensor_parallel.py); any other count cannot be placed among the global heads."""
+    model = _model("llama-gqa")
+    clip = QKClip(tau=0.5)
+    clip.setup({f"layer{i}": m for i, (_, m) in enumerate(st.attention_modules(model))})
+    stats = {"layer0": stable_attn.AttentionStats(), "layer1": stable_attn.AttentionStats()}
+    for s in stats.values():
+        s.max_logit = torch.ones(3)
+    with pytest.raises(ValueError, match=r"layer 'layer0' \(LlamaAttention\) computed 3 query heads.*qk_clip=None"):
+        clip.reduce(stats, None, torch.device("cpu"))
 
 
 def test_alerts_on_the_first_clip_and_every_100th_and_the_count_survives_a_resume():
