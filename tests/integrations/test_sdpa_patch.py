@@ -171,9 +171,9 @@ def test_dropout_is_served_and_drops(spy):
 
 PASSED_ON = {
     "float64": (lambda: _inputs(dtype=torch.float64), {}, "dtypes torch.float64"),
-    "head dim 320": (lambda: _inputs(d=320), {}, "head dim 320 > 256"),
+    "head dim 640": (lambda: _inputs(d=640), {}, "head dim 640 > 512"),
     "rank 3": (lambda: tuple(t[0] for t in _inputs()), {}, "inputs of rank 3"),
-    "value head dim": (lambda: (*_inputs()[:2], _inputs(d=4)[2]), {}, "value or key shape"),
+    "key head dim": (lambda: (_inputs()[0], _inputs(d=4)[1], _inputs()[2]), {}, "key head dim"),
     "learned mask": (lambda: _inputs(), {"attn_mask": torch.zeros(7, 7, requires_grad=True)}, "requires grad"),
 }
 
