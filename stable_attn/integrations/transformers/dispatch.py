@@ -4,7 +4,8 @@
 the layer on a CUDA device -- the Triton kernels (dense or varlen) or the PyTorch path, and why -- and
 
 - warns, once per model and reason, when a layer on a CUDA device is served by the PyTorch path for a
-  reason other than being on the CPU (a materialized 4D mask, a problem too large for the kernels' offsets),
+  reason other than being on the CPU (a materialized 4D mask, a problem too large for the kernels' offsets,
+  what the kernels do not implement: learned sinks, a value head dim apart from the query's, head dim > 256),
   naming the model, the reason and what to change. The warning works under ``torch.compile(fullgraph=True)``:
   :func:`warn_once` takes constant arguments and dynamo runs it while tracing (no graph break);
 - feeds :func:`stable_attn.explain` (eager runs only), which prints, per layer, the path and the reason.
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from stable_attn._ops import triton_gap
 
 logger = logging.getLogger("stable_attn")
 
@@ -52,14 +55,19 @@ _ADVICE = {
                "attention_mask (or none) and the model's own causal or sliding pattern",
     "size": "more than 2^31 elements of q, k or v in one batch element (beyond the kernels' 32-bit offsets): "
             "use a smaller batch element or shorter sequences",
+    "kernel-gap": "a feature the Triton kernels do not implement yet (learned sinks, a value head dim apart from the "
+                  "query's, or a head dim above 256); the PyTorch path serves it, stabilized and monitored",
 }
 
 
 def serving(query: torch.Tensor, key: torch.Tensor, backend: str, attn_mask: torch.Tensor | None,
-            varlen: bool) -> tuple[str, str | None]:
+            varlen: bool, value: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+            ) -> tuple[str, str | None]:
     """``(path, reason)``: what serves a layer's call on a CUDA device, and why, if not the fused kernel."""
     if backend == "torch":
         return PYTORCH, "configured: backend='torch' (configure() or config.stable_attn)"
+    if triton_gap(query, value, sinks is not None) is not None:
+        return PYTORCH, "kernel-gap"
     if attn_mask is not None:
         return PYTORCH, "4d-mask"
     per_batch = max(query[0].numel(), key[0].numel()) if not varlen else max(query.numel(), key.numel())
@@ -92,12 +100,13 @@ def _model_key(module: nn.Module) -> str:
 
 
 def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, backend: str, *,
-           attn_mask: torch.Tensor | None, varlen: bool, who: str) -> None:
+           attn_mask: torch.Tensor | None, varlen: bool, who: str, value: torch.Tensor | None = None,
+           sinks: torch.Tensor | None = None) -> None:
     """Note which path serves this call; warn once per model and reason when it is slow on a CUDA device."""
-    path, reason = serving(query, key, backend, attn_mask, varlen)
+    path, reason = serving(query, key, backend, attn_mask, varlen, value, sinks)
     if _recording is not None and not torch.compiler.is_compiling():
         _recording.append({"module": module, "path": path, "reason": _ADVICE.get(reason, reason),
-                           "device": query.device.type})
+                           "device": query.device.type, "varlen": varlen})
     if reason in _ADVICE and _on_cuda(query):
         warn_once(f"{_model_key(module)}:{reason}",
                   f"stable_attn: {who} runs on the PyTorch path on {query.device} (stabilized, several times slower "
