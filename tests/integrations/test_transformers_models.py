@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -418,3 +419,51 @@ def test_packed_sequences_match_eager():
         moved = model(input_ids=ids2, position_ids=position_ids, use_cache=False).logits
     torch.testing.assert_close(moved[:, 8:], logits[:, 8:], rtol=1e-5, atol=1e-5)
     assert (moved[:, :8] - logits[:, :8]).abs().max() > 1e-3
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+_PATH_WORDS = {dispatch.TRITON_DENSE: "fused", dispatch.TRITON_VARLEN: "fused (packed)", dispatch.PYTORCH: "PyTorch"}
+
+
+def _features(family: Family) -> str:
+    """What the family's model passes to the op on an unpadded batch, in README's words."""
+    calls_seen = []
+    real = st.attention_function.attention
+
+    def spy(q, k, v, **kwargs):
+        calls_seen.append((q.shape[1] != k.shape[1], q.shape[-1], v.shape[-1], kwargs))
+        return real(q, k, v, **kwargs)
+
+    model = build(family, "stable_attn")
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(st.attention_function, "attention", spy)
+        model(input_ids=batch(None)[0])
+    words = ["causal" if all(kw["causal"] for *_, kw in calls_seen) else "bidirectional"]
+    words += [w for w, seen in (("GQA", any(gqa for gqa, *_ in calls_seen)),
+                                ("sliding window", any(kw["window"] for *_, kw in calls_seen)),
+                                ("softcap", any(kw["softcap"] for *_, kw in calls_seen)),
+                                ("learned sinks", any(kw["sinks"] is not None for *_, kw in calls_seen))) if seen]
+    dims = list(dict.fromkeys(f"{d}" if d == dv else f"{d}/{dv}" for _, d, dv, _ in calls_seen))
+    shown = f"head dim {dims[0]}" if len(dims) == 1 else "head dims " + " and ".join(dims)
+    return ", ".join(words) + "; " + shown + (" (q, k / v)" if "/" in shown else "")
+
+
+def test_readme_families_table():
+    """README's families table: one row per family of this file, its features as the model really passes them to
+    the op, its paths as recorded by dispatch (the fp32 test asserts those per layer); and the refusals it lists
+    are the attention function's."""
+    text = README.read_text()
+    marker = "<!-- families table: tests/integrations/test_transformers_models.py::test_readme_families_table -->"
+    rows = text.split(marker, 1)[1].strip().split("\n\n", 1)[0].splitlines()[2:]
+    table = {}
+    for row in rows:
+        name, features, paths = (c.strip() for c in row.strip("|").split("|"))
+        table[name.strip("`")] = (features, paths)
+    assert list(table) == list(FAMILIES)
+    for name, family in FAMILIES.items():
+        want = (_features(family), ", ".join(_PATH_WORDS[p] for p in family.paths))
+        assert table[name] == want, name
+    refused = text.split("Refused, at the first forward", 1)[1].split("\n\n", 1)[0].replace("\n", " ")
+    for feature in [*st.attention_function._UNSUPPORTED_KWARGS.values(), "output_attentions=True",
+                    "learned additive attention mask"]:
+        assert feature in refused, feature
