@@ -259,3 +259,30 @@ def test_bad_sinks_name_the_argument(sinks, error, words):
         stable_attn.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
                                      torch.tensor([0, 13], dtype=torch.int32), torch.tensor([0, 29], dtype=torch.int32),
                                      13, 29, sinks=sinks)
+
+
+def test_compiled_op_with_sinks_and_a_value_head_dim():
+    """torch.compile(fullgraph=True) keeps the op whole (its fake implementation: output [..., Dv], d sinks shaped
+    like sinks): the compiled forward and every gradient equal the eager call's bits, dense and packed."""
+    q, k, _, _, sinks = _inputs(Nq=9, Nk=9)
+    v = torch.randn(2, 2, 9, 8, generator=torch.Generator().manual_seed(9))
+    do = torch.randn(2, 4, 9, 8, generator=torch.Generator().manual_seed(10))
+
+    def dense(q, k, v, s):
+        return stable_attn.attention(q, k, v, causal=True, sinks=s, block_n=16)
+
+    def packed(q, k, v, s):
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        flat = [t[0].transpose(0, 1) for t in (q, k, v)]
+        return stable_attn.attention_varlen(*flat, cu, cu, 5, 5, causal=True, sinks=s, block_n=16)
+
+    for fn, grad_out in ((dense, do), (packed, do[0].transpose(0, 1))):
+        results = []
+        for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+            out = f(*leaves)
+            out.backward(grad_out)
+            results.append((out.detach(), *(t.grad for t in leaves)))
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b)
+        assert results[0][0].shape[-1] == 8 and results[0][4].shape == (4,)
