@@ -210,21 +210,22 @@ def sink_logits2(sinks: torch.Tensor | None, p: _Problem) -> torch.Tensor | None
 
 def sink_state(sink2: torch.Tensor | None, row: tuple[int, ...], device) -> tuple[torch.Tensor, ...]:
     """The row state ``(m, r, l)`` a walk starts from: the initial state (``m = -inf``, ``r = -FP32_MAX``,
-    ``l = 0``), or, with a sink, the state after the sink's own one-key block: the rule sees one key there, so
-    no tie can fire and every mode sets ``r = m = sink2``, ``l = exp2(0) = 1`` (a ``-inf`` sink leaves ``r`` at
-    ``-FP32_MAX`` and adds 0). The sink multiplies no value: the accumulator starts at 0 either way."""
+    ``l = 0``), or, with a sink, the state after the sink's own one-key block: the rule sees one entry there, so
+    no tie can fire and every mode sets the offset ``r = sink2`` and ``l = exp2(0) = 1`` (a ``-inf`` sink leaves
+    ``r`` at ``-FP32_MAX`` and adds 0: the state without a sink, bit for bit). ``m`` stays the keys' running max
+    (``-inf``): the sink multiplies no value, so it is no key of the statistics nor of the "sees a key" test,
+    and the accumulator starts at 0 either way (docs/ALGORITHM.md, "Learned sinks")."""
+    m = torch.full(row, -math.inf, device=device)
     if sink2 is None:
-        return (torch.full(row, -math.inf, device=device), torch.full(row, -rules.FP32_MAX, device=device),
-                torch.zeros(row, device=device))
-    m = sink2.expand(row).clone()
-    r = m.clamp(min=-rules.FP32_MAX)
-    return m, r, torch.exp2(m - r)
+        return m, torch.full(row, -rules.FP32_MAX, device=device), torch.zeros(row, device=device)
+    r = sink2.expand(row).clamp(min=-rules.FP32_MAX)
+    return m, r, torch.exp2(sink2 - r)
 
 
 class Walk:
-    """The row state after an online-softmax walk over some key blocks (:func:`walk_blocks`): true running max
-    ``m`` (the sink's logit included), the keys' own max ``mk``, offset ``r``, row sum ``l``, fp32 accumulator
-    ``acc`` ``[B, Hkv, G * cq, Dv]`` and the statistics' state (None without statistics)."""
+    """The row state after an online-softmax walk over some key blocks (:func:`walk_blocks`): the keys' running
+    max ``m``, offset ``r`` (at least the sink's logit), row sum ``l`` (the sink's weight included), fp32
+    accumulator ``acc`` ``[B, Hkv, G * cq, Dv]`` and the statistics' state (None without statistics)."""
 
     def __init__(self, **state):
         self.__dict__.update(state)
@@ -250,7 +251,6 @@ def walk_blocks(p: _Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: in
     # m: the true running max; r: the offset subtracted before exp2, -FP32_MAX before the row's first key
     # (below every finite score), so no inf - inf arises below (the kernel's fwd_program starts there too)
     m, r, l = sink_state(sink2, row, q_c.device)
-    mk = torch.full(row, neg_inf, device=q_c.device)  # the keys' own max (the sink is no key of the statistics)
     acc = torch.zeros(B, Hkv, G * cq, p.Dv, device=q_c.device)
     fixed = torch.zeros(row, dtype=torch.int32, device=q_c.device) if with_stats else None
     m2 = torch.full(row, neg_inf, device=q_c.device) if with_stats else None  # running second-largest score
@@ -278,9 +278,8 @@ def walk_blocks(p: _Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: in
         if with_stats:
             # the keys' running second-largest score, merged with the block's top two: two keys lie
             # within the tie tolerance of the true max iff it does (ALGORITHM.md, "Statistics")
-            m2 = torch.maximum(torch.minimum(mk, m_blk), torch.maximum(m2, m2_blk))
+            m2 = torch.maximum(torch.minimum(m, m_blk), torch.maximum(m2, m2_blk))
             fixed += fire.to(torch.int32)
-        mk = torch.maximum(mk, m_blk)
 
         alpha = torch.exp2(r - r_new)  # 0 (or 1 on zeros) while no key was seen
         # P-bar = exp2(x * c - r) rounded once where fused (the kernel's tl.fma), else exp2(fl(s2 - r))
@@ -306,7 +305,7 @@ def walk_blocks(p: _Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: in
         p_cast = p_cast.view(B, Hkv, G * cq, j1 - j0)
         acc = acc * alpha.view(B, Hkv, G * cq, 1) + torch.matmul(p_cast, v_b)
         m, r = m_new, r_new
-    return Walk(m=m, mk=mk, r=r, l=l, acc=acc, fixed=fixed, m2=m2, ent=ent, ent_l=ent_l, s_first=s_first)
+    return Walk(m=m, r=r, l=l, acc=acc, fixed=fixed, m2=m2, ent=ent, ent_l=ent_l, s_first=s_first)
 
 
 def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Options = _DEFAULT_OPTIONS,
@@ -337,10 +336,10 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         w = walk_blocks(p, q_c, k, v, q0, q1, p.key_blocks(q0, q1), with_stats, sink2)
         m, r, l, acc, fixed, m2, ent, ent_l = w.m, w.r, w.l, w.acc, w.fixed, w.m2, w.ent, w.ent_l
 
-        # not ``mk > -inf``: a NaN score (NaN in q or in a key the row sees) makes mk NaN, and the row must
+        # not ``m > -inf``: a NaN score (NaN in q or in a key the row sees) makes m NaN, and the row must
         # come out NaN, as on the kernel and in SDPA, not as a row that sees no key (zeros, lse = +inf); a
-        # row that sees only its sink is a row that sees no key
-        seen = w.mk != neg_inf
+        # row that sees only its sink is a row that sees no key (m is the keys' max)
+        seen = m != neg_inf
         o = acc.view(B, Hkv, G, cq, p.Dv) / (l[..., None] * (1.0 - opts.dropout_p))
         # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor)
         o = torch.where(seen[..., None], o, torch.zeros_like(o))
@@ -348,10 +347,12 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         lse = r + torch.log2(l)
         lse2[..., q0:q1] = torch.where(seen, lse, torch.full_like(lse, math.inf))
         if with_stats:
-            # m counts the sink: two keys within the tolerance of a sink above them do not round to 1.0
-            st.saturated[..., q0:q1] = (m2 >= m - sat_tol2) & seen  # -inf >= -inf must not count
+            # against the row max with the sink: two keys within the tolerance of a sink above them do not round
+            # to 1.0
+            top = m if sink2 is None else torch.maximum(m, sink2)
+            st.saturated[..., q0:q1] = (m2 >= top - sat_tol2) & seen  # -inf >= -inf must not count
             st.fixed_blocks[..., q0:q1] = fixed
-            st.max_logit[..., q0:q1] = w.mk / rules.LOG2E
+            st.max_logit[..., q0:q1] = m / rules.LOG2E
             st.sink_mass[..., q0:q1] = torch.exp2(w.s_first - lse2[..., q0:q1])
             if entropy_on:
                 # H = ln 2 * (log2 L - ent / L) with L = ent_l: -sum_j (P-bar_j / L) log2(P-bar_j / L), in nats;

@@ -39,7 +39,7 @@ def partials(q, k, v, key_padding_mask, opts: Options, split: int, sinks=None):
         mine = [(j0, j1) for j0, j1 in blocks if s * split <= j0 < (s + 1) * split]
         w = walk_blocks(p, q_c, k, v, 0, Nq, mine, sink2=sink2 if s == 0 else None)
         acc[:, :, :, s] = w.acc.view(B, p.Hq, Nq, p.Dv)
-        l[..., s], r[..., s], m[..., s] = (x.expand(B, Hkv, G, Nq).reshape(B, p.Hq, Nq) for x in (w.l, w.r, w.mk))
+        l[..., s], r[..., s], m[..., s] = (x.expand(B, Hkv, G, Nq).reshape(B, p.Hq, Nq) for x in (w.l, w.r, w.m))
     return acc, l, r, m
 
 
