@@ -45,10 +45,9 @@ _TRITON_MAX_ELEMENTS_PER_BATCH = 2**31
 TRITON_MAX_HEAD_DIM = 256
 
 
-def triton_gap(q: torch.Tensor, v: torch.Tensor | None, has_sinks: bool) -> str | None:
-    """Why the Triton kernels cannot serve these inputs (a phrase for the one-time log line), or None."""
-    if has_sinks:
-        return "learned sinks (sinks=)"
+def triton_gap(q: torch.Tensor, v: torch.Tensor | None) -> str | None:
+    """Why the Triton kernels cannot serve these inputs (a phrase for the one-time log line), or None. Learned
+    sinks they serve (forward, decode; the backward needs nothing for them)."""
     if v is not None and v.shape[-1] != q.shape[-1]:
         return f"a value head dim {v.shape[-1]} apart from the query's {q.shape[-1]}"
     if max(q.shape[-1], 0 if v is None else v.shape[-1]) > TRITON_MAX_HEAD_DIM:
@@ -57,11 +56,11 @@ def triton_gap(q: torch.Tensor, v: torch.Tensor | None, has_sinks: bool) -> str 
 
 
 def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch.Tensor | None = None,
-                    pv_fp32: bool = False, v: torch.Tensor | None = None, has_sinks: bool = False) -> str:
+                    pv_fp32: bool = False, v: torch.Tensor | None = None) -> str:
     """Pick the implementation. Never drops the stabilization: what Triton cannot serve goes to torch."""
     if backend == "torch":
         return "torch"
-    gap = triton_gap(q, v, has_sinks)
+    gap = triton_gap(q, v)
     if gap is not None:
         if backend == "triton" or q.is_cuda:
             log_once(f"gap {gap}", f"stable_attn: {gap} is served by the PyTorch path (stabilized, slower than the "

@@ -31,17 +31,17 @@ def _decode(q, k, attn_mask, opts: Options, with_stats: int) -> bool:
 
 def _forward(q, k, v, sinks, key_padding_mask, attn_mask, opts: Options, with_stats: int,
              ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
-    # resolve_backend sent what the kernels lack (sinks, Dv != D, D > 256) to the PyTorch path
+    # resolve_backend sent what the kernels lack (Dv != D, D > 256) to the PyTorch path
     if _decode(q, k, attn_mask, opts, with_stats):
         if opts.backend == "triton":
             from .kernels import triton_decode
 
-            return triton_decode.forward(q, k, v, key_padding_mask, opts)
+            return triton_decode.forward(q, k, v, key_padding_mask, opts, sinks=sinks)
         return reference_decode.attention_forward(q, k, v, key_padding_mask, opts, sinks=sinks)
     if opts.backend == "triton":
         from .kernels import triton_attention
 
-        return triton_attention.forward(q, k, v, key_padding_mask, opts, with_stats)
+        return triton_attention.forward(q, k, v, key_padding_mask, opts, with_stats, sinks=sinks)
     return reference.attention_forward(q, k, v, key_padding_mask, attn_mask, opts, with_stats, sinks)
 
 
@@ -148,8 +148,8 @@ def attention(
         sinks: learned attention sinks (gpt-oss): ``[Hq]``, one logit per query head in the units of the scaled
             scores, read in fp32; it joins every row's softmax denominator and receives no value, so a row's
             weights sum to ``1 - P(sink)``. Differentiable (``d sinks`` from the backward). The rule sees the
-            sink as the row's first key, in a key block of its own (docs/ALGORITHM.md, "Learned sinks").
-            Served by the PyTorch path (logged once on CUDA).
+            sink as the row's first entry, in a key block of its own (docs/ALGORITHM.md, "Learned sinks").
+            Both backends serve it (the Triton forward and decode kernels start each row from the sink).
 
     A call that needs no gradient with at most 16 queries against at least two key blocks (no ``attn_mask``,
     no dropout, no ``stats``: a ``generate()`` step) takes the decode path on both backends: the keys split
@@ -167,7 +167,7 @@ def attention(
     # no backward will be asked for: a short query may take the decode path (_decode)
     needs_grad = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     opts = opts.replace(forward_only=not (torch.is_grad_enabled() and needs_grad))
-    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32, v, sinks is not None)
+    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32, v)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.contiguous()  # the kernels index it as [b * Nk + j]
     q, k, v = unit_last_stride(q, k, v)

@@ -150,7 +150,7 @@ def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         from .kernels import triton_attention
 
         return triton_attention.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts,
-                                               with_stats)
+                                               with_stats, sinks=sinks)
     return reference_varlen.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts,
                                            with_stats, sinks)
 
@@ -230,7 +230,7 @@ def attention_varlen(
                           pv_fp32=pv_fp32)
     check_stats(stats)
     # as one batch element: the whole packed tensor must fit the kernels' 32-bit offsets
-    impl = resolve_backend(opts.backend, q[None], False, k[None], opts.pv_fp32, v, sinks is not None)
+    impl = resolve_backend(opts.backend, q[None], False, k[None], opts.pv_fp32, v)
     q, k, v = unit_last_stride(q, k, v)
     return _ops.run(_varlen_fwd, q, k, v, sinks, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                     draw_seed(opts.dropout_p), opts, impl, stats)

@@ -289,7 +289,8 @@ def _features(opts: Options) -> dict:
 def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, causal: bool, window: bool,
                      softcap: bool, dropout: bool, kpm: bool | None, mode: int = rules.MODE_EXACT,
                      stats: int = False, block_n: int = BLOCK_N, forced_block_n: bool = False, tma: bool = True,
-                     upcast: bool = False, config: FwdConfig | BwdConfig | None = None) -> tuple[dict, dict]:
+                     upcast: bool = False, config: FwdConfig | BwdConfig | None = None, sinks: bool = False,
+                     ) -> tuple[dict, dict]:
     """``(constexprs, compile options)`` of the kernel ``kind`` (``"fwd"``, ``"bwd_dkdv"`` or ``"bwd_dq"``, dense
     or varlen): what the launchers below pass and what ``triton_aot`` compiles (benchmarks/kernel_resources.py
     measures it), derived in this one place so that the two cannot disagree.
@@ -297,7 +298,8 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
     ``window``, ``softcap``, ``dropout``: whether each feature is on; ``kpm``: whether a key padding mask
     is (dense kernels), ``None`` for the varlen kernels, which take none. ``block_n``: the key partition
     (``Options.key_block``), ``forced_block_n`` when the user set it; ``tma``: the strides TMA accepts;
-    ``upcast``: the interpreter's fp32 operands. ``config`` overrides the tiling (tests); the forward's
+    ``upcast``: the interpreter's fp32 operands; ``sinks``: learned sinks (the forward's ``HAS_SINKS``; the
+    backward needs nothing for them). ``config`` overrides the tiling (tests); the forward's
     is checked here (its ``tile_n``: one or two blocks of the partition).
     """
     block_d = head_block(head_dim)
@@ -315,7 +317,7 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
             raise ValueError(f"config.tile_n={cfg.tile_n} with key blocks of {block_n}: accepted are None, {block_n} "
                              f"and {2 * block_n} (one or two blocks of the partition per key tile)")
         consts.update(MODE=mode, STATS=int(stats), BLOCK_M=cfg.block_m, BLOCK_N=block_n, TILE_N=tile_n, TMA=cfg.tma,
-                      ROW_SUM_PARTS=row_sum_parts(cc, dtype, block_n))
+                      ROW_SUM_PARTS=row_sum_parts(cc, dtype, block_n), HAS_SINKS=sinks)
         return consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
     if kind not in ("bwd_dkdv", "bwd_dq"):
         raise ValueError(f"kind={kind!r}: one of 'fwd', 'bwd_dkdv', 'bwd_dq'")
@@ -386,19 +388,20 @@ def _hn_strides(*xs: torch.Tensor) -> tuple[int, ...]:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-            opts: Options, with_stats: bool, *, config: FwdConfig | None = None
+            opts: Options, with_stats: bool, *, config: FwdConfig | None = None, sinks: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     """Attention forward on the GPU (or the interpreter): ``(out, lse2, row_stats)`` like the reference.
 
-    ``lse2`` is the base-2 log-sum-exp ``[B, Hq, Nq]`` (fp32, ``+inf`` for rows that see no key).
+    ``lse2`` is the base-2 log-sum-exp ``[B, Hq, Nq]`` (fp32, ``+inf`` for rows that see no key; with learned
+    ``sinks`` ``[Hq]`` it counts the sink, as ``reference.attention_forward``'s).
     ``config`` overrides the tiling (tests use it to exercise several query-block sizes).
     """
-    return _forward(q, k, v, key_padding_mask, opts, with_stats, config, None)
+    return _forward(q, k, v, key_padding_mask, opts, with_stats, config, None, sinks)
 
 
 def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, opts: Options,
-                   with_stats: bool, *, config: FwdConfig | None = None
+                   with_stats: bool, *, config: FwdConfig | None = None, sinks: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     """Forward over packed sequences (FlashAttention's varlen layout), one launch for all of them.
 
@@ -411,10 +414,10 @@ def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     ``opts.seed + b`` for sequence ``b``.
     """
     packed = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return _forward(q, k, v, None, opts, with_stats, config, packed)
+    return _forward(q, k, v, None, opts, with_stats, config, packed, sinks)
 
 
-def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packed | None):
+def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packed | None, sinks=None):
     _check_device(q)
     q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
     if packed is None:
@@ -439,7 +442,8 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
     consts, compile_opts = launch_constants(
         "fwd", D, dtype, _capability(q.device), **_features(opts),
         kpm=(key_padding_mask is not None) if packed is None else None, mode=opts.mode, stats=with_stats,
-        block_n=block_n, forced_block_n=opts.key_block_given, tma=tma_compatible(k, v), upcast=upcast, config=config)
+        block_n=block_n, forced_block_n=opts.key_block_given, tma=tma_compatible(k, v), upcast=upcast, config=config,
+        sinks=sinks is not None)
     block_n, tile_n = consts["BLOCK_N"], consts["TILE_N"]
 
     out = _empty_like(q)
@@ -451,6 +455,8 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
             entropy = lse2  # never touched: STATS is a compile-time 1
     else:
         sat = fixed = max_logit = sink = entropy = lse2  # never touched: STATS is a compile-time False
+    # the learned sinks as the kernels read them: fp32, one per query head (never touched without HAS_SINKS)
+    sinks_in = lse2 if sinks is None else sinks.to(torch.float32).contiguous()
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
     sc = _scalars(opts, dtype)
     scalars = (sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, rules.sat_tolerance2(dtype), min_shift2,
@@ -464,14 +470,14 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
         kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
         for b_first, nb in _batches(B):
             attn_fwd_kernel[(n_m, Hq, nb)](
-                q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, sink, entropy,
+                q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, sink, entropy, sinks_in,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
                 Hq, Hq // Hkv, Nq, Nk, sc["window"], b_first, *scalars, **consts, **compile_opts,
             )
     elif min(n_m, Hq, B) > 0:
         attn_fwd_varlen_kernel[(n_m, Hq, B)](
-            q, k_in, v_in, out, lse2, sat, fixed, max_logit, sink, entropy, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
+            q, k_in, v_in, out, lse2, sat, fixed, max_logit, sink, entropy, sinks_in, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
             Hq, Hq // Hkv, sc["window"], q.shape[0], *scalars, **consts, **compile_opts,
         )
         rows = (1, *rows)  # the statistics as one batch element: what AttentionStats.update reads

@@ -5,7 +5,7 @@ the layer on a CUDA device -- the Triton kernels (dense or varlen) or the PyTorc
 
 - warns, once per model and reason, when a layer on a CUDA device is served by the PyTorch path for a
   reason other than being on the CPU (a materialized 4D mask, a problem too large for the kernels' offsets,
-  what the kernels do not implement: learned sinks, a value head dim apart from the query's, head dim > 256),
+  what the kernels do not implement: a value head dim apart from the query's, head dim > 256),
   naming the model, the reason and what to change. The warning works under ``torch.compile(fullgraph=True)``:
   :func:`warn_once` takes constant arguments and dynamo runs it while tracing (no graph break);
 - feeds :func:`stable_attn.explain` (eager runs only), which prints, per layer, the path and the reason.
@@ -55,18 +55,17 @@ _ADVICE = {
                "attention_mask (or none) and the model's own causal or sliding pattern",
     "size": "more than 2^31 elements of q, k or v in one batch element (beyond the kernels' 32-bit offsets): "
             "use a smaller batch element or shorter sequences",
-    "kernel-gap": "a feature the Triton kernels do not implement yet (learned sinks, a value head dim apart from the "
-                  "query's, or a head dim above 256); the PyTorch path serves it, stabilized and monitored",
+    "kernel-gap": "a feature the Triton kernels do not implement yet (a value head dim apart from the query's, or a "
+                  "head dim above 256); the PyTorch path serves it, stabilized and monitored",
 }
 
 
 def serving(query: torch.Tensor, key: torch.Tensor, backend: str, attn_mask: torch.Tensor | None,
-            varlen: bool, value: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-            ) -> tuple[str, str | None]:
+            varlen: bool, value: torch.Tensor | None = None) -> tuple[str, str | None]:
     """``(path, reason)``: what serves a layer's call on a CUDA device, and why, if not the fused kernel."""
     if backend == "torch":
         return PYTORCH, "configured: backend='torch' (configure() or config.stable_attn)"
-    if triton_gap(query, value, sinks is not None) is not None:
+    if triton_gap(query, value) is not None:
         return PYTORCH, "kernel-gap"
     if attn_mask is not None:
         return PYTORCH, "4d-mask"
@@ -100,10 +99,9 @@ def _model_key(module: nn.Module) -> str:
 
 
 def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, backend: str, *,
-           attn_mask: torch.Tensor | None, varlen: bool, who: str, value: torch.Tensor | None = None,
-           sinks: torch.Tensor | None = None) -> None:
+           attn_mask: torch.Tensor | None, varlen: bool, who: str, value: torch.Tensor | None = None) -> None:
     """Note which path serves this call; warn once per model and reason when it is slow on a CUDA device."""
-    path, reason = serving(query, key, backend, attn_mask, varlen, value, sinks)
+    path, reason = serving(query, key, backend, attn_mask, varlen, value)
     if _recording is not None and not torch.compiler.is_compiling():
         _recording.append({"module": module, "path": path, "reason": _ADVICE.get(reason, reason),
                            "device": query.device.type, "varlen": varlen})
