@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .kernels import rules
+from . import rules
 from .options import is_int, scale_problem
 
 # Head dims q/k and v may have (each on its own: a value head dim apart from the query's is multi-head latent

@@ -18,7 +18,7 @@ import torch
 
 from ..options import Options
 from . import decode_plan
-from .reference import _grouped, _Problem, sink_logits2, walk_blocks
+from .reference import Problem, grouped, sink_logits2, walk_blocks
 
 
 def partials(q, k, v, key_padding_mask, opts: Options, split: int, sinks=None):
@@ -27,10 +27,10 @@ def partials(q, k, v, key_padding_mask, opts: Options, split: int, sinks=None):
     Learned ``sinks`` join the first split's walk as its first key (counted once in the merged row sum);
     ``m`` is the keys' own max, so a row that sees only its sink is a row that sees no key."""
     decode_plan.check_split(split, opts.key_block)
-    p = _Problem(q, k, v, key_padding_mask, None, opts)
+    p = Problem(q, k, v, key_padding_mask, None, opts)
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     S = decode_plan.num_splits(p.Nk, split)
-    q_c = _grouped(q, p).float().reshape(B, Hkv, G * Nq, D)
+    q_c = grouped(q, p).float().reshape(B, Hkv, G * Nq, D)
     blocks = list(p.key_blocks(0, Nq))  # the visible blocks of the partition, in key order
     acc = torch.empty(B, p.Hq, Nq, S, p.Dv, device=q.device)
     l, r, m = (torch.empty(B, p.Hq, Nq, S, device=q.device) for _ in range(3))

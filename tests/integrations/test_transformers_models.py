@@ -108,7 +108,7 @@ def _families() -> list[Family]:
                GptOssConfig(**small, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
                             layer_types=["sliding_attention", "full_attention"], num_local_experts=2,
                             num_experts_per_tok=1),
-               reference="eager", prepare=_sinks_that_matter, paths=(dispatch.PYTORCH, dispatch.PYTORCH)),
+               reference="eager", prepare=_sinks_that_matter),
         # multi-head latent attention: q/k head dim 16 + 8 (rope) = 24, v head dim 16 (DeepSeek-V3's 192 / 128)
         Family("deepseek_v3", DeepseekV3ForCausalLM,
                DeepseekV3Config(**small, num_key_value_heads=4, moe_intermediate_size=16, q_lora_rank=16,

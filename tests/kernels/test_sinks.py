@@ -19,7 +19,8 @@ from closeness import close
 from margins import on_grid
 
 import stable_attn
-from stable_attn.kernels import naive, reference, reference_decode, rules, triton_decode
+from stable_attn import rules
+from stable_attn.kernels import naive, reference, reference_decode, triton_decode
 from stable_attn.options import Options
 from stable_attn.stats import RowStats
 
