@@ -61,8 +61,8 @@ BAD = [
     ("window=True", lambda q, k, v: dict(window=True), ValueError),
     ("scale=True", lambda q, k, v: dict(scale=True), ValueError),
     ("softcap=inf", lambda q, k, v: dict(softcap=float("inf")), ValueError),
-    ("head dim D=300", lambda q, k, v: dict(q=torch.randn(2, 4, 10, 300), k=torch.randn(2, 2, 10, 300),
-                                            v=torch.randn(2, 2, 10, 300)), ValueError),
+    ("head dim D=600", lambda q, k, v: dict(q=torch.randn(2, 4, 10, 600), k=torch.randn(2, 2, 10, 600),
+                                            v=torch.randn(2, 2, 10, 600)), ValueError),
     ("attn_mask requires grad", lambda q, k, v: dict(attn_mask=torch.zeros(10, 10, requires_grad=True)), ValueError),
     ("attn_mask of shape", lambda q, k, v: dict(attn_mask=torch.ones(3, 1, 10, 10, dtype=torch.bool)), ValueError),
 ]

@@ -51,7 +51,7 @@ from .triton_launch import head_block, launch_constants
 SHARED_LIMIT = {80: 166912, 90: 232448}
 
 _PTR = {"KPM": "*u8", "Lse": "*fp32", "Delta": "*fp32", "StSat": "*i8", "StFixed": "*i32", "StMax": "*fp32",
-        "StSink": "*fp32", "StEnt": "*fp32", "CuQ": "*i32", "CuK": "*i32", "DQP": "*fp32"}
+        "StSink": "*fp32", "StEnt": "*fp32", "Sinks": "*fp32", "CuQ": "*i32", "CuK": "*i32", "DQP": "*fp32"}
 _INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q", "b_first", "n_rows"}
 # bwd_fused / bwd_fused_atomic: the fused backward prototype (triton_backward_fused.py)
 KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic")

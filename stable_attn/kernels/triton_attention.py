@@ -36,19 +36,20 @@ _MAX_KV_TILE_BYTES = 128 * 1024
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-            opts: Options, with_stats: bool, *, config: FwdConfig | None = None
+            opts: Options, with_stats: bool, *, config: FwdConfig | None = None, sinks: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     """Attention forward on the GPU (or the interpreter): ``(out, lse2, row_stats)`` like the reference.
 
-    ``lse2`` is the base-2 log-sum-exp ``[B, Hq, Nq]`` (fp32, ``+inf`` for rows that see no key).
+    ``lse2`` is the base-2 log-sum-exp ``[B, Hq, Nq]`` (fp32, ``+inf`` for rows that see no key; with learned
+    ``sinks`` ``[Hq]`` it counts the sink, as ``reference.attention_forward``'s).
     ``config`` overrides the tiling (tests use it to exercise several query-block sizes).
     """
-    return _forward(q, k, v, key_padding_mask, opts, with_stats, config, None)
+    return _forward(q, k, v, key_padding_mask, opts, with_stats, config, None, sinks)
 
 
 def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, opts: Options,
-                   with_stats: bool, *, config: FwdConfig | None = None
+                   with_stats: bool, *, config: FwdConfig | None = None, sinks: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     """Forward over packed sequences (FlashAttention's varlen layout), one launch for all of them.
 
@@ -61,10 +62,10 @@ def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     ``opts.seed + b`` for sequence ``b``.
     """
     packed = launch.packed_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return _forward(q, k, v, None, opts, with_stats, config, packed)
+    return _forward(q, k, v, None, opts, with_stats, config, packed, sinks)
 
 
-def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed | None):
+def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed | None, sinks=None):
     launch.check_device(q)
     q, k, v = launch.dense_last(q), launch.dense_last(k), launch.dense_last(v)
     if packed is None:
@@ -89,7 +90,7 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed
         "fwd", D, dtype, launch.capability(q.device), **launch.feature_flags(opts),
         kpm=(key_padding_mask is not None) if packed is None else None, mode=opts.mode, stats=with_stats,
         block_n=block_n, forced_block_n=opts.key_block_given, tma=launch.tma_compatible(k, v),
-        upcast=interpreting(), config=config)
+        upcast=interpreting(), config=config, sinks=sinks is not None)
     block_n, tile_n = consts["BLOCK_N"], consts["TILE_N"]
 
     out = launch.empty_like(q)
@@ -101,9 +102,11 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed
             entropy = lse2  # never touched: STATS is a compile-time 1
     else:
         sat = fixed = max_logit = sink = entropy = lse2  # never touched: STATS is a compile-time False
+    # the learned sinks as the kernels read them: fp32, one per query head (never touched without HAS_SINKS)
+    sinks_in = lse2 if sinks is None else sinks.to(torch.float32).contiguous()
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
     sc = launch.kernel_scalars(opts, dtype)
-    args = dict(Out=out, Lse=lse2, StSat=sat, StFixed=fixed, StMax=max_logit, StSink=sink, StEnt=entropy,
+    args = dict(Out=out, Lse=lse2, StSat=sat, StFixed=fixed, StMax=max_logit, StSink=sink, StEnt=entropy, Sinks=sinks_in,
                 **launch.strides("q", q), **launch.strides("k", k), **launch.strides("v", v),
                 **launch.strides("o", out), Hq=Hq, G=Hq // Hkv, window=sc["window"], qk_scale2=sc["qk_scale2"],
                 cap_scale=sc["cap_scale"], cap_log2e=sc["cap_log2e"], tie2=tie2,

@@ -36,7 +36,15 @@ from .._checks import interpreting
 from ..options import Options
 from . import decode_plan
 from . import triton_launch as launch
-from .triton_forward import FP32_MAX, MODE_EXACT, fwd_blocks, tc_row_sum_total, tc_row_sum_zeros, tensor_core_row_sum
+from .triton_forward import (
+    FP32_MAX,
+    MODE_EXACT,
+    fwd_blocks,
+    sink_start,
+    tc_row_sum_total,
+    tc_row_sum_zeros,
+    tensor_core_row_sum,
+)
 from .triton_tiles import key_range, round_to
 
 MAX_QUERIES = tl.constexpr(decode_plan.MAX_QUERIES)
@@ -45,16 +53,17 @@ MAX_ROWS = 64  # packed rows per program: more (G * Nq > 64) take several row bl
 
 @triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "split", "n_splits", "b_first"])
 def attn_decode_kernel(
-    Q, K, V, KPM, Acc, Lsum, Roff, Mmax,
+    Q, K, V, KPM, Acc, Lsum, Roff, Mmax, Sinks,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_kpmb,
     Hq, G, Nq, Nk, window, split, n_splits, b_first,
     qk_scale2, cap_scale, cap_log2e, tie2, min_shift2, max_shift2, beta,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, MODE: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Program ``(split * row blocks + row block, KV head, batch - b_first)``: the partial of one split for
-    ``BLOCK_M`` packed rows (query head ``hkv * G + g``, query ``i``) of ``[B, H, N, D]`` tensors."""
+    ``BLOCK_M`` packed rows (query head ``hkv * G + g``, query ``i``) of ``[B, H, N, D]`` tensors. ``HAS_SINKS``:
+    the first split starts from the learned sink's state (``reference_decode.partials``), the others do not."""
     n_rb = tl.cdiv(G * Nq, BLOCK_M)
     split_id = tl.program_id(0) // n_rb
     rb = tl.program_id(0) % n_rb
@@ -94,6 +103,10 @@ def attn_decode_kernel(
     fixed = tl.zeros([BLOCK_M], tl.int32)
     ent_i = tl.zeros([BLOCK_M], tl.float32)
     ent_l = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        first = (split_id + tl.zeros([BLOCK_M], tl.int32)) == 0  # only the first split counts the sink
+        _, r_i, l_i, ent_l = sink_start(Sinks, h, row_ok & first, r_i, l_i, ent_l, 1,
+                                        (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, False))
 
     # the visible blocks of all Nq queries (MAX_QUERIES rows: at worst one more block in the masked
     # stretches, the same bits), cut to this split's keys [s0, s1)
@@ -162,14 +175,14 @@ def block_rows(groups: int, nq: int) -> int:
 
 
 def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int, nq: int, causal: bool,
-                     window: bool, softcap: bool, kpm: bool, mode: int, block_n: int, upcast: bool = False
-                     ) -> tuple[dict, dict]:
+                     window: bool, softcap: bool, kpm: bool, mode: int, block_n: int, upcast: bool = False,
+                     sinks: bool = False) -> tuple[dict, dict]:
     """``(constexprs, compile options)`` of :func:`attn_decode_kernel`: what :func:`forward` launches and what
     ``triton_aot`` compiles (benchmarks/kernel_resources.py ``--kernels decode``). ``block_n``: the rule's key
     block (``Options.key_block``), never retiled here: the decode kernel walks the partition block by block."""
     consts = dict(CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, HAS_KPM=kpm, MODE=mode, HEAD_D=head_dim,
                   BLOCK_D=launch.head_block(head_dim), BLOCK_M=block_rows(groups, nq), BLOCK_N=block_n,
-                  DTYPE=launch.TL_DTYPE[dtype], UPCAST=upcast, PREC=launch.precision(dtype, upcast))
+                  DTYPE=launch.TL_DTYPE[dtype], UPCAST=upcast, PREC=launch.precision(dtype, upcast), HAS_SINKS=sinks)
     # 8 warps where a K tile is 128 x 128 or more: with 4, the 128-key blocks at D = 128 took 255 registers and
     # spilled (stabilize off, sm_90: benchmarks/decode_resources.py)
     warps = 8 if block_n * consts["BLOCK_D"] >= 128 * 128 else 4
@@ -177,7 +190,7 @@ def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int,
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None, opts: Options,
-            split: int | None = None, return_partials: bool = False):
+            split: int | None = None, return_partials: bool = False, sinks: torch.Tensor | None = None):
     """The decode forward on the GPU (or the interpreter): ``(out, lse2, None)`` as
     ``triton_attention.forward`` returns them; ``return_partials``: also the splits' ``(acc, l, r, m)``, shaped
     as ``reference_decode.partials`` returns them. ``split`` defaults to ``decode_plan.split_keys``."""
@@ -198,7 +211,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     consts, compile_opts = decode_constants(
         D, q.dtype, launch.capability(q.device), groups=G, nq=Nq, causal=opts.causal, window=opts.window is not None,
         softcap=opts.softcap is not None, kpm=key_padding_mask is not None, mode=opts.mode, block_n=block_n,
-        upcast=upcast)
+        upcast=upcast, sinks=sinks is not None)
     acc = launch.empty((B, Hq, Nq, S, D), torch.float32, q.device)
     l_s, r_s, m_s = (launch.empty((B, Hq, Nq, S), torch.float32, q.device) for _ in range(3))
     out = launch.empty((B, Hq, Nq, D), q.dtype, q.device)
@@ -210,7 +223,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     n_rb = triton.cdiv(G * Nq, consts["BLOCK_M"])
     for b_first, nb in launch.batches(B):
         attn_decode_kernel[(S * n_rb, Hkv, nb)](
-            Q=q, K=k, V=v, KPM=kpm, Acc=acc, Lsum=l_s, Roff=r_s, Mmax=m_s, **launch.strides("q", q),
+            Q=q, K=k, V=v, KPM=kpm, Acc=acc, Lsum=l_s, Roff=r_s, Mmax=m_s,
+            Sinks=lse2 if sinks is None else sinks.to(torch.float32).contiguous(), **launch.strides("q", q),
             **launch.strides("k", k), **launch.strides("v", v), stride_kpmb=kpm_stride, Hq=Hq, G=G, Nq=Nq, Nk=Nk,
             window=sc["window"], split=split, n_splits=S, b_first=b_first, qk_scale2=sc["qk_scale2"],
             cap_scale=sc["cap_scale"], cap_log2e=sc["cap_log2e"], tie2=tie2, min_shift2=min_shift2,

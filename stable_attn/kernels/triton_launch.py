@@ -275,7 +275,8 @@ def feature_flags(opts: Options) -> dict:
 def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, causal: bool, window: bool,
                      softcap: bool, dropout: bool, kpm: bool | None, mode: int = rules.MODE_EXACT,
                      stats: int = False, block_n: int = BLOCK_N, forced_block_n: bool = False, tma: bool = True,
-                     upcast: bool = False, config: FwdConfig | BwdConfig | None = None) -> tuple[dict, dict]:
+                     upcast: bool = False, config: FwdConfig | BwdConfig | None = None, sinks: bool = False,
+                     ) -> tuple[dict, dict]:
     """``(constexprs, compile options)`` of the kernel ``kind`` (``"fwd"``, ``"bwd_dkdv"`` or ``"bwd_dq"``, dense
     or varlen): what the launchers below pass and what ``triton_aot`` compiles (benchmarks/kernel_resources.py
     measures it), derived in this one place so that the two cannot disagree.
@@ -283,7 +284,8 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
     ``window``, ``softcap``, ``dropout``: whether each feature is on; ``kpm``: whether a key padding mask
     is (dense kernels), ``None`` for the varlen kernels, which take none. ``block_n``: the key partition
     (``Options.key_block``), ``forced_block_n`` when the user set it; ``tma``: the strides TMA accepts;
-    ``upcast``: the interpreter's fp32 operands. ``config`` overrides the tiling (tests); the forward's
+    ``upcast``: the interpreter's fp32 operands; ``sinks``: learned sinks (the forward's ``HAS_SINKS``; the
+    backward needs nothing for them). ``config`` overrides the tiling (tests); the forward's
     is checked here (its ``tile_n``: one or two blocks of the partition).
     """
     block_d = head_block(head_dim)
@@ -301,7 +303,7 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
             raise ValueError(f"config.tile_n={cfg.tile_n} with key blocks of {block_n}: accepted are None, {block_n} "
                              f"and {2 * block_n} (one or two blocks of the partition per key tile)")
         consts.update(MODE=mode, STATS=int(stats), BLOCK_M=cfg.block_m, BLOCK_N=block_n, TILE_N=tile_n, TMA=cfg.tma,
-                      ROW_SUM_PARTS=row_sum_parts(cc, dtype, block_n))
+                      ROW_SUM_PARTS=row_sum_parts(cc, dtype, block_n), HAS_SINKS=sinks)
         return consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
     if kind not in ("bwd_dkdv", "bwd_dq"):
         raise ValueError(f"kind={kind!r}: one of 'fwd', 'bwd_dkdv', 'bwd_dq'")

@@ -42,7 +42,7 @@ def tie_heavy(B, H, N, D, dtype, seed, level, step):
 
 def per_element_decisions(q, k, opts, kpm):
     """The rule walked with per-element counts: ``(offsets, fires)`` per block ``[B, H, Nq]``, and the stats."""
-    p = reference.Problem(q, k, kpm, None, opts)
+    p = reference.Problem(q, k, k, kpm, None, opts)
     dtype = q.dtype
     tie2, min2, max2 = rules.rule_constants(dtype, opts.mode)
     sat2 = rules.sat_tolerance2(dtype)

@@ -4,7 +4,8 @@
 the layer on a CUDA device -- the Triton kernels (dense or varlen) or the PyTorch path, and why -- and
 
 - warns, once per model and reason, when a layer on a CUDA device is served by the PyTorch path for a
-  reason other than being on the CPU (a materialized 4D mask, a problem too large for the kernels' offsets),
+  reason other than being on the CPU (a materialized 4D mask, a problem too large for the kernels' offsets,
+  what the kernels do not implement: a value head dim apart from the query's, head dim > 256),
   naming the model, the reason and what to change. The warning works under ``torch.compile(fullgraph=True)``:
   :func:`warn_once` takes constant arguments and dynamo runs it while tracing (no graph break);
 - feeds :func:`stable_attn.explain` (eager runs only), which prints, per layer, the path and the reason.
@@ -50,6 +51,8 @@ _ADVICE = {
                "attention_mask (or none) and the model's own causal or sliding pattern",
     "size": "more than 2^31 elements of q, k or v in one batch element (beyond the kernels' 32-bit offsets): "
             "use a smaller batch element or shorter sequences",
+    "kernel-gap": "a feature the Triton kernels do not implement yet (a value head dim apart from the query's, or a "
+                  "head dim above 256); the PyTorch path serves it, stabilized and monitored",
 }
 
 
@@ -62,11 +65,12 @@ _CONFIGURED = {
 
 
 def serving(query: torch.Tensor, key: torch.Tensor, backend: str, attn_mask: torch.Tensor | None,
-            varlen: bool, pv_fp32: bool = False) -> tuple[str, str | None]:
+            varlen: bool, pv_fp32: bool = False, value: torch.Tensor | None = None) -> tuple[str, str | None]:
     """``(path, reason)``: what serves a layer's call on a CUDA device, and why, if not the fused kernel: the
-    ops' own rule (``_ops.backend_rule``), asked for a CUDA device; packed documents count as one batch element."""
-    q, k = (query.reshape(1, -1), key.reshape(1, -1)) if varlen else (query, key)
-    impl, reason = backend_rule(backend, q, attn_mask is not None, k, pv_fp32, cuda=True)
+    ops' own rule (``_ops.backend_rule``), asked for a CUDA device; packed documents count as one batch element
+    (their head dim kept last, for the rule's head-dim test)."""
+    q, k = (query.reshape(1, -1, query.shape[-1]), key.reshape(1, -1, key.shape[-1])) if varlen else (query, key)
+    impl, reason = backend_rule(backend, q, attn_mask is not None, k, pv_fp32, cuda=True, v=value)
     if impl == "triton":
         return (TRITON_VARLEN if varlen else TRITON_DENSE), None
     return PYTORCH, reason
@@ -96,12 +100,13 @@ def _model_key(module: nn.Module) -> str:
 
 
 def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, backend: str, *,
-           attn_mask: torch.Tensor | None, varlen: bool, who: str, pv_fp32: bool = False) -> None:
+           attn_mask: torch.Tensor | None, varlen: bool, who: str, pv_fp32: bool = False,
+           value: torch.Tensor | None = None) -> None:
     """Note which path serves this call; warn once per model and reason when it is slow on a CUDA device."""
-    path, reason = serving(query, key, backend, attn_mask, varlen, pv_fp32)
+    path, reason = serving(query, key, backend, attn_mask, varlen, pv_fp32, value)
     if _recording is not None and not torch.compiler.is_compiling():
         _recording.append({"module": module, "path": path, "reason": _ADVICE.get(reason, _CONFIGURED.get(reason)),
-                           "device": query.device.type})
+                           "device": query.device.type, "varlen": varlen})
     if reason in _ADVICE and _on_cuda(query):
         warn_once(f"{_model_key(module)}:{reason}",
                   f"stable_attn: {who} runs on the PyTorch path on {query.device} (stabilized, several times slower "
