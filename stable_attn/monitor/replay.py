@@ -362,9 +362,11 @@ def _load_model(path: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
         if bars:
             hf_logging.enable_progress_bar()
     for kind in ("missing_keys", "mismatched_keys", "unexpected_keys"):
-        names = sorted(str(k) for k in (info.get(kind) or ()))
-        if names:  # transformers would run with freshly initialised weights in their place
-            raise ValueError(f"{folder}: tensor {names[0]!r} is {kind.split('_')[0]} in the weights file")
+        found = sorted(info.get(kind) or (), key=str)  # mismatched: (name, shape in the file, shape of the model)
+        if found:  # transformers would run with freshly initialised weights in their place
+            name, *shapes = found[0] if isinstance(found[0], tuple) else (found[0],)
+            detail = f" (shape {list(shapes[0])}, the model's {list(shapes[1])})" if len(shapes) == 2 else ""
+            raise ValueError(f"{folder}: tensor {name!r} is {kind.split('_')[0]} in the weights file{detail}")
     try:
         return model.to(device)
     except (RuntimeError, ValueError) as err:

@@ -14,3 +14,24 @@ for folder in ("callbacks", "trainer"):  # callback_lm (Lightning) and trainer_l
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     """Every test here on one torch thread."""
+
+
+@pytest.fixture
+def row(record_property):
+    """``row(expected, got)``: what the case expects and what it got, one line each, for the table of
+    benchmarks/fault_matrix.py (recorded before the test's assertions, so a failing case shows what it got)."""
+
+    def record(expected: str, got: str) -> None:
+        record_property("expected", expected)
+        record_property("got", " ".join(str(got).split())[:160])
+
+    return record
+
+
+def outcome(fn, *args, **kwargs) -> str:
+    """What calling ``fn`` did, in one line: ``"accepted"`` or the exception's type and message."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"

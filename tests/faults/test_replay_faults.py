@@ -101,7 +101,9 @@ CASES = [
      "has no 'input_ids'"),
     ("weights truncated", lambda p: _truncate(p, WEIGHTS), "the model does not load"),
     ("weights tensor missing", lambda p: _edit_weights(p, lambda t: t.pop("model.norm.weight")), "model.norm.weight"),
-    ("weights tensor wrong shape", lambda p: _edit_weights(p, _wrong_shape), "q_proj.weight"),
+    ("weights tensor wrong shape", lambda p: _edit_weights(p, _wrong_shape),
+     "tensor 'model.layers.0.self_attn.q_proj.weight' is mismatched in the weights file (shape [16, 32], the model's "
+     "[32, 32])"),
     ("another model class", lambda p: _swap_model(p, "qwen3"), "model class 'LlamaForCausalLM'"),
     ("another model, other shapes", lambda p: _swap_model(p, "llama", intermediate_size=48),
      "parameter 'model.layers.0.mlp.gate_proj.weight' has shape [48, 32]"),
@@ -111,25 +113,30 @@ CASES = [
 
 
 @pytest.mark.parametrize("case,damage,named", CASES, ids=[c[0] for c in CASES])
-def test_a_damaged_bundle_is_refused_in_one_line(good_bundle, tmp_path, capsys, case, damage, named):
+def test_a_damaged_bundle_is_refused_in_one_line(good_bundle, tmp_path, capsys, case, damage, named, row):
     path = str(tmp_path / "b")
     shutil.copytree(good_bundle, path)
     damage(path)
     capsys.readouterr()  # what the damage itself printed (save_pretrained's progress bar)
-    assert cli.main(["replay", path]) == 1
+    rc = cli.main(["replay", path])
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
+    row(f"exit 1, one line naming {named!r}",
+        f"exit {rc}, {len(lines)} line(s): " + (lines[-1].replace(path, "BUNDLE") if lines else ""))
+    assert rc == 1
     assert len(lines) == 1 and lines[0].startswith("stable-attn replay: error: "), captured.err
     assert named in lines[0], lines[0]
     assert "Traceback" not in captured.err and captured.out == ""
     assert all(c.isprintable() for c in lines[0]), lines[0]  # control characters escaped
 
 
-def test_a_good_bundle_records_its_model_and_replays(good_bundle, capsys):
+def test_a_good_bundle_records_its_model_and_replays(good_bundle, capsys, row):
     with open(os.path.join(good_bundle, replay.BUNDLE_META)) as f:
         identity = json.load(f)["model"]
     assert identity["class"] == "LlamaForCausalLM"
     assert identity["parameters"]["model.layers.0.self_attn.q_proj.weight"] == [32, 32]
-    assert cli.main(["replay", good_bundle]) == 0
+    rc = cli.main(["replay", good_bundle])
     out = capsys.readouterr().out
+    row("exit 0, the table and its verdict", f"exit {rc}: " + out.strip().splitlines()[-1] if out.strip() else "")
+    assert rc == 0
     assert "replay of step 3" in out and out.count("\n") == 6

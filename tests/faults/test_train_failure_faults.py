@@ -64,6 +64,17 @@ class Fault:
 FAULTS = [RuntimeError("failed at a step"), KeyboardInterrupt()]
 
 
+EXPECTED = "SDPA unpatched, methods unwrapped, webhook thread ended, alerts on disk, statistics off"
+
+
+def _state(engine, wrapped: list[str]) -> str:
+    """What is left behind, in the words of EXPECTED."""
+    stats_on = [n for n, s in (engine.layers.stats.items() if engine.layers else ()) if s.enabled]
+    return (f"SDPA {'patched' if is_sdpa_patched() else 'unpatched'}, methods wrapped: {wrapped or 'none'}, "
+            f"webhook threads {len(webhook_threads())}, channels {'open' if engine.dispatcher else 'closed'}, "
+            f"statistics on: {len(stats_on)} layer(s)")
+
+
 def _assert_restored(engine, original_sdpa) -> None:
     assert torch.nn.functional.scaled_dot_product_attention is original_sdpa and not is_sdpa_patched()
     assert engine.dispatcher is None and not webhook_threads()
@@ -71,7 +82,7 @@ def _assert_restored(engine, original_sdpa) -> None:
 
 
 @pytest.mark.parametrize("exc", FAULTS, ids=lambda e: type(e).__name__)
-def test_a_trainer_train_that_raises_restores_everything(tmp_path, exc):
+def test_a_trainer_train_that_raises_restores_everything(tmp_path, exc, row):
     original = torch.nn.functional.scaled_dot_product_attention
     with hanging_url() as url:
         cb = StableAttentionTrainerCallback(patch_sdpa=True, webhook_url=url, webhook_timeout=0.5)
@@ -79,6 +90,8 @@ def test_a_trainer_train_that_raises_restores_everything(tmp_path, exc):
         trainer.model.register_forward_hook(Fault(exc))
         with pytest.raises(type(exc)):
             trainer.train()
+        wrapped = sorted({"training_step", "log", "get_batch_samples"} & set(vars(trainer)))
+        row(EXPECTED, _state(cb.engine, wrapped) + f", alerts in the file {len(read_alerts(str(tmp_path)))}")
         _assert_restored(cb.engine, original)
     assert {"training_step", "log", "get_batch_samples"}.isdisjoint(vars(trainer))
     assert "clip_grad_norm_" not in vars(trainer.accelerator)
@@ -88,7 +101,7 @@ def test_a_trainer_train_that_raises_restores_everything(tmp_path, exc):
     assert webhook["delivered"] == 0 and sum(webhook.values()) == cb.alert_count  # each accounted for
 
 
-def test_a_trainer_train_that_raises_can_train_again(tmp_path):
+def test_a_trainer_train_that_raises_can_train_again(tmp_path, row):
     cb = StableAttentionTrainerCallback()
     trainer = make_trainer(str(tmp_path), [cb], steps=5)
     hook = trainer.model.register_forward_hook(Fault(RuntimeError("once")))
@@ -96,11 +109,13 @@ def test_a_trainer_train_that_raises_can_train_again(tmp_path):
         trainer.train()
     hook.remove()
     trainer.train()  # the same Trainer and callback, wrapped once again
+    row("the next train() runs all 5 steps and ends clean", f"{trainer.state.global_step} steps, " +
+        _state(cb.engine, sorted({"training_step", "log"} & set(vars(trainer)))))
     assert trainer.state.global_step == 5 and cb.engine.dispatcher is None and "training_step" not in vars(trainer)
 
 
 @pytest.mark.parametrize("exc", FAULTS, ids=lambda e: type(e).__name__)
-def test_a_lightning_fit_that_raises_restores_everything(tmp_path, exc):
+def test_a_lightning_fit_that_raises_restores_everything(tmp_path, exc, row):
     original = torch.nn.functional.scaled_dot_product_attention
     sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a KeyboardInterrupt
     try:
@@ -112,6 +127,7 @@ def test_a_lightning_fit_that_raises_restores_everything(tmp_path, exc):
             t = lightning_trainer(tmp_path, [cb], 6)
             with pytest.raises(SystemExit if isinstance(exc, KeyboardInterrupt) else type(exc)):
                 t.fit(module, batches_loader(range(6)))
+            row(EXPECTED, _state(cb.engine, []) + f", alerts in the file {len(read_alerts(t.log_dir))}")
             _assert_restored(cb.engine, original)
     finally:
         signal.signal(signal.SIGINT, sigint)
