@@ -73,7 +73,7 @@ def _replay_run(args: argparse.Namespace) -> int:
     from stable_attn.monitor.replay import replay_bundle, table
 
     result = replay_bundle(args.bundle, device=args.device)
-    print(json.dumps(result, indent=1) if args.json else table(result))
+    print(json.dumps(result, indent=1) if args.json else "\n".join(map(_printable, table(result).splitlines())))
     return 0
 
 

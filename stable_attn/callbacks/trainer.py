@@ -25,12 +25,13 @@ the reporting integrations have their copy). So at ``on_train_begin`` the callba
 that called it (it is ``self`` in the calling frame of ``CallbackHandler``) and wraps four of its
 bound methods on that instance only: ``training_step``, ``accelerator.clip_grad_norm_``, ``log`` and
 ``get_batch_samples`` (the data position of each micro-batch, and the skip window of ``on_spike="recover"``).
-``on_train_end`` puts them back.
+``on_train_end`` puts them back; so does a ``train()`` that raises, through a wrapper of ``train`` itself.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import os
@@ -230,10 +231,11 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
 
     **End of run.** ``on_train_end`` logs the summary line, closes the alert channels (within one
     ``webhook_timeout``), puts back ``F.scaled_dot_product_attention`` if ``patch_sdpa`` replaced it and
-    unwraps the Trainer. The Trainer has no hook for a ``train()`` that raises: such a run is ended (the
-    same way) at the start of the callback's next ``train()``, or at the interpreter's exit (until then
-    the Trainer's three methods stay wrapped); a failure inside the callback's own ``on_train_begin``
-    ends it at once.
+    unwraps the Trainer. The Trainer has no hook for a ``train()`` that raises, so the callback wraps the
+    Trainer's ``train`` on the instance (``on_init_end``): a ``train()`` that raises or is interrupted ends
+    the run the same way before the exception leaves ``train()``. A callback added with ``add_callback``
+    after the Trainer was built wraps it at its first ``train()``: a failure of that first one is ended at the
+    callback's next ``train()`` or at the interpreter's exit.
 
     The arguments (``Args:`` below) are :class:`~stable_attn.monitor.config.MonitorConfig`'s, as for
     :class:`~stable_attn.callbacks.StableAttentionCallback`.
@@ -333,6 +335,30 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             torch.save(snapshot, os.path.join(folder, SNAPSHOT_FILE))
 
     # ---------------------------------------------------------------- hooks
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer, _ = _calling_trainer()
+        if trainer is not None:
+            self._guard(trainer)
+
+    def _guard(self, trainer: Trainer) -> None:
+        """Wrap ``trainer.train`` on the instance, once: a ``train()`` that raises (KeyboardInterrupt included)
+        ends the run before the exception leaves it, since the Trainer has no event for that."""
+        if getattr(trainer.__dict__.get("train"), "_stable_attn_guard", None) is self:
+            return
+        train = trainer.train
+
+        @functools.wraps(train)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return train(*args, **kwargs)
+            except BaseException as exc:
+                if self._running:
+                    self._end(f"after train() raised {type(exc).__name__}")
+                raise
+
+        guarded._stable_attn_guard = self  # type: ignore[attr-defined]
+        trainer.train = guarded
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self._running:  # the last train() raised: end that run first
@@ -378,8 +404,10 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             self._end("after the start of train() failed")
             raise
         self._running = True
-        # The Trainer has no event for a train() that raises: then the next train() or the interpreter's
-        # exit ends the run (closes the channels within one webhook timeout, says what was not delivered).
+        # The Trainer has no event for a train() that raises: its train() is wrapped for that (_guard); a
+        # callback added after the Trainer was built guards the next train() only, and this one ends at the
+        # next train() or the interpreter's exit (channels closed within one webhook timeout).
+        self._guard(trainer)
         atexit.register(self._end, "at interpreter exit (train() did not finish)")
 
     def _add_batch(self, inputs: Any, epoch: int, index: int | None) -> None:

@@ -162,7 +162,9 @@ def attn_decode_combine_kernel(
     w = tl.exp2(r - r_max)
     l_sum = tl.sum(w * l_s, 0)
     o = tl.sum(w[:, None] * acc, 0) / l_sum
-    seen = tl.max(m, 0) != float("-inf")  # a row that sees no key outputs zeros and lse +inf
+    # a row that sees no key outputs zeros and lse +inf; a NaN query (NaN scores, which the max passes over)
+    # has l NaN: NaN out, as SDPA
+    seen = (tl.max(m, 0) != float("-inf")) | (l_sum != l_sum)
     o = tl.where(seen, o, 0.0)
     tl.store(Out + b * stride_ob + h * stride_oh + i * stride_on + offs_d, round_to(o, DTYPE, UPCAST).to(DTYPE),
              mask=offs_d < HEAD_D)

@@ -651,16 +651,18 @@ def fwd_program(
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         l_i = tc_row_sum_total(l_i)
     seen = m_i > float("-inf")
-    # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor)
+    # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor). A NaN query
+    # makes every visible score NaN, which the row max passes over: l is NaN then, and out and lse stay NaN.
+    written = seen | (l_i != l_i)
     if DROPOUT:
         o = acc / (l_i * keep_frac)[:, None]
     else:
         o = acc / l_i[:, None]
-    o = tl.where(seen[:, None], o, 0.0)
+    o = tl.where(written[:, None], o, 0.0)
     o_ptrs = (Out + (q_start * stride_on if VARLEN else b64 * stride_ob) + h * stride_oh
               + offs_m[:, None] * stride_on + offs_d[None, :])
     tl.store(o_ptrs, round_to(o, DTYPE, UPCAST).to(DTYPE), mask=q_mask)
-    lse = tl.where(seen, r_i + tl.log2(l_i), float("inf"))
+    lse = tl.where(written, r_i + tl.log2(l_i), float("inf"))
     row_ptr = (h.to(tl.int64) * total_q + q_start + offs_m) if VARLEN else (b64 * Hq + h) * Nq + offs_m
     tl.store(Lse + row_ptr, lse, mask=row_ok)
     if STATS:

@@ -10,6 +10,7 @@ was not delivered.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -54,6 +55,24 @@ def check_alerts_file(alerts_file: Any) -> None:
         raise ValueError(f"alerts_file={alerts_file!r} is not supported; use a plain file name such as "
                          "'stable_attn_alerts.jsonl' (it is written in the run's log directory; no folder, "
                          "'.', '..' or control characters) or None")
+    try:
+        size, limit = len(os.fsencode(alerts_file)), _name_max(os.getcwd())
+    except UnicodeEncodeError:
+        raise ValueError(f"alerts_file={alerts_file!r} is not supported: the file system cannot encode it "
+                         f"({sys.getfilesystemencoding()}); use a plain file name") from None
+    if size > limit:  # the file would never open: every alert written to it would fail
+        raise ValueError(f"alerts_file={alerts_file[:40]!r}... is {size} bytes long; file names hold at most "
+                         f"{limit} bytes on this file system")
+
+
+def _name_max(directory: str) -> int:
+    """The longest file name, in bytes, the file system of ``directory`` takes (255, the common limit, where
+    it cannot tell)."""
+    try:
+        limit = os.pathconf(directory, "PC_NAME_MAX")
+    except (AttributeError, OSError, ValueError):  # no pathconf (Windows), or no answer for this file system
+        return 255
+    return min(255, limit) if limit > 0 else 255  # -1: no limit known
 
 
 def check_webhook(url: Any, timeout: Any, headers: Any) -> tuple[float, dict[str, str]]:

@@ -53,6 +53,7 @@ import torch
 
 from . import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, alerting, names
 from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAction: imported from here before
+from .coverage import check_coverage
 from .data_position import data_position as _data_position
 from .evidence import Evidence
 from .grad_norm import nonfinite_grads, total_grad_norm
@@ -309,6 +310,8 @@ class MonitorEngine:
         ``log_every_n_steps`` applies when the constructor's is None (0: no step is monitored);
         ``stop_path(step)`` names the checkpoint a stop writes (default
         ``<log_dir>/stable_attn-stop-step=<step>.ckpt``)."""
+        check_coverage(self.config, type(self._root).__name__, models=len(self._swapped),
+                       layers=len(self.layers.stats) if self.layers is not None else 0, qk_layers=len(self._qk_modules))
         self.log_dir = log_dir
         self._every = self.log_every_n_steps or log_every_n_steps
         self._stop_path = stop_path or self._default_stop_path

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["REPLAY_VERDICTS", "VARIANTS", "Replay", "default_loss", "replay_bundle", "replay_step", "table", "verdict",
-           "write_replay_bundle"]
+__all__ = ["REPLAY_VERDICTS", "VARIANTS", "Replay", "default_loss", "model_identity", "replay_bundle", "replay_step",
+           "table", "verdict", "write_replay_bundle"]
 
 #: The attention options of each variant, as ``configure()`` takes them.
 VARIANTS: Mapping[str, Mapping[str, Any]] = {
@@ -231,7 +232,7 @@ def verdict(replay: Replay, metric: str, threshold: float) -> str:
 #: Files of a replay bundle (a folder): the transformers model as save_pretrained writes it, the micro-batches,
 #: and what the alert said.
 BUNDLE_MODEL, BUNDLE_BATCHES, BUNDLE_META = "model", "batches.pt", "replay.json"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2
 
 
 def _tensors_only(batch: Any) -> Any:
@@ -253,7 +254,6 @@ def write_replay_bundle(path: str, model: torch.nn.Module, batches: Sequence[Any
     threshold) to the folder ``path`` for ``stable-attn replay path``; returns ``path``. Costs one copy of the
     model on disk."""
     import json
-    import os
 
     if metric not in ("loss", "grad_norm") or run_variant not in VARIANTS:
         raise ValueError(f"metric={metric!r}, run_variant={run_variant!r}: use 'loss' or 'grad_norm', and one of "
@@ -263,38 +263,175 @@ def write_replay_bundle(path: str, model: torch.nn.Module, batches: Sequence[Any
     hf.save_pretrained(os.path.join(path, BUNDLE_MODEL))
     torch.save([_tensors_only(b) for b in batches], os.path.join(path, BUNDLE_BATCHES))
     meta = {"version": BUNDLE_VERSION, "step": int(step), "metric": metric, "threshold": float(threshold),
-            "run_variant": run_variant, "dtype": str(next(hf.parameters()).dtype).removeprefix("torch.")}
+            "run_variant": run_variant, "dtype": str(next(hf.parameters()).dtype).removeprefix("torch."),
+            "model": model_identity(hf)}
     with open(os.path.join(path, BUNDLE_META), "w") as f:
         json.dump(meta, f, indent=1)
     return path
 
 
+#: Config entries that say how the model was loaded or run, not which model it is.
+_CONFIG_NOT_IDENTITY = ("_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype", "use_cache",
+                        "_attn_implementation", "_attn_implementation_internal", "_attn_implementation_autoset")
+_BUNDLE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def model_identity(hf: torch.nn.Module) -> dict[str, Any]:
+    """What a bundle records of its model, to refuse replaying it on another: the class, a hash of the config
+    (without the entries that only say how it was loaded) and every parameter's shape."""
+    import hashlib
+    import json
+
+    config = {k: v for k, v in hf.config.to_dict().items() if k not in _CONFIG_NOT_IDENTITY}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    return {"class": type(hf).__name__, "config_sha256": digest,
+            "parameters": {name: list(p.shape) for name, p in hf.named_parameters()}}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def _bundle_meta(meta_path: str) -> dict[str, Any]:
+    """The bundle's ``replay.json``, every field checked; a ValueError naming the field otherwise."""
+    import json
+
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except ValueError as err:  # also UnicodeDecodeError
+        raise ValueError(f"{meta_path}: not readable JSON ({_first_line(err)})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: holds a {type(meta).__name__}, not an object")
+    if meta.get("version") != BUNDLE_VERSION:
+        raise ValueError(f"{meta_path}: bundle version {meta.get('version')!r}; this stable_attn reads "
+                         f"{BUNDLE_VERSION}")
+    checks = {"step": lambda v: type(v) is int,
+              "metric": lambda v: v in ("loss", "grad_norm"),
+              "threshold": lambda v: type(v) in (int, float),
+              "run_variant": lambda v: isinstance(v, str) and v in VARIANTS,
+              "dtype": lambda v: v in _BUNDLE_DTYPES,
+              "model": lambda v: (isinstance(v, dict) and isinstance(v.get("class"), str)
+                                  and isinstance(v.get("config_sha256"), str)
+                                  and isinstance(v.get("parameters"), dict))}
+    for name, ok in checks.items():
+        if name not in meta:
+            raise ValueError(f"{meta_path}: field {name!r} is missing")
+        if not ok(meta[name]):
+            raise ValueError(f"{meta_path}: field {name!r} = {str(meta[name])[:80]!r} is not valid")
+    return meta
+
+
+def _check_identity(path: str, recorded: Mapping[str, Any], hf: torch.nn.Module) -> None:
+    """Refuse a model folder that is not the model the bundle recorded (swapped or edited)."""
+    found = model_identity(hf)
+    if recorded["class"] != found["class"]:
+        raise ValueError(f"{path}: the bundle recorded model class {recorded['class']!r}, the model folder holds "
+                         f"{found['class']!r}")
+    for name, shape in recorded["parameters"].items():
+        if name not in found["parameters"]:
+            raise ValueError(f"{path}: parameter {name!r} of the recorded model is not in the model folder")
+        if list(shape) != found["parameters"][name]:
+            raise ValueError(f"{path}: parameter {name!r} has shape {found['parameters'][name]} in the model "
+                             f"folder, the bundle recorded {shape}")
+    extra = sorted(set(found["parameters"]) - set(recorded["parameters"]))
+    if extra:
+        raise ValueError(f"{path}: parameter {extra[0]!r} is in the model folder, not in the recorded model")
+    if recorded["config_sha256"] != found["config_sha256"]:
+        raise ValueError(f"{path}: the model folder's config.json differs from the config the bundle recorded "
+                         "(field 'model.config_sha256')")
+
+
+def _load_model(path: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    folder = os.path.join(path, BUNDLE_MODEL)
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # the refusal below is the one line; no load report, no progress bar
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="stable_attn", dtype=dtype,
+                                                           local_files_only=True, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True)
+    except Exception as err:  # a damaged folder fails in many ways (safetensors, json, a missing file)
+        raise ValueError(f"{folder}: the model does not load ({_first_line(err)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    for kind in ("missing_keys", "mismatched_keys", "unexpected_keys"):
+        found = sorted(info.get(kind) or (), key=str)  # mismatched: (name, shape in the file, shape of the model)
+        if found:  # transformers would run with freshly initialised weights in their place
+            name, *shapes = found[0] if isinstance(found[0], tuple) else (found[0],)
+            detail = f" (shape {list(shapes[0])}, the model's {list(shapes[1])})" if len(shapes) == 2 else ""
+            raise ValueError(f"{folder}: tensor {name!r} is {kind.split('_')[0]} in the weights file{detail}")
+    try:
+        return model.to(device)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"--device {device!r}: {_first_line(err)}") from None
+
+
+def _tensors_to(batch: Any, device: str) -> Any:
+    return {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device)
+
+
+def _check_batches(batches_path: str, batches: Any, vocab: int) -> None:
+    """Micro-batches the default loss can run: token-id tensors (or dicts holding ``input_ids``) within the
+    vocabulary."""
+    if not isinstance(batches, list) or not batches:
+        raise ValueError(f"{batches_path}: holds {'[]' if isinstance(batches, list) else type(batches).__name__}; "
+                         "a bundle keeps a non-empty list of micro-batches")
+    for i, batch in enumerate(batches):
+        fields = batch if isinstance(batch, dict) else {"input_ids": batch}
+        if "input_ids" not in fields:
+            raise ValueError(f"{batches_path}: micro-batch {i} has no 'input_ids'")
+        for key, value in fields.items():
+            where = f"{batches_path}: micro-batch {i}, tensor {str(key)[:40]!r}"
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{where} is a {type(value).__name__}, not a tensor")
+            if key in ("input_ids", "labels") and (value.dtype.is_floating_point or value.dtype == torch.bool
+                                                   or value.dim() != 2 or value.shape[-1] == 0):
+                raise ValueError(f"{where}: {value.dtype} of shape {list(value.shape)}; token ids are an integer "
+                                 "tensor (batch, length)")
+        ids = fields["input_ids"]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"{batches_path}: micro-batch {i}, tensor 'input_ids': ids in [{int(ids.min())}, "
+                             f"{int(ids.max())}], the model's vocabulary is [0, {vocab - 1}]")
+
+
 def replay_bundle(path: str, variants: Sequence[str] = DEFAULT_VARIANTS, device: str = "cpu") -> dict[str, Any]:
     """Load a bundle written by :func:`write_replay_bundle`, replay it, and return the table's data:
-    ``{"step", "metric", "threshold", "run_variant", "variants", "verdict"}``."""
-    import json
-    import os
+    ``{"step", "metric", "threshold", "run_variant", "variants", "verdict"}``.
 
+    A damaged, truncated or edited bundle, or one whose model folder is not the model it recorded, raises one
+    ValueError naming the file and the field or tensor; nothing is replayed."""
     meta_path = os.path.join(path, BUNDLE_META)
     if not os.path.isfile(meta_path):
         raise ValueError(f"{path!r} is no replay bundle (no {BUNDLE_META}); write one with write_replay_bundle or "
                          "diagnose_spikes=True")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta.get("version") != BUNDLE_VERSION:
-        raise ValueError(f"{meta_path}: bundle version {meta.get('version')!r}; this stable_attn reads "
-                         f"{BUNDLE_VERSION}")
-    from transformers import AutoModelForCausalLM
-
-    dtype = getattr(torch, meta.get("dtype", "float32"))
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(path, BUNDLE_MODEL), attn_implementation="stable_attn",
-                                                 dtype=dtype, local_files_only=True).to(device)
+    meta = _bundle_meta(meta_path)
+    batches_path = os.path.join(path, BUNDLE_BATCHES)
+    try:
+        batches = torch.load(batches_path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as err:  # truncated zip, edited pickle
+        raise ValueError(f"{batches_path}: not readable ({_first_line(err)})") from None
+    model = _load_model(path, getattr(torch, meta["dtype"]), device)
+    _check_identity(path, meta["model"], model)
     model.train()  # the step was a training step (dropout draws from the same seed in every variant)
-    batches = torch.load(os.path.join(path, BUNDLE_BATCHES), map_location=device, weights_only=True)
+    _check_batches(batches_path, batches, int(model.get_input_embeddings().num_embeddings))
+    batches = [_tensors_to(b, device) for b in batches]
     run_variant = meta["run_variant"]
     names = tuple(variants) + (() if run_variant in variants else (run_variant,))
-    replay = replay_step(model, batches, run_variant=run_variant, variants=names)
-    return {"step": meta["step"], "metric": meta["metric"], "threshold": meta["threshold"], **replay.as_dict(),
+    try:
+        replay = replay_step(model, batches, run_variant=run_variant, variants=names)
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:  # batches the checks let through, the model not
+        raise ValueError(f"{batches_path}: the micro-batches do not run through the model "
+                         f"({_first_line(err)})") from None
+    return {"step": meta["step"], "metric": meta["metric"], "threshold": float(meta["threshold"]), **replay.as_dict(),
             "verdict": verdict(replay, meta["metric"], meta["threshold"])}
 
 
