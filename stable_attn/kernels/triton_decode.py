@@ -48,6 +48,8 @@ from .triton_forward import (
 from .triton_tiles import key_range, round_to
 
 MAX_QUERIES = tl.constexpr(decode_plan.MAX_QUERIES)
+# Shared memory the decode kernel takes beside its pipelined K/V tiles (12 KiB measured at D = 256, sm_90)
+_DECODE_SHARED_EXTRA = 16 * 1024
 MAX_ROWS = 64  # packed rows per program: more (G * Nq > 64) take several row blocks, each reading its split
 
 
@@ -188,7 +190,14 @@ def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int,
     # 8 warps where a K tile is 128 x 128 or more: with 4, the 128-key blocks at D = 128 took 255 registers and
     # spilled (stabilize off, sm_90: benchmarks/decode_resources.py)
     warps = 8 if block_n * consts["BLOCK_D"] >= 128 * 128 else 4
-    return consts, dict(num_warps=warps, num_stages=3 if cc >= 90 else 2, **launch.FWD_COMPILE_OPTIONS)
+    # the pipeline holds num_stages - 1 K/V tile pairs in shared memory: fewer stages where they would not fit
+    # (D = 256: 3 stages took 268 KiB on sm_90, 2 stages 140 KiB on sm_120; benchmarks/kernel_resources.py)
+    kv_bytes = 2 * block_n * consts["BLOCK_D"] * torch.finfo(dtype).bits // 8
+    limit = launch.SHARED_LIMIT.get(cc, launch.SHARED_LIMIT[120])
+    stages = 3 if launch.tile_generation(cc) == 90 else 2
+    while stages > 1 and (stages - 1) * kv_bytes + _DECODE_SHARED_EXTRA > limit:
+        stages -= 1
+    return consts, dict(num_warps=warps, num_stages=stages, **launch.FWD_COMPILE_OPTIONS)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None, opts: Options,

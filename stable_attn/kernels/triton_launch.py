@@ -47,6 +47,11 @@ from ..options import BLOCK_N, Options
 # and twice in reference.py (tests/kernels/test_rule_functions.py counts the loop's FFMAs).
 FWD_COMPILE_OPTIONS = {"enable_fp_fusion": False}
 TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+# Shared memory one block may use (bytes), per SM less the 1 KiB reserved per block (NVIDIA/cccl,
+# cuda/__device/arch_traits.h): A100 (sm_80) 163 KiB, H100/H200 (sm_90) and B200/B300 (sm_100) 227 KiB,
+# RTX 50-series (sm_120) 99 KiB.
+SHARED_LIMIT = {80: 166912, 90: 232448, 100: 232448, 120: 101376}
+GPU_NAMES = {80: "A100 (sm_80)", 90: "H100/H200 (sm_90)", 100: "B200/B300 (sm_100)", 120: "RTX 50-series (sm_120)"}
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the batch or the sequences)
 MAX_GRID_Y = 65535  # and on its second (the heads)
 
@@ -85,6 +90,22 @@ class BwdConfig:
     tma: bool = False
 
 
+def tile_generation(cc: int) -> int:
+    """The rows of the tile table a GPU takes (the ``cc`` that :func:`fwd_config`, :func:`bwd_config` and
+    :func:`row_sum_parts` receive): 90 for sm_90 up to sm_11x (Hopper and the datacenter Blackwells: 227 KiB of
+    shared memory per block, TMA); 120 for sm_120 and later (RTX 50-series: 99 KiB per block): the sm_80 rows,
+    which fit there, but one (see :func:`_table_config`); 80 for the others (sm_80; sm_86 and sm_89, which have
+    99 KiB too, are not compiled by benchmarks/kernel_resources.py)."""
+    if 90 <= cc < 120:
+        return 90
+    return 120 if cc >= 120 else 80
+
+
+def gpu_name(cc: int) -> str:
+    """How errors name a GPU generation."""
+    return GPU_NAMES.get(cc, f"sm_{cc}")
+
+
 def head_block(d: int) -> int:
     """Head dim padded to a power of two >= 16 (tl.dot's minimum); the padding is masked on load."""
     return max(16, triton.next_power_of_2(d))
@@ -93,7 +114,8 @@ def head_block(d: int) -> int:
 def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode: int = rules.MODE_EXACT,
                stats: bool = False, plain: bool = False, forced_block_n: bool = False,
                tma: bool = True, causal: bool = True) -> FwdConfig:
-    """Forward tiling by padded head dim, key partition ``block_n`` and compute capability (major*10+minor).
+    """Forward tiling by padded head dim, key partition ``block_n`` and GPU generation ``cc`` (80, 90 or 120: the
+    :func:`tile_generation` of the compute capability).
 
     The query tile and the fp32 accumulator live in registers; K and V tiles are pipelined through
     shared memory (``num_stages`` copies). Chosen so that no plain D <= 128 variant spills registers on
@@ -120,7 +142,7 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode:
     where no rule sees the partition there (``unseen``) it keeps 64-key tiles.
     """
     unseen = mode == rules.MODE_OFF and not stats and not forced_block_n
-    wide = cc >= 90 and dtype != torch.float32 and (block_d <= 64 or block_d <= 128 and tma) and plain
+    wide = cc == 90 and dtype != torch.float32 and (block_d <= 64 or block_d <= 128 and tma) and plain
     if wide and (unseen or block_n == 128):
         return FwdConfig(128, 8, 2, block_n=128 if unseen else None, tma=block_d > 64)
     if wide and mode != rules.MODE_OFF and block_n == 64:
@@ -141,17 +163,21 @@ def _table_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, pl
     paper with statistics; 64 x 128 spills 88 bytes non-causal). Otherwise fp32 inputs and partitions
     wider than 64 halve the query tile and the pipeline depth.
     """
-    if cc < 90 and dtype != torch.float32 and block_n == 128 and plain and block_d in (64, 128):
+    if cc != 90 and dtype != torch.float32 and block_n == 128 and plain and block_d in (64, 128):
+        # sm_120 (RTX 50-series): where a rule decides, the sm_80 query tiles spill there (16 / 24 bytes causal
+        # at D = 128 / 64 without statistics, 24 at D = 128 with); 32 rows do not, for 5% / 53% more issue
+        # slots per query row at D = 128 / 64 (no spills, as everywhere in this table; unmeasured on a GPU)
+        small = cc == 120 and (mode != rules.MODE_OFF or stats)
         if block_d == 128:
-            return FwdConfig(64, 8, 2)
-        wide80 = causal and (not stats or mode == rules.MODE_EXACT)
+            return FwdConfig(32, 8, 2) if small else FwdConfig(64, 8, 2)
+        wide80 = causal and (not stats or mode == rules.MODE_EXACT) and not small
         return FwdConfig(128, 8, 2) if wide80 else FwdConfig(32, 4, 2)
     if block_d <= 64:
         cfg = FwdConfig(128, 8, 3)
     elif block_d <= 128:
-        cfg = FwdConfig(128, 8, 3) if cc >= 90 else FwdConfig(64, 8, 2)
+        cfg = FwdConfig(128, 8, 3) if cc == 90 else FwdConfig(64, 8, 2)
     else:
-        cfg = FwdConfig(64, 8, 2) if cc >= 90 else FwdConfig(32, 4, 2)
+        cfg = FwdConfig(64, 8, 2) if cc == 90 else FwdConfig(32, 4, 2)
     if dtype == torch.float32 or block_n > 64:
         cfg = FwdConfig(max(32, cfg.block_m // 2), cfg.num_warps, max(1, cfg.num_stages - 1))
     return cfg
@@ -164,11 +190,12 @@ def row_sum_parts(cc: int, dtype: torch.dtype, block_n: int) -> int:
     variant's loop shorter, D = 64 560 -> 551 loop SASS causal, 570 -> 559 not, D = 128 631 -> 619; sm_80
     (mma.sync): longer (D = 64 675 -> 683) and D = 128 exact + stats spilled (8 / 48 bytes); the decode
     kernel keeps one (its own launch constants)."""
-    return 2 if cc >= 90 and dtype != torch.float32 and block_n >= 32 else 1
+    return 2 if cc == 90 and dtype != torch.float32 and block_n >= 32 else 1
 
 
 def bwd_config(block_d: int, dtype: torch.dtype, cc: int, tma: bool = True, heavy: bool = False) -> BwdConfig:
-    """Backward tiling by padded head dim and compute capability (no partition constraint here).
+    """Backward tiling by padded head dim and GPU generation ``cc`` (:func:`tile_generation`; no partition
+    constraint here).
 
     sm_90, 16-bit, D <= 128 (``tma``: the launcher found the strides TMA-compatible): the streamed
     tiles come through tensor descriptors, so no per-element addresses occupy registers, and the
@@ -181,7 +208,7 @@ def bwd_config(block_d: int, dtype: torch.dtype, cc: int, tma: bool = True, heav
     Elsewhere (sm_80, fp32, D=256, strides TMA cannot take) pointer loads with the smaller tiles
     below, where the dK/dV kernel runs unpipelined (``stages1 = 1``): pipelined ones spilled.
     """
-    if tma and cc >= 90 and dtype != torch.float32 and block_d <= 128:
+    if tma and cc == 90 and dtype != torch.float32 and block_d <= 128:
         if heavy:
             return BwdConfig(16, 128, 8, 2, 128, 64 if block_d <= 64 else 32, 8, 2, tma=True)
         if block_d <= 64:
@@ -190,10 +217,10 @@ def bwd_config(block_d: int, dtype: torch.dtype, cc: int, tma: bool = True, heav
     if block_d <= 64:
         cfg = BwdConfig(32, 64, 4, 1, 64, 64, 4, 3)
     elif block_d <= 128:
-        dkdv = (32, 32, 4, 1) if cc >= 90 else (32, 64, 8, 1)
-        cfg = BwdConfig(*dkdv, 64, 32, 4, 3 if cc >= 90 else 2)
+        dkdv = (32, 32, 4, 1) if cc == 90 else (32, 64, 8, 1)
+        cfg = BwdConfig(*dkdv, 64, 32, 4, 3 if cc == 90 else 2)
     else:
-        cfg = BwdConfig(16, 32, 8, 1, 32, 16, 4, 2 if cc >= 90 else 1)
+        cfg = BwdConfig(16, 32, 8, 1, 32, 16, 4, 2 if cc == 90 else 1)
     if dtype == torch.float32:
         cfg = BwdConfig(max(16, cfg.m1 // 2), cfg.n1, cfg.warps1, 1, cfg.m2, max(16, cfg.n2 // 2), cfg.warps2,
                         max(1, cfg.stages2 - 1))
@@ -286,16 +313,18 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
     (``Options.key_block``), ``forced_block_n`` when the user set it; ``tma``: the strides TMA accepts;
     ``upcast``: the interpreter's fp32 operands; ``sinks``: learned sinks (the forward's ``HAS_SINKS``; the
     backward needs nothing for them). ``config`` overrides the tiling (tests); the forward's
-    is checked here (its ``tile_n``: one or two blocks of the partition).
+    is checked here (its ``tile_n``: one or two blocks of the partition). ``cc``: the GPU's compute
+    capability (major * 10 + minor); its :func:`tile_generation` picks the tile table's row.
     """
     block_d = head_block(head_dim)
+    gen = tile_generation(cc)  # the tile table's row for this GPU
     consts = dict(CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, DROPOUT=dropout, HEAD_D=head_dim, BLOCK_D=block_d,
                   DTYPE=TL_DTYPE[dtype], UPCAST=upcast, PREC=precision(dtype, upcast))
     if kpm is not None:
         consts["HAS_KPM"] = kpm
     if kind == "fwd":
         plain = not (window or softcap or dropout or kpm)
-        cfg = config or fwd_config(block_d, block_n, dtype, cc, mode=mode, stats=stats, plain=plain,
+        cfg = config or fwd_config(block_d, block_n, dtype, gen, mode=mode, stats=stats, plain=plain,
                                    forced_block_n=forced_block_n, tma=tma, causal=causal)
         block_n = cfg.block_n or block_n
         tile_n = cfg.tile_n or block_n
@@ -303,11 +332,11 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
             raise ValueError(f"config.tile_n={cfg.tile_n} with key blocks of {block_n}: accepted are None, {block_n} "
                              f"and {2 * block_n} (one or two blocks of the partition per key tile)")
         consts.update(MODE=mode, STATS=int(stats), BLOCK_M=cfg.block_m, BLOCK_N=block_n, TILE_N=tile_n, TMA=cfg.tma,
-                      ROW_SUM_PARTS=row_sum_parts(cc, dtype, block_n), HAS_SINKS=sinks)
+                      ROW_SUM_PARTS=row_sum_parts(gen, dtype, block_n), HAS_SINKS=sinks)
         return consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
     if kind not in ("bwd_dkdv", "bwd_dq"):
         raise ValueError(f"kind={kind!r}: one of 'fwd', 'bwd_dkdv', 'bwd_dq'")
-    c = config or bwd_config(block_d, dtype, cc, tma, heavy=dropout or softcap)
+    c = config or bwd_config(block_d, dtype, gen, tma, heavy=dropout or softcap)
     m, n, warps, stages = (c.m1, c.n1, c.warps1, c.stages1) if kind == "bwd_dkdv" else (c.m2, c.n2, c.warps2,
                                                                                          c.stages2)
     consts.update(BLOCK_M=m, BLOCK_N=n, TMA=c.tma)
