@@ -8,13 +8,15 @@ the per-parameter gradient norms (one ``torch._foreach_norm`` over every gradien
 models of two sizes after one real forward and backward: the median of ``--repeats`` fills (each measuring the
 gradient norms again), a second alert of the same step (which reuses them), the step's own first forward and
 backward, for scale, and what :meth:`Evidence.record` costs every step (the mean of 1000 calls).
+``--alert-lines`` also prints each size's filled alert as its JSONL line (the evidence's content, to diff).
 
-    python benchmarks/alert_evidence.py [--repeats 5] [--threads 1] [--sizes tiny,124m]
+    python benchmarks/alert_evidence.py [--repeats 5] [--threads 1] [--sizes tiny,124m] [--alert-lines]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import tempfile
@@ -45,6 +47,7 @@ def measure(size: str, repeats: int) -> dict[str, float]:
         engine.train_start(Trainables(step=0, model=model, optimizers=[opt], schedulers=[]))
         engine.begin_step(0)
         data = torch.randint(0, vocab, (batch, seq))
+        engine.add_batch({"input_ids": data}, epoch=0, batch_index=0)  # the alert's data position
         start = time.perf_counter()
         loss = model(input_ids=data, labels=data).loss
         loss.backward()
@@ -73,7 +76,8 @@ def measure(size: str, repeats: int) -> dict[str, float]:
     assert filled.grad_norms is not None and len(filled.grad_norms["top"]) == 5
     params = sum(p.numel() for p in model.parameters())
     return {"params": params, "tensors": filled.grad_norms["parameters"], "fill_ms": 1e3 * statistics.median(fills),
-            "again_ms": 1e3 * again_s, "step_ms": 1e3 * step_s, "record_us": record_us}
+            "again_ms": 1e3 * again_s, "step_ms": 1e3 * step_s, "record_us": record_us,
+            "alert_line": json.dumps(filled.to_dict(), sort_keys=True)}
 
 
 def main() -> None:
@@ -81,6 +85,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--sizes", default="tiny,124m")
+    p.add_argument("--alert-lines", action="store_true", help="print each size's filled alert line after the table")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}; "
@@ -88,10 +93,14 @@ def main() -> None:
     print("| model | parameters | tensors | evidence of one alert step, ms | another alert of the same step, ms "
           "| the first forward + backward, ms | every step's record, us |")
     print("|---|---|---|---|---|---|---|")
+    lines = []
     for size in args.sizes.split(","):
         r = measure(size, args.repeats)
         print(f"| GPT-2 {size} | {r['params'] / 1e6:.1f}M | {r['tensors']} | {r['fill_ms']:.2f} | {r['again_ms']:.2f} "
               f"| {r['step_ms']:.0f} | {r['record_us']:.1f} |")
+        lines.append(r["alert_line"])
+    if args.alert_lines:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
