@@ -70,7 +70,7 @@ from .rollback import (
     snapshot_state,
     take_snapshot,
 )
-from .verdict import FIELDS, ActionCap, NotTrainingStreak, PhaseNotes, StepJudge, Verdict
+from .verdict import ActionCap, NotTrainingStreak, PhaseNotes, RankReading, StepJudge, Verdict
 
 __all__ = ["ACTIONS", "Decision", "MonitorEngine", "StepEnd", "Trainables", "World"]
 
@@ -482,19 +482,12 @@ class MonitorEngine:
         # The norm is non-finite exactly when a gradient is (or its sum of squares overflows): no second
         # pass then; without it, a max-abs pass over the local gradients.
         bad_grads = (~torch.isfinite(grad_norm)).float() if grad_norm is not None else nonfinite_grads(params)
-        nan = torch.full((), math.nan, device=device)
-        mine = torch.stack([
-            self._loss.to(device) if self._loss is not None else nan,
-            grad_norm.float().to(device) if grad_norm is not None else nan,
-            torch.full((), float(self._loss is not None), device=device),
-            bad_grads.to(device) if bad_grads is not None else torch.zeros((), device=device),
-        ]).double()
+        mine = RankReading.to_tensor(self._loss, grad_norm, bad_grads, device)
         # Every rank shares its raw values (one collective per step, issued whatever the values are) and
         # every rank runs the same detectors over all of them, so all ranks reach the same verdict.
-        table = self.world.all_gather(mine).reshape(-1, FIELDS) if self.world.size > 1 else mine[None]
+        rows = RankReading.from_table(self.world.all_gather(mine) if self.world.size > 1 else mine)
         if lr is None:
             lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else math.nan
-        rows = table.cpu().tolist()
         judged = self._judge.judge(step, rows, has_norm=grad_norm is not None, scaler=scaler,
                                    lr=lr, note=lambda verdict: self._action_note(step, verdict))
         self._evidence.record(step, rows, judged, optimizer, params)

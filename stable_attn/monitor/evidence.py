@@ -51,6 +51,7 @@ from . import names
 from .alert_schema import CAPS
 from .alerts import Alert, checkpoint_name, json_safe
 from .layer_stats import LayerStats
+from .verdict import RankReading
 
 __all__ = ["RELATIVE_FLOORS", "TOP_GRAD_NORMS", "Evidence", "moved", "top_grad_norms"]
 
@@ -134,7 +135,7 @@ class Evidence:
         self._root: weakref.ref[torch.nn.Module] | None = None
         self._names: dict[int, str] = {}
         self._step: int | None = None
-        self._rows: list[list[float]] = []
+        self._rows: list[RankReading] = []
         self._judged: Any = None
         self._lrs: list[Any] | None = None
         self._params: list[torch.nn.Parameter] = []
@@ -146,9 +147,9 @@ class Evidence:
         self._root = weakref.ref(root)
         self._names = {}
 
-    def record(self, step: int, rows: list[list[float]], judged: Any, optimizer: Any,
+    def record(self, step: int, rows: list[RankReading], judged: Any, optimizer: Any,
                parameters: list[torch.nn.Parameter]) -> None:
-        """The step's gathered rows (``[loss, grad norm, has loss, non-finite grads]`` per rank), its
+        """The step's gathered readings (one :class:`~stable_attn.monitor.verdict.RankReading` per rank), its
         :class:`~stable_attn.monitor.verdict.Judgement`, every param group's learning rate and the parameters
         (their gradients are read only if the step alerts)."""
         self._step, self._rows, self._judged, self._params = step, rows, judged, parameters
@@ -216,8 +217,8 @@ class Evidence:
 
         out = []
         for rank, row in enumerate(self._rows):
-            out.append({"rank": rank, "loss": reading(names.LOSS, rank, row[0]) if row[2] else None,
-                        "grad_norm": reading(names.GRAD_NORM, rank, row[1])})
+            out.append({"rank": rank, "loss": reading(names.LOSS, rank, row.loss) if row.has_loss else None,
+                        "grad_norm": reading(names.GRAD_NORM, rank, row.grad_norm)})
         # the ranks whose detector of the alert's metric flagged first, then those flagged on the other metric
         own = events.get(alert.metric, {})
         flagged = {r for metric in events.values() for r in metric}

@@ -1,7 +1,7 @@
 """One optimizer step judged from every rank's values: which detectors fired, what is done, what to say.
 
-The engine gathers, per rank, the step's loss, gradient norm, whether the rank had a loss (a skipped
-backward has none) and whether any of its gradients is NaN or inf. Every rank runs every rank's
+The engine gathers, per rank, a :class:`RankReading`: the step's loss, gradient norm, whether the rank had a
+loss (a skipped backward has none) and whether any of its gradients is NaN or inf. Every rank runs every rank's
 detectors over that same table (each rank's values have their own level and noise, so each rank has
 its own copy of each detector), so every rank reaches the same verdict without a second collective.
 
@@ -36,22 +36,64 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import Alert, SpikeDetector, SpikeEvent, names
 from .config import CONFIRMED_ACTIONS
 
-__all__ = ["FIELDS", "GRAD_NORM_CONFIRM_SHARE", "SPIKE_ACTIONS", "ActionCap", "Judgement", "NotTrainingStreak",
-           "PhaseNotes", "RankDetectors", "StepJudge", "Verdict"]
+if TYPE_CHECKING:
+    import torch
 
-# Columns of the per-rank row: loss, gradient norm, has a loss, non-finite gradients.
-FIELDS = 4
+__all__ = ["GRAD_NORM_CONFIRM_SHARE", "SPIKE_ACTIONS", "ActionCap", "Judgement", "NotTrainingStreak",
+           "PhaseNotes", "RankDetectors", "RankReading", "StepJudge", "Verdict"]
+
 #: The share of the run's progress a rank's loss must undo to confirm a gradient-norm jump on its own.
 GRAD_NORM_CONFIRM_SHARE = 0.5
 #: The metric of the alert that says the spike-action cap was reached.
 SPIKE_ACTIONS = "stable_attn/spike_actions"
+
+
+@dataclass(frozen=True)
+class RankReading:
+    """One rank's values of one step, as every rank gathers them: the one place that knows the gathered row's
+    columns and their order (``to_tensor`` writes them, ``from_row`` reads them)."""
+
+    loss: float  # the step's loss on this rank (NaN without one)
+    grad_norm: float  # the global gradient norm (NaN when it is not computed)
+    has_loss: bool = True  # the rank ran a backward with a loss this step
+    bad_grads: bool = False  # a gradient on this rank is NaN or inf
+
+    WIDTH: ClassVar[int]
+
+    @staticmethod
+    def to_tensor(loss: torch.Tensor | None, grad_norm: torch.Tensor | None, bad_grads: torch.Tensor | None,
+                  device: torch.device) -> torch.Tensor:
+        """This rank's row on ``device`` (float64, no host copy): what the all-gather shares."""
+        import torch  # the judge itself runs on host floats, without torch
+
+        nan = torch.full((), math.nan, device=device)
+        return torch.stack([
+            loss.to(device) if loss is not None else nan,
+            grad_norm.float().to(device) if grad_norm is not None else nan,
+            torch.full((), float(loss is not None), device=device),
+            bad_grads.to(device) if bad_grads is not None else torch.zeros((), device=device),
+        ]).double()
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> RankReading:
+        """The reading of one gathered row (host floats, in :meth:`to_tensor`'s order)."""
+        loss, grad_norm, has_loss, bad_grads = row
+        return cls(float(loss), float(grad_norm), bool(has_loss), bool(bad_grads))
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor) -> list[RankReading]:
+        """Every rank's reading from the gathered tensor (stacked or concatenated rows), in rank order."""
+        return [cls.from_row(row) for row in table.reshape(-1, cls.WIDTH).cpu().tolist()]
+
+
+RankReading.WIDTH = len(fields(RankReading))
 
 
 @dataclass(frozen=True)
@@ -215,13 +257,13 @@ class StepJudge:
                 ranks.detectors[0].load_state_dict(saved[0])
                 ranks.load_other_states(saved[1:])
 
-    def judge(self, step: int, rows: list[list[float]], *, has_norm: bool, scaler: bool, lr: float,
+    def judge(self, step: int, rows: Sequence[RankReading], *, has_norm: bool, scaler: bool, lr: float,
               note: Callable[[Verdict], str]) -> Judgement:
-        """``rows[rank]`` = [loss, grad norm, has loss, non-finite gradients]; ``note(verdict)`` is what an
-        alert adds after its message (e.g. "; update skipped")."""
+        """``rows[rank]``: that rank's reading; ``note(verdict)`` is what an alert adds after its message
+        (e.g. "; update skipped")."""
         world = len(rows)
-        losses = [r[0] for r in rows if r[2]]
-        norms = [r[1] for r in rows] if has_norm else []
+        losses = [r.loss for r in rows if r.has_loss]
+        norms = [r.grad_norm for r in rows] if has_norm else []
         last = {
             names.LOSS: sum(losses) / len(losses) if losses else math.nan,  # a NaN on any rank shows
             names.GRAD_NORM: worst(norms),
@@ -229,24 +271,24 @@ class StepJudge:
         }
         loss_det, norm_det = self.ranks[names.LOSS], self.ranks[names.GRAD_NORM]
         # Measured before the loss enters its detector: against the baseline the value is judged by.
-        shares = {rank: loss_det[rank].progress_share(r[0]) for rank, r in enumerate(rows)
-                  if r[2] and math.isfinite(r[0])}
+        shares = {rank: loss_det[rank].progress_share(r.loss) for rank, r in enumerate(rows)
+                  if r.has_loss and math.isfinite(r.loss)}
         baselines = {names.LOSS: {rank: getattr(loss_det[rank], "baseline", None)
-                                  for rank, r in enumerate(rows) if r[2]}}
+                                  for rank, r in enumerate(rows) if r.has_loss}}
         if has_norm:
             baselines[names.GRAD_NORM] = {rank: getattr(norm_det[rank], "baseline", None) for rank in range(world)}
-        loss_events = [(rank, loss_det[rank].update(step, r[0])) for rank, r in enumerate(rows) if r[2]]
+        loss_events = [(rank, loss_det[rank].update(step, r.loss)) for rank, r in enumerate(rows) if r.has_loss]
         norm_events = []
         # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
         if has_norm:
-            norm_events = [(rank, norm_det[rank].update(step, r[1])) for rank, r in enumerate(rows)
-                           if not (scaler and not math.isfinite(r[1]))]
+            norm_events = [(rank, norm_det[rank].update(step, r.grad_norm)) for rank, r in enumerate(rows)
+                           if not (scaler and not math.isfinite(r.grad_norm))]
         loss_events = [(rank, e) for rank, e in loss_events if e is not None]
         norm_events = [(rank, e) for rank, e in norm_events if e is not None]
         flagged = {names.LOSS: dict(loss_events), names.GRAD_NORM: dict(norm_events)}  # before confirmation
         norm_events, unconfirmed = self._confirmed(norm_events, bool(loss_events), shares)
-        bad_grad_ranks = [] if scaler else [rank for rank, r in enumerate(rows) if r[3]]
-        nonfinite_loss = any(r[2] and not math.isfinite(r[0]) for r in rows)
+        bad_grad_ranks = [] if scaler else [rank for rank, r in enumerate(rows) if r.bad_grads]
+        nonfinite_loss = any(r.has_loss and not math.isfinite(r.loss) for r in rows)
         nonfinite = nonfinite_loss or bool(bad_grad_ranks)
         spiked = bool(loss_events or norm_events)
         capped = spiked and self.on_spike != "warn" and self.cap.exhausted
