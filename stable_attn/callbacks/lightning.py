@@ -41,13 +41,13 @@ log = logging.getLogger("stable_attn")
 if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
     from typing_extensions import Unpack
 
-    from ..monitor.typed_options import MonitorOptions
+    from ..monitor.config import MonitorOptions
 
-# What the callback shows of its engine, read-only: the run's outcome and state, and the arguments.
+# What the callback shows of its engine, read-only: the run's outcome and state, and (from its config) the arguments.
 _ENGINE_ATTRIBUTES = frozenset({
     "alert_count", "alert_kinds", "skipped_steps", "rollbacks", "stop_checkpoint", "alert_delivery", "layers",
-    "dispatcher", "surge_detectors", "log_dir", "not_training_streak",
-}) | frozenset(MonitorConfig.names())
+    "dispatcher", "surge_detectors", "log_dir", "not_training_streak", "loss_detector", "grad_norm_detector",
+})
 _WRONG_TRAINER = ("StableAttentionCallback is a Lightning callback (lightning.Trainer); for transformers.Trainer use "
                   "stable_attn.callbacks.StableAttentionTrainerCallback")
 
@@ -187,6 +187,8 @@ class StableAttentionCallback(Callback):
         engine = self.__dict__.get("engine")  # absent while unpickling
         if engine is not None and name in _ENGINE_ATTRIBUTES:
             return getattr(engine, name)
+        if engine is not None and name in MonitorConfig.names():
+            return engine.config.checked()[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------ start and end

@@ -53,7 +53,7 @@ __all__ = ["StableAttentionTrainerCallback"]
 if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
     from typing_extensions import Unpack
 
-    from ..monitor.typed_options import MonitorOptions
+    from ..monitor.config import MonitorOptions
 
 log = logging.getLogger("stable_attn")
 
@@ -364,7 +364,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
                           all_gather=_all_gather if size > 1 else None, grad_norm=self._taps.grad_norm)
             self.engine.setup(model, world, stage="train")
             steps = args.logging_strategy == "steps"
-            self._every = self.engine.log_every_n_steps or (state.logging_steps if steps else 0)
+            self._every = self.engine.config.log_every_n_steps or (state.logging_steps if steps else 0)
             output_dir = args.output_dir or "."
             stop_path = lambda step: os.path.join(output_dir, names.trainer_checkpoint(step))  # the Trainer's save
             self.engine.start(output_dir, self._every, stop_path)

@@ -18,13 +18,13 @@ import inspect
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from . import alerting, names
 from .alerts import Alert
 from .spikes import SpikeDetector
 
-__all__ = ["ACTIONS", "ACTION_WORDS", "CONFIRMED_ACTIONS", "MonitorConfig", "SpikeAction"]
+__all__ = ["ACTIONS", "ACTION_WORDS", "CONFIRMED_ACTIONS", "MonitorConfig", "MonitorOptions", "SpikeAction"]
 
 SpikeAction = Literal["warn", "skip", "rollback", "stop", "recover"]
 #: What ``on_spike`` accepts, in the order the docs give them.
@@ -318,3 +318,44 @@ class MonitorConfig:
 
 MonitorConfig.document(MonitorConfig, log_every="the training loop's own logging interval",
                        log_dir="the run's log directory")
+
+
+# The arguments as a TypedDict, for static type checkers and IDEs: the engine and both callbacks take them as
+# ``**options: Unpack[MonitorOptions]`` (PEP 692), because pyright, mypy and PyCharm read annotations, not the
+# ``__signature__`` that ``help()`` shows. Defaults and checks stay in MonitorConfig alone;
+# tests/monitor/test_config.py holds these names and annotations to its fields.
+class MonitorOptions(TypedDict, total=False):
+    """Every keyword of ``StableAttentionCallback``, ``StableAttentionTrainerCallback`` and ``MonitorEngine``."""
+
+    on_spike: SpikeAction
+    log_every_n_steps: int | None
+    swap: bool
+    patch_sdpa: bool
+    loss_detector: SpikeDetector | None
+    grad_norm_detector: SpikeDetector | None
+    monitor_grad_norm: bool
+    attention_stats: bool
+    early_warnings: bool
+    early_warning_warmup: int | None
+    rollback_every: int
+    rollback_steps: int
+    snapshot_memory_limit: int | None
+    skip_batches: int
+    lr_factor: float
+    lr_steps: int
+    max_recoveries: int
+    cooldown_steps: int
+    on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None
+    webhook_url: str | None
+    webhook_timeout: float
+    webhook_headers: Mapping[str, str] | None
+    alerts_file: str | None
+    layer_window: int
+    not_training_after: int
+    not_training_stop_after: int | None
+    spike_action_cap: int | None
+    spike_action_cooldown: int
+    spike_confirm_steps: int
+    diagnose_spikes: bool
+    qk_clip: float | None
+    qk_clip_alpha: float

@@ -47,12 +47,12 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, alerting, names
-from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAction: imported from here before
+from .config import ACTIONS, MonitorConfig
 from .data_position import data_position as _data_position
 from .evidence import Evidence
 from .grad_norm import nonfinite_grads, total_grad_norm
@@ -71,6 +71,11 @@ from .rollback import (
     take_snapshot,
 )
 from .verdict import ActionCap, NotTrainingStreak, PhaseNotes, RankReading, StepJudge, Verdict
+
+if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
+    from typing_extensions import Unpack
+
+    from .config import MonitorOptions
 
 __all__ = ["ACTIONS", "Decision", "MonitorEngine", "StepEnd", "Trainables", "World"]
 
@@ -147,7 +152,7 @@ class MonitorEngine:
     line. :meth:`from_config` builds an engine from a MonitorConfig.
     """
 
-    def __init__(self, *, name: str = "StableAttentionCallback", **options: Any) -> None:
+    def __init__(self, *, name: str = "StableAttentionCallback", **options: Unpack[MonitorOptions]) -> None:
         self._configure(MonitorConfig.from_options(options, owner="MonitorEngine"), name)
 
     __init__.__signature__ = MonitorConfig.signature(  # type: ignore[attr-defined]
@@ -163,9 +168,6 @@ class MonitorEngine:
     def _configure(self, config: MonitorConfig, name: str) -> None:
         self.config = config
         self.name = name
-        # One attribute per argument, as the engine keeps it (on_alert a list, webhook_timeout a float, ...).
-        for key, value in config.checked().items():
-            setattr(self, key, value)
         detector = config.loss_detector
         self.loss_detector = detector if detector is not None else SpikeDetector.loss()
         detector = config.grad_norm_detector
@@ -267,7 +269,7 @@ class MonitorEngine:
         self._root = root
         self._evidence.watch(root)
         self._swap_models(root)
-        if self.patch_sdpa and self.sdpa_patch is None:
+        if self.config.patch_sdpa and self.sdpa_patch is None:
             from ..integrations.sdpa import patch_sdpa
 
             self.sdpa_patch = patch_sdpa()
@@ -281,19 +283,19 @@ class MonitorEngine:
 
         models = {path: m for path, m in find_hf_models(root).items() if id(m) not in self._swapped}
         if not models:
-            if not self._swapped and not self.patch_sdpa:
+            if not self._swapped and not self.config.patch_sdpa:
                 log.warning("%s: no transformers PreTrainedModel found in %s; attention is not swapped and no layer "
                             "statistics are logged", self.name, type(root).__name__)
             return
         from ..integrations.transformers import attach_stats, attention_modules
 
-        if self.swap:
+        if self.config.swap:
             swap_attention(models)
         stats: dict[str, Any] = {}
         several = len(models) + len(self._swapped) > 1
         for path, model in models.items():
             self._swapped[id(model)] = path
-            if self.attention_stats:
+            if self.config.attention_stats:
                 layers = {f"{path or 'model'}.{layer}" if several else layer: s
                           for layer, s in attach_stats(model).items()}
                 stats.update(layers)
@@ -305,7 +307,7 @@ class MonitorEngine:
         if self.world.is_zero:
             n_attention = sum(len(attention_modules(m)) for m in models.values())
             found = ", ".join(type(m).__name__ for m in models.values())
-            what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.swap else \
+            what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.config.swap else \
                 "monitoring %d transformers model(s) [%s] (attention not switched)"
             log.warning("%s: " + what + ": %d attention layer(s), backend %s",
                         self.name, len(models), found, n_attention, self.world.backend)
@@ -317,12 +319,13 @@ class MonitorEngine:
         ``stop_path(step)`` names the checkpoint a stop writes (default
         ``<log_dir>/stable_attn-stop-step=<step>.ckpt``)."""
         self.log_dir = log_dir
-        self._every = self.log_every_n_steps or log_every_n_steps
+        self._every = self.config.log_every_n_steps or log_every_n_steps
         self._stop_path = stop_path or self._default_stop_path
         self._step = -1
+        checked = self.config.checked()
         self.dispatcher = alerting.build_dispatcher(
-            log_dir or ".", self.alerts_file, self.on_alert, self.webhook_url, self.webhook_timeout,
-            self.webhook_headers) if self.world.is_zero else None
+            log_dir or ".", self.config.alerts_file, checked["on_alert"], self.config.webhook_url,
+            checked["webhook_timeout"], checked["webhook_headers"]) if self.world.is_zero else None
 
     def train_start(self, state: Trainables) -> None:
         """Training begins with ``state`` (any checkpoint restored): the first rollback snapshot."""
@@ -368,7 +371,7 @@ class MonitorEngine:
         self._flush_deferred()  # a step that raised after its spike was judged: the alerts without its statistics
         dispatcher, self.dispatcher = self.dispatcher, None
         if dispatcher is not None:
-            delivered = alerting.close_dispatcher(dispatcher, self.webhook_timeout, when)
+            delivered = alerting.close_dispatcher(dispatcher, self.config.checked()["webhook_timeout"], when)
             self.alert_delivery = alerting.add_counts(self.alert_delivery, delivered)
         patch, self.sdpa_patch = self.sdpa_patch, None
         if patch is not None:
@@ -404,8 +407,8 @@ class MonitorEngine:
                      "(not alerted)")
         if self.stop_checkpoint is not None:
             line += f"; stopped, checkpoint {self.stop_checkpoint}"
-        if self.alerts_file is not None and self.alert_count and self.log_dir is not None:
-            line += f"; alerts in {os.path.join(self.log_dir, self.alerts_file)}"
+        if self.config.alerts_file is not None and self.alert_count and self.log_dir is not None:
+            line += f"; alerts in {os.path.join(self.log_dir, self.config.alerts_file)}"
         return line
 
     # ------------------------------------------------------------ each step
@@ -477,7 +480,7 @@ class MonitorEngine:
         params = list(parameters)
         step, device = self._step, self.world.device
         grad_norm = None
-        if self.monitor_grad_norm:
+        if self.config.monitor_grad_norm:
             grad_norm = (self.world.grad_norm or total_grad_norm)(params)
         # The norm is non-finite exactly when a gradient is (or its sum of squares overflows): no second
         # pass then; without it, a max-abs pass over the local gradients.
@@ -494,7 +497,7 @@ class MonitorEngine:
         self.last = judged.last
         self.unconfirmed_grad_norm_jumps += judged.unconfirmed
         self._spiked = judged.spiked
-        watched = [self.loss_detector] + ([self.grad_norm_detector] if self.monitor_grad_norm else [])
+        watched = [self.loss_detector] + ([self.grad_norm_detector] if self.config.monitor_grad_norm else [])
         for line in self._phases.update(step, watched):
             if self.world.is_zero:
                 log.warning("%s: %s", self.name, line)
@@ -629,7 +632,7 @@ class MonitorEngine:
             if self.world.is_zero:
                 log.warning("%s: rolled back to the state at global_step %d; the batches of steps %d..%d are dropped",
                             self.name, self._snapshot.step, self._snapshot.step, step)
-        elif self.config.rolls_back and not self._acted and state.step % self.rollback_every == 0:
+        elif self.config.rolls_back and not self._acted and state.step % self.config.rollback_every == 0:
             self._take_snapshot(state)
         if self._pending_recover:
             self._pending_recover = False
@@ -714,7 +717,8 @@ class MonitorEngine:
         self._snapshot_detectors = self._judge.detector_states()
 
     def _monitor(self, step: int) -> dict[str, float]:
-        metrics = {k: v for k, v in self.last.items() if not (k == names.GRAD_NORM and not self.monitor_grad_norm)}
+        hidden = () if self.config.monitor_grad_norm else (names.GRAD_NORM,)
+        metrics = {k: v for k, v in self.last.items() if k not in hidden}
         gather = self.world.all_gather if self.world.size > 1 else None
         # A spiking step's attention statistics are its batch's: logged, not judged by the early warnings.
         layer_metrics, events = self._watch.observe(step, gather, self.world.device, self.last.get(names.LOSS),
