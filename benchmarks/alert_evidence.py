@@ -27,6 +27,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from stable_attn.monitor import Alert, names
 from stable_attn.monitor.engine import MonitorEngine, Trainables, World
+from stable_attn.monitor.evidence import StepFacts
 
 SIZES = {  # name: (layers, width, heads, vocab, seq, batch)
     "tiny": (4, 128, 4, 256, 128, 8),  # benchmarks/callback_overhead.py's model
@@ -56,15 +57,16 @@ def measure(size: str, repeats: int) -> dict[str, float]:
         # the engine's step, as an adapter calls it (the verdict, the evidence's record), without dropping the update
         engine.before_optimizer_step(opt, model.parameters())
         alert = Alert(step=0, kind="spike", metric=names.LOSS, value=loss.item(), action="skip")
-        evidence = engine._evidence
+        evidence = engine.desk.evidence
+        facts = StepFacts(data_position=engine.data_position, world_size=1, layers=engine.layers)
         fills = []
         for _ in range(repeats):
             evidence._grad_norms = None  # a new alert step: the gradient norms are measured again
             start = time.perf_counter()
-            filled = evidence.fill(alert, engine)
+            filled = evidence.fill(alert, facts)
             fills.append(time.perf_counter() - start)
         start = time.perf_counter()
-        evidence.fill(alert, engine)  # a second alert of the same step
+        evidence.fill(alert, facts)  # a second alert of the same step
         again_s = time.perf_counter() - start
         # what every step pays: the record of the step (loss window, the groups' learning rates, references)
         step, rows, judged, params = evidence._step, evidence._rows, evidence._judged, evidence._params

@@ -71,8 +71,7 @@ def alerts(trace: dict[str, list[tuple[int, float]]], **loss_options) -> tuple[d
     out: dict[int, list[str]] = {}
     unconfirmed = 0
     for (step, loss), (_, norm) in zip(trace[names.LOSS], trace[names.GRAD_NORM]):
-        judged = judge.judge(step, [RankReading(loss, norm)], has_norm=True, scaler=False, lr=math.nan,
-                             note=lambda verdict: "")
+        judged = judge.judge(step, [RankReading(loss, norm)], has_norm=True, scaler=False, lr=math.nan)
         unconfirmed += judged.unconfirmed
         for event, _ in judged.spikes:
             out.setdefault(step, []).append(event.metric.split("/")[-1])

@@ -45,8 +45,8 @@ if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, Py
 
 # What the callback shows of its engine, read-only: the run's outcome and state, and (from its config) the arguments.
 _ENGINE_ATTRIBUTES = frozenset({
-    "alert_count", "alert_kinds", "skipped_steps", "rollbacks", "stop_checkpoint", "alert_delivery", "layers",
-    "dispatcher", "surge_detectors", "log_dir", "not_training_streak", "loss_detector", "grad_norm_detector",
+    "alert_count", "alert_kinds", "skipped_steps", "rollbacks", "stop_checkpoint", "layers", "dispatcher",
+    "surge_detectors", "log_dir", "not_training_streak", "loss_detector", "grad_norm_detector",
 })
 _WRONG_TRAINER = ("StableAttentionCallback is a Lightning callback (lightning.Trainer); for transformers.Trainer use "
                   "stable_attn.callbacks.StableAttentionTrainerCallback")
@@ -189,6 +189,8 @@ class StableAttentionCallback(Callback):
             return getattr(engine, name)
         if engine is not None and name in MonitorConfig.names():
             return engine.config.checked()[name]
+        if engine is not None and name == "alert_delivery":  # per channel, of the closed channels and earlier runs
+            return engine.desk.delivered
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------ start and end

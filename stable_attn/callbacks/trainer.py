@@ -275,7 +275,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     @property
     def alert_delivery(self) -> dict[str, dict[str, int]]:
         """Per channel: alerts delivered, failed, dropped and abandoned (closed channels and earlier runs)."""
-        return self.engine.alert_delivery
+        return self.engine.desk.delivered
 
     def summary(self) -> str:
         return self.engine.summary()

@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from ..stats import AttentionStats
-from . import SpikeEvent, SurgeDetector, names
+from . import names
 from .collapse import EntropyCollapseDetector
+from .events import SpikeEvent
 from .layer_stats import STAT_NAMES, LayerStats
+from .surge import SurgeDetector
 
 __all__ = ["LayerWatch"]
 

@@ -25,15 +25,21 @@ would confuse its reducer): docs/DETECTORS.md.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["REPLAY_VERDICTS", "VARIANTS", "Replay", "default_loss", "replay_bundle", "replay_step", "table", "verdict",
-           "write_replay_bundle"]
+from . import names
+
+__all__ = ["REPLAY_VERDICTS", "VARIANTS", "Replay", "default_loss", "diagnose", "replay_bundle", "replay_step",
+           "table", "verdict", "write_replay_bundle"]
+
+log = logging.getLogger("stable_attn")
 
 #: The attention options of each variant, as ``configure()`` takes them.
 VARIANTS: Mapping[str, Mapping[str, Any]] = {
@@ -314,3 +320,35 @@ def table(result: Mapping[str, Any]) -> str:
                           "while another does not"}
     lines.append(f"verdict: {result['verdict']} ({meaning[result['verdict']]})")
     return "\n".join(lines)
+
+
+def diagnose(root: torch.nn.Module | None, batches: Sequence[Any], *, step: int, metric_name: str, threshold: float,
+             world_size: int, is_zero: bool, log_dir: str | None, bundles: list[str], name: str) -> dict[str, Any]:
+    """``diagnose_spikes``: replay the step three ways on its batches (the weights are still the pre-step ones when
+    the engine calls it, before the optimizer step) and say whether the spike is numerical or the data; the first
+    :data:`MAX_BUNDLES` spikes are written as bundles on rank zero (their paths appended to ``bundles``). Never
+    raises: a replay that cannot run says why in the result."""
+    metric = {names.LOSS: "loss", names.GRAD_NORM: "grad_norm"}.get(metric_name)
+    if metric is None:
+        return {"skipped": f"no replay for the metric {metric_name!r}"}
+    if world_size > 1:
+        return {"skipped": "not replayed under DDP (a backward outside DDP's forward would confuse its reducer)"}
+    if not batches or root is None:
+        return {"skipped": "the training loop passed no batches for this step (MonitorEngine.add_batch)"}
+    try:
+        run_variant = run_variant_of(root)
+        result = replay_step(root, batches, run_variant=run_variant, variants=variants_with(run_variant))
+        found = verdict(result, metric, threshold)
+    except Exception as exc:  # a diagnosis is a courtesy: it never costs the alert or the run
+        log.warning("%s: the spike at step %d was not replayed: %s: %s", name, step, type(exc).__name__, exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    diagnosis = {"metric": metric, "threshold": threshold, **result.as_dict(), "verdict": found}
+    if is_zero and log_dir and len(bundles) < MAX_BUNDLES:
+        try:
+            path = os.path.join(log_dir, BUNDLES_DIR, f"step-{step}")
+            bundles.append(write_replay_bundle(path, root, batches, step=step, metric=metric, threshold=threshold,
+                                               run_variant=run_variant))
+            diagnosis["bundle"] = os.path.basename(path)
+        except Exception as exc:
+            log.warning("%s: no replay bundle for step %d: %s: %s", name, step, type(exc).__name__, exc)
+    return diagnosis

@@ -36,18 +36,22 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from . import Alert, SpikeDetector, SpikeEvent, names
+from . import names
+from .actions.base import Action, Verdict
+from .alerts import Alert
 from .config import CONFIRMED_ACTIONS
+from .events import SpikeEvent
+from .spikes import SpikeDetector
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["GRAD_NORM_CONFIRM_SHARE", "SPIKE_ACTIONS", "ActionCap", "Judgement", "NotTrainingStreak",
-           "PhaseNotes", "RankDetectors", "RankReading", "StepJudge", "Verdict"]
+           "PhaseNotes", "RankDetectors", "RankReading", "StepJudge"]
 
 #: The share of the run's progress a rank's loss must undo to confirm a gradient-norm jump on its own.
 GRAD_NORM_CONFIRM_SHARE = 0.5
@@ -94,24 +98,6 @@ class RankReading:
 
 
 RankReading.WIDTH = len(fields(RankReading))
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What is done about one step. At most one of ``skip``, ``rollback`` and ``stop`` is True, and one is
-    exactly when the step's update is dropped; ``action`` is the word the step's alerts carry."""
-
-    action: str  # "warn", "skip", "rollback" or "stop": on_spike's (or "skip" for a non-finite step under "warn")
-    skip: bool = False  # the update is dropped and training goes on
-    rollback: bool = False  # the update is dropped and the last snapshot is restored
-    stop: bool = False  # the update is dropped and the run stops with a checkpoint
-    recover: bool = False  # the update is dropped and the engine's Recovery decides (monitor/recovery.py)
-    not_training: bool = False  # the step counts towards the not-training streak (dropped, or a non-finite loss)
-
-    @property
-    def drop(self) -> bool:
-        """The step's update is dropped."""
-        return self.skip or self.rollback or self.stop or self.recover
 
 
 @dataclass
@@ -235,8 +221,10 @@ class StepJudge:
     """Runs every rank's loss and gradient-norm detectors over one step's gathered rows and decides."""
 
     def __init__(self, on_spike: str, loss: SpikeDetector, grad_norm: SpikeDetector,
-                 cap: ActionCap | None = None, confirm: int = 1) -> None:
+                 cap: ActionCap | None = None, confirm: int = 1, action: Action | None = None) -> None:
         self.on_spike = on_spike
+        # decides a step whose update is dropped as on_spike, and words the alerts' note
+        self.action = action if action is not None else Action(word=on_spike)
         self.cap = cap if cap is not None else ActionCap(None, 1)
         self.confirm = confirm  # spike_confirm_steps
         self.ranks = {names.LOSS: RankDetectors(loss), names.GRAD_NORM: RankDetectors(grad_norm)}
@@ -257,10 +245,9 @@ class StepJudge:
                 ranks.detectors[0].load_state_dict(saved[0])
                 ranks.load_other_states(saved[1:])
 
-    def judge(self, step: int, rows: Sequence[RankReading], *, has_norm: bool, scaler: bool, lr: float,
-              note: Callable[[Verdict], str]) -> Judgement:
-        """``rows[rank]``: that rank's reading; ``note(verdict)`` is what an alert adds after its message
-        (e.g. "; update skipped")."""
+    def judge(self, step: int, rows: Sequence[RankReading], *, has_norm: bool, scaler: bool, lr: float) -> Judgement:
+        """``rows[rank]``: that rank's reading. A step dropped as ``on_spike`` is decided by the action
+        (``action.decide``), which also words what the alerts add after their message (``action.note``)."""
         world = len(rows)
         losses = [r.loss for r in rows if r.has_loss]
         norms = [r.grad_norm for r in rows] if has_norm else []
@@ -303,12 +290,13 @@ class StepJudge:
         dropped_as = "skip" if warn_only or waits else self.on_spike  # what a dropped update means
         if drop and dropped_as in ("rollback", "recover"):
             self.cap.lasted = 0  # the weights are put back: a spike after it is a new one
-        verdict = Verdict(action=dropped_as if drop or not warn_only else "warn",
-                          skip=drop and dropped_as == "skip", rollback=drop and dropped_as == "rollback",
-                          stop=drop and dropped_as == "stop", recover=drop and dropped_as == "recover",
-                          not_training=drop or nonfinite_loss)
+        if drop and dropped_as == self.on_spike:
+            verdict = self.action.decide(step)
+        else:
+            verdict = Verdict(action=dropped_as if drop or not warn_only else "warn",
+                              skip=drop and dropped_as == "skip", not_training=drop or nonfinite_loss)
         action = verdict.action
-        said = note(verdict)
+        said = self.action.note(verdict)
         if nonfinite and warn_only:
             said += " (a non-finite update is never applied, whatever on_spike says)"
         if capped:
@@ -329,6 +317,7 @@ class StepJudge:
                 step=step, kind="nonfinite", metric=names.GRADIENTS, value=math.nan, lr=lr, action=action,
                 message=("NaN or inf in the gradients " + where(bad_grad_ranks, world) + said).strip()))
         self._grads_were_bad = bool(bad_grad_ranks) and not has_norm
+        out.alerts.extend(self.action.alerts(step, lr))
         return out
 
     def _confirmed(self, events: list[tuple[int, SpikeEvent]], loss_flagged: bool,

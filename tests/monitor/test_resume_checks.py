@@ -117,7 +117,7 @@ def test_a_resumed_snapshot_is_checked_against_the_model_before_training_starts(
     state["rollback_snapshot"] = _saved(live)
     sound.load_state_dict(state)
     sound.on_train_start(trainer, live.model)
-    assert sound.engine._snapshot is not None and sound.engine._snapshot.step == 5
+    assert sound.engine.action.snapshot is not None and sound.engine.action.snapshot.step == 5
 
 
 def test_ctrl_c_during_a_rollback_restore_leaves_the_whole_snapshot_restored(monkeypatch) -> None:
