@@ -169,7 +169,7 @@ def main() -> None:
                         help="replay with SpikeDetector.loss(min_progress_share=...) (default: off, as the callbacks)")
     parser.add_argument("--noisy-progress-share", type=float, default=None,
                         help="replay with SpikeDetector.loss(noisy_progress_share=...); a negative value: None (off, "
-                             "the detector before 0.3); default: the callbacks' 0.1")
+                             "the gate off); default: the callbacks' 0.1")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in ("lightning", "lightning.pytorch", "stable_attn"):

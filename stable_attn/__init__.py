@@ -10,14 +10,13 @@ Triton kernel.
 
 from __future__ import annotations
 
+from ._version import __version__
 from .attention import attention
 from .explain import explain
 from .integrations.flash_compat import flash_attn_func, flash_attn_varlen_func
 from .integrations.sdpa import patch_sdpa, unpatch_sdpa
 from .stats import AttentionStats
 from .varlen import attention_varlen
-
-__version__ = "0.1.0"
 
 
 def register() -> bool:

@@ -44,7 +44,7 @@ FIX_NAMES: Mapping[str, Stabilize] = MappingProxyType({"off": False, "ours": Tru
 BACKENDS = ("auto", "torch", "triton")
 
 # Default key-block size: the partition the per-block rule sees, the same in both backends and every mode
-# (64 before issue 24; why 128, and why not the published code's 512: docs/ALGORITHM.md, "The key partition").
+# (why 128, and why not the published code's 512: docs/ALGORITHM.md, "The key partition").
 BLOCK_N = 128
 
 DEFAULTS: Mapping[str, Any] = MappingProxyType({

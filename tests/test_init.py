@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import stable_attn
+from stable_attn import _version
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # a sys.meta_path finder that makes transformers unimportable, as on a machine without it
 BLOCK_TRANSFORMERS = """
@@ -56,3 +64,17 @@ print(st.rows.tolist())
 """)
     assert out.strip() == "[5, 5]"
 
+
+
+def test_the_version_is_written_once_and_is_the_changelogs_next_heading():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    project = pyproject.split("[project]", 1)[1].split("\n[", 1)[0]
+    assert re.search(r'^dynamic = \[.*"version".*\]', project, re.M) and not re.search(r"^version\s*=", project, re.M)
+    assert 'version = { attr = "stable_attn._version.__version__" }' in pyproject  # read without importing torch
+    source = (ROOT / "stable_attn" / "_version.py").read_text()
+    literal = [ast.literal_eval(n.value) for n in ast.parse(source).body if isinstance(n, ast.Assign)]
+    assert literal == [_version.__version__] == [stable_attn.__version__]
+    written = [p for p in (ROOT / "stable_attn").rglob("*.py") if "__version__ =" in p.read_text()]
+    assert written == [ROOT / "stable_attn" / "_version.py"]
+    headings = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert headings[0] == f"{stable_attn.__version__} (unreleased)"

@@ -153,7 +153,7 @@ class _Attention(torch.nn.Module):
                                         ({"block_n": 24}, "block_n=24 must be a power of two")])
 def test_configure_config_and_patch_sdpa_share_the_validator(bad, needle):
     with pytest.raises(ValueError, match="config.stable_attn") as from_config:
-        hf._options(_Attention(bad))
+        hf.model_options_of(_Attention(bad))
     previous = F.scaled_dot_product_attention
     with pytest.raises(ValueError, match="patch_sdpa") as from_patch:
         stable_attn.patch_sdpa(**bad)
@@ -165,8 +165,8 @@ def test_configure_config_and_patch_sdpa_share_the_validator(bad, needle):
 
 
 def test_options_from_config_are_completed_with_the_defaults():
-    assert hf._options(_Attention({"beta": 3.0})) == {**hf.OPTION_DEFAULTS, "beta": 3.0}
-    assert hf._options(_Attention(None)) == hf.OPTION_DEFAULTS
+    assert hf.model_options_of(_Attention({"beta": 3.0})) == {**hf.OPTION_DEFAULTS, "beta": 3.0}
+    assert hf.model_options_of(_Attention(None)) == hf.OPTION_DEFAULTS
     with stable_attn.patch_sdpa(beta=3.0) as handle:
         assert handle.options == {**hf.OPTION_DEFAULTS, "beta": 3.0}
 

@@ -9,9 +9,7 @@
 Both are thin adapters over :class:`stable_attn.monitor.engine.MonitorEngine`, which imports no training
 loop. Each adapter is imported on first use (Lightning, or transformers' Trainer and accelerate), so the
 engine and its helpers in :mod:`stable_attn.monitor` (``grad_norm``, ``rollback``, ``layer_stats``) can be
-used from any training loop without them. The modules that lived here before (``engine``, ``verdict``,
-``layer_watch``, ``layer_stats``, ``alerting``, ``rollback``, ``grad_norm``) are deprecated aliases of
-their new homes in :mod:`stable_attn.monitor`.
+used from any training loop without them.
 """
 
 from __future__ import annotations

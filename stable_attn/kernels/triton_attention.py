@@ -125,14 +125,13 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode:
     no ``stats``, ``block_n`` not ``forced_block_n`` by the user: ``unseen``) the plain variants take that
     tile whatever the partition.
 
-    A 64-key partition set by the user (``block_n=64``, the default before issue 24) keeps issue 11's
-    tiles where a rule decides: at D = 128 two 64-key blocks per tile, the rule still per block
-    (``tile_n``); at D = 64 one warpgroup (4 warps) over 128 query rows and one 64-key block per
-    iteration, 3 stages (docs/BENCHMARKS.md). The launchers and ``triton_aot`` both reach all of this
+    A 64-key partition set by the user (``block_n=64``) keeps its own tiles where a rule decides: at
+    D = 128 two 64-key blocks per tile, the rule still per block (``tile_n``); at D = 64 one warpgroup
+    (4 warps) over 128 query rows and one 64-key block per iteration, 3 stages (docs/BENCHMARKS.md). The launchers and ``triton_aot`` both reach all of this
     through :func:`launch_constants`, so they cannot disagree.
 
     Elsewhere (sm_80, fp32, the variants with optional features, other partitions) :func:`_table_config`;
-    where no rule sees the partition there (``unseen``) it keeps the 64-key tiles it had before issue 24.
+    where no rule sees the partition there (``unseen``) it keeps 64-key tiles.
     """
     unseen = mode == rules.MODE_OFF and not stats and not forced_block_n
     wide = cc >= 90 and dtype != torch.float32 and (block_d <= 64 or block_d <= 128 and tma) and plain

@@ -29,8 +29,8 @@ query and key and its lengths (so causal and window are bottom-right per sequenc
 start at its first key: the rule sees the partition ``attention()`` sees on the sequence alone),
 rows ``[Hq, total_q]`` of lse and statistics, and the dropout counters of the sequence alone with
 seed ``seed + b``. Two entries rather than a flag on one kernel: the varlen arguments alone (unused)
-changed the dense kernel's SASS, while this way the dense kernels compile to the same SASS as before
-(all 12 sm_90 D = 64/128 variants of ``benchmarks/kernel_resources.py`` compared instruction by
+changed the dense kernel's SASS, while this way the dense kernels compile to the SASS they have without
+varlen (all 12 sm_90 D = 64/128 variants of ``benchmarks/kernel_resources.py`` compared instruction by
 instruction).
 """
 
@@ -530,7 +530,7 @@ def fwd_program(
     sequence ``b`` of packed ``[total, H, D]`` tensors, its rows from ``q_start`` and keys from
     ``k_start``, ``Nq``/``Nk`` its lengths, rows ``(h, q_start + i)`` of ``[Hq, total_q]``. The
     difference is confined to the offsets, each chosen where it is used (``x if VARLEN else y``,
-    resolved at compile time), so the dense kernel's code is what it was before varlen existed.
+    resolved at compile time), so the dense kernel's code carries no varlen line.
     """
     start_m = tl.program_id(0)
     h = tl.program_id(1)

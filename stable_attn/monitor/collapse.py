@@ -24,14 +24,13 @@ from .events import SpikeEvent
 from .robust import (
     RECENT_FLAGGED,
     Episodes,
+    LossProgress,
     as_float,
     check_count,
     check_metric,
     check_positive,
-    check_rate,
     check_state,
-    loss_averages,
-    optional_float,
+    median,
 )
 
 __all__ = ["EntropyCollapseDetector"]
@@ -96,13 +95,7 @@ class EntropyCollapseDetector:
             raise ValueError(f"alarm_fraction must be in [0, fraction={fraction!r}) (0: off), got {alarm_fraction!r}")
         self.min_drop = check_positive("min_drop", min_drop, allow_zero=True)
         self.window = check_count("window", window, 1)
-        self.min_improvement = check_positive("min_improvement", min_improvement, allow_zero=True)
-        self.loss_fast_rate = check_rate("loss_fast_rate", loss_fast_rate)
-        self.loss_slow_rate = check_rate("loss_slow_rate", loss_slow_rate)
-        if not self.loss_slow_rate < self.loss_fast_rate:
-            raise ValueError(
-                f"loss_slow_rate ({loss_slow_rate!r}) must be below loss_fast_rate ({loss_fast_rate!r})"
-            )
+        self._loss = LossProgress(min_improvement, loss_fast_rate, loss_slow_rate)
         self.warmup = check_count("warmup", warmup, 0)
         self.rebaseline_after = check_count("rebaseline_after", rebaseline_after, 1)
         self.reset()
@@ -113,9 +106,7 @@ class EntropyCollapseDetector:
         self._accepted: list[float] = []
         self._episodes = Episodes()
         self._recent: list[float] = []
-        self._loss_fast: float | None = None
-        self._loss_slow: float | None = None
-        self._losses = 0
+        self._loss.reset()
 
     @property
     def ready(self) -> bool:
@@ -127,19 +118,13 @@ class EntropyCollapseDetector:
         """The running median of the accepted values (None before the first)."""
         if not self._accepted:
             return None
-        ordered = sorted(self._accepted)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+        return median(self._accepted)
 
     @property
     def loss_improving(self) -> bool | None:
         """Whether the loss passed to :meth:`update` is still improving: None if no loss was passed, True
         (the benefit of the doubt) until ``1 / loss_slow_rate`` losses were seen."""
-        if self._loss_fast is None or self._loss_slow is None:
-            return None
-        if self._losses < 1.0 / self.loss_slow_rate:
-            return True
-        return self._loss_fast < self._loss_slow - self.min_improvement * abs(self._loss_slow)
+        return self._loss.improving
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state for checkpoints (JSON-safe)."""
@@ -152,9 +137,7 @@ class EntropyCollapseDetector:
                 "alarm_fraction": self.alarm_fraction,
                 "min_drop": self.min_drop,
                 "window": self.window,
-                "min_improvement": self.min_improvement,
-                "loss_fast_rate": self.loss_fast_rate,
-                "loss_slow_rate": self.loss_slow_rate,
+                **self._loss.config(),
                 "warmup": self.warmup,
                 "rebaseline_after": self.rebaseline_after,
             },
@@ -163,9 +146,7 @@ class EntropyCollapseDetector:
             "run": self._episodes.run,
             "last_kind": self._episodes.last_kind,
             "recent": list(self._recent),
-            "loss_fast": self._loss_fast,
-            "loss_slow": self._loss_slow,
-            "losses": self._losses,
+            **self._loss.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -176,9 +157,7 @@ class EntropyCollapseDetector:
         self._episodes.run = int(state["run"])
         self._episodes.last_kind = state["last_kind"]
         self._recent = [float(v) for v in state["recent"]]
-        self._loss_fast = optional_float(state["loss_fast"])
-        self._loss_slow = optional_float(state["loss_slow"])
-        self._losses = int(state["losses"])
+        self._loss.load_state_dict(state)
 
     def update(self, step: int, value: float, loss: float | None = None) -> SpikeEvent | None:
         """Feed one entropy (nats) and optionally the training loss of the same step; return an event on a
@@ -186,7 +165,7 @@ class EntropyCollapseDetector:
         value = as_float("value", value)
         step = int(step)
         if loss is not None:
-            self._track_loss(as_float("loss", loss))
+            self._loss.add(as_float("loss", loss))
         if not math.isfinite(value):
             return None
         baseline = self.baseline
@@ -218,10 +197,6 @@ class EntropyCollapseDetector:
             return event
         self._accept(value)
         return None
-
-    def _track_loss(self, loss: float) -> None:
-        self._losses, self._loss_fast, self._loss_slow = loss_averages(
-            self._losses, self._loss_fast, self._loss_slow, loss, self.loss_fast_rate, self.loss_slow_rate)
 
     def _accept(self, value: float) -> None:
         self._n += 1

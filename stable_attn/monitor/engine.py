@@ -185,7 +185,8 @@ class MonitorEngine:
                                 confirm=config.spike_confirm_steps, action=self.action)
         self._streak = NotTrainingStreak(config.not_training_after, config.not_training_stop_after)
         self._phases = PhaseNotes()
-        self._swapped: dict[int, str] = {}
+        self._swapped: dict[int, torch.nn.Module] = {}  # the models prepared so far, by id
+        self._checkpointing_undo: list[Any] = []  # config.use_cache and the dynamo switch, put back by end_run
         self.sdpa_patch: Any = None  # the patch_sdpa() handle while F.scaled_dot_product_attention is patched
         self._every = 1
         self._step = -1
@@ -257,38 +258,30 @@ class MonitorEngine:
 
     def _swap_models(self, root: torch.nn.Module) -> None:
         # imported here: the engine imports no transformers until a run sets up
-        from ..integrations.transformers.swap import find_hf_models, swap_attention
+        from ..integrations.transformers.swap import prepare_models
 
-        models = {path: m for path, m in find_hf_models(root).items() if id(m) not in self._swapped}
-        if not models:
+        prepared = prepare_models(root, swap=self.config.swap, stats=self.config.attention_stats,
+                                  prepared=self._swapped.values())
+        if not prepared.models:
             if not self._swapped and not self.config.patch_sdpa:
                 log.warning("%s: no transformers PreTrainedModel found in %s; attention is not swapped and no layer "
                             "statistics are logged", self.name, type(root).__name__)
             return
-        from ..integrations.transformers import attach_stats, attention_modules
+        from ..integrations.transformers.checkpointing import prepare_checkpointed_training
 
-        if self.config.swap:
-            swap_attention(models)
-        stats: dict[str, Any] = {}
-        several = len(models) + len(self._swapped) > 1
-        for path, model in models.items():
-            self._swapped[id(model)] = path
-            if self.config.attention_stats:
-                layers = {f"{path or 'model'}.{layer}" if several else layer: s
-                          for layer, s in attach_stats(model).items()}
-                stats.update(layers)
-                if self._qk is not None:  # attach_stats names the layers in attention_modules' order
-                    self._qk_modules.update(zip(layers, (m for _, m in attention_modules(model)), strict=True))
-        self._watch.add(stats)
+        self._checkpointing_undo.append(
+            prepare_checkpointed_training(prepared.models.values(), self.name, self.world.is_zero))
+        self._swapped.update((id(model), model) for model in prepared.models.values())
+        self._watch.add(prepared.stats)
         if self._qk is not None:
+            self._qk_modules.update(prepared.modules)
             self._qk.setup(self._qk_modules)  # raises on a layout it cannot edit, naming the module class
         if self.world.is_zero:
-            n_attention = sum(len(attention_modules(m)) for m in models.values())
-            found = ", ".join(type(m).__name__ for m in models.values())
+            found = ", ".join(type(m).__name__ for m in prepared.models.values())
             what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.config.swap else \
                 "monitoring %d transformers model(s) [%s] (attention not switched)"
             log.warning("%s: " + what + ": %d attention layer(s), backend %s",
-                        self.name, len(models), found, n_attention, self.world.backend)
+                        self.name, len(prepared.models), found, prepared.attention_layers, self.world.backend)
 
     def start(self, log_dir: str, log_every_n_steps: int, stop_path: Callable[[int], str] | None = None) -> None:
         """The run starts: alert channels open on rank zero, writing the JSONL file in ``log_dir``.
@@ -323,6 +316,9 @@ class MonitorEngine:
                 log.warning("%s: torch.nn.functional.scaled_dot_product_attention not restored %s: %s",
                             self.name, when, exc)
         self._watch.enable(False)
+        for undo in self._checkpointing_undo:
+            undo.restore()
+        self._checkpointing_undo = []
         if self.recovery is not None:
             for scale in self.recovery.lr:
                 scale.unwrap()

@@ -1,4 +1,4 @@
-"""Replay a spiking step three ways: was the spike the attention numerics or the data? (issue 26)
+"""Replay a spiking step three ways: was the spike the attention numerics or the data?
 
 :func:`replay_step` re-runs, on the model's current weights (the pre-step weights when it is called before the
 optimizer step, as the engine does with ``diagnose_spikes=True``), the forward and backward of the step's
@@ -116,9 +116,9 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def run_variant_of(model: torch.nn.Module) -> str:
     """The variant the model's attention layers run now (the first layer's options; ``"paper"`` for the published
     rule)."""
-    from ..integrations.transformers.models import _options
+    from ..integrations.transformers.models import model_options_of
 
-    opts = _options(_attention_modules(model)[0])
+    opts = model_options_of(_attention_modules(model)[0])
     if opts.get("pv_fp32"):
         return "fp32_pv"
     return {True: "ours", False: "off", "paper": "paper"}[opts["stabilize"]]
@@ -135,14 +135,14 @@ _ABSENT = object()
 @contextlib.contextmanager
 def _variant(modules: Sequence[torch.nn.Module], options: Mapping[str, Any]) -> Iterator[None]:
     """Every layer runs ``options`` over its own; its options and statistics as they were afterwards."""
-    from ..integrations.transformers.models import _options
+    from ..integrations.transformers.models import model_options_of
 
     saved = [(m, m.__dict__.get("stable_attn_options", _ABSENT), getattr(m, "stable_attn_stats", None))
              for m in modules]
     enabled = [(s, s.enabled) for _, _, s in saved if s is not None]
     try:
         for m, _, stats in saved:
-            m.stable_attn_options = {**_options(m), **options}
+            m.stable_attn_options = {**model_options_of(m), **options}
             if stats is not None:
                 stats.enabled = False  # replay's forwards are no training forwards: they must not count
         yield

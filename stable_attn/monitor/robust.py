@@ -1,4 +1,5 @@
-"""What both detectors share: the robust noise scale, argument checks, state checks, episode counts.
+"""What the detectors share: the robust noise scale, argument checks, state checks, episode counts, the
+early warnings' loss gate (:class:`LossProgress`).
 
 :class:`~stable_attn.monitor.spikes.SpikeDetector` and :class:`~stable_attn.monitor.surge.SurgeDetector`
 measure a value against a baseline in robust standard deviations of the recent noise; the variance
@@ -16,16 +17,21 @@ from typing import Any
 __all__ = [
     "MIN_SCALE_SAMPLES",
     "RECENT_FLAGGED",
+    "FAST_WINDOW",
     "Episodes",
+    "LossProgress",
     "as_float",
     "check_count",
     "check_metric",
     "check_positive",
     "check_rate",
     "check_state",
+    "diff_scale",
     "huber_consistency",
+    "median",
     "optional_float",
     "update_scale",
+    "window_noise",
 ]
 
 # Residual samples needed before the robust scale is trusted enough to clip with it.
@@ -123,14 +129,14 @@ def optional_float(value: Any) -> float | None:
 
 def check_state(state: Mapping[str, Any], kind: str, keys: tuple[str, ...], version: int) -> None:
     """Raise unless ``state`` is a version-``version`` state of detector ``kind`` holding every key of
-    ``keys`` (a state without ``"type"`` passes as ``kind``'s). Older versions are upgraded by the
-    detector's ``load_state_dict`` before this check."""
+    ``keys`` (a state without ``"type"`` passes as ``kind``'s)."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping from {kind}.state_dict(), got {type(state).__name__}")
     if state.get("type", kind) != kind:
         raise ValueError(f"state is a {state.get('type')!r} state, expected one from {kind}.state_dict()")
     if state.get("version") != version:
-        raise ValueError(f"state version {state.get('version')!r} is not supported (expected {version})")
+        raise ValueError(f"state version {state.get('version')!r} is not supported: {kind} reads version {version}, "
+                         "the format its state_dict() writes")
     missing = [k for k in keys if k not in state]
     if missing:
         raise ValueError(f"state is missing keys {missing}; pass the dict returned by {kind}.state_dict()")
@@ -154,15 +160,106 @@ class Episodes:
         self.last_kind = None
 
 
-def loss_averages(count: int, fast: float | None, slow: float | None, loss: float, fast_rate: float,
-                  slow_rate: float) -> tuple[int, float | None, float | None]:
-    """One finite ``loss`` folded into the fast and slow averages the early-warning detectors' loss gate
-    compares (a non-finite one changes nothing): ``(count, fast, slow)`` after it. Over the first values both
-    weigh them equally (rate 1/k), so both averages start from the same data."""
-    if not math.isfinite(loss):
-        return count, fast, slow
-    count += 1
-    if fast is None or slow is None:
-        return count, loss, loss
-    return (count, fast + max(fast_rate, 1.0 / count) * (loss - fast),
-            slow + max(slow_rate, 1.0 / count) * (loss - slow))
+def median(values: list[float]) -> float:
+    """The median of a non-empty list."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+# With fewer successive differences than this the noise is their root mean square (a median of a handful is
+# unreliable; a steep descent only widens the bar), from this many on the centred MAD.
+_ROBUST_DIFFS = 8
+
+
+def diff_scale(values: list[float]) -> float:
+    """A robust Gaussian sigma of ``values``' noise from their successive differences (0 before two values)."""
+    diffs = [b - a for a, b in zip(values, values[1:])]
+    if len(diffs) >= _ROBUST_DIFFS:
+        centre = median(diffs)
+        # 1.4826 * MAD is a Gaussian sigma; a difference of two values has sqrt(2) times theirs.
+        return 1.4826 * median([abs(d - centre) for d in diffs]) / math.sqrt(2.0)
+    if diffs:
+        # A handful: their root mean square (a median of a few is unreliable, and dropping the largest
+        # read a noisy run's noise low enough to flag its 4th value; a steep descent only widens the bar).
+        return math.sqrt(sum(d * d for d in diffs) / (2.0 * len(diffs)))
+    return 0.0
+
+
+# The window noise is also read over the last this many values: a noise that widens shows there within a few
+# steps (a median of 32 differences needs half its window), and a median of 8 differences is still not moved
+# by the two differences of one spike.
+FAST_WINDOW = 9
+
+
+def window_noise(values: list[float], log_space: bool, level_window: int) -> tuple[float, float]:
+    """A run's measured noise in ``values`` (a detector's transformed values, flagged ones too): the larger
+    :func:`diff_scale` of the whole window and of its last :data:`FAST_WINDOW`, as (relative, absolute). In log
+    space relative is the scale of the logs' differences and absolute that of the values' differences over the
+    current level (the median of the last ``level_window``): a batch noise of fixed size in nats (a few hard
+    tokens per batch) grows relative to a loss that falls, faster than a scale learnt from the past follows.
+    In linear space absolute is 0 (the rules there are in the metric's units already). Zeros before two
+    values."""
+    rel, absolute = max(diff_scale(values), diff_scale(values[-FAST_WINDOW:])), 0.0
+    if log_space and len(values) >= 2:
+        level = math.exp(median(values[-level_window:]))
+        linear = [math.exp(min(v, 700.0)) for v in values]
+        absolute = max(diff_scale(linear), diff_scale(linear[-FAST_WINDOW:])) / level
+    return rel, absolute
+
+
+class LossProgress:
+    """The early-warning detectors' loss gate: whether the training loss is still improving.
+
+    A fast and a slow average of the finite losses added (rates ``loss_fast_rate`` > ``loss_slow_rate``;
+    over the first values both weigh them equally, rate 1/k, so both start from the same data). The loss
+    improves while the fast average is more than ``min_improvement`` (relative) below the slow one.
+    """
+
+    def __init__(self, min_improvement: float, loss_fast_rate: float, loss_slow_rate: float) -> None:
+        self.min_improvement = check_positive("min_improvement", min_improvement, allow_zero=True)
+        self.loss_fast_rate = check_rate("loss_fast_rate", loss_fast_rate)
+        self.loss_slow_rate = check_rate("loss_slow_rate", loss_slow_rate)
+        if not self.loss_slow_rate < self.loss_fast_rate:
+            raise ValueError(
+                f"loss_slow_rate ({loss_slow_rate!r}) must be below loss_fast_rate ({loss_fast_rate!r})"
+            )
+        self.reset()
+
+    def reset(self) -> None:
+        self._fast: float | None = None
+        self._slow: float | None = None
+        self._count = 0
+
+    def config(self) -> dict[str, float]:
+        return {"min_improvement": self.min_improvement, "loss_fast_rate": self.loss_fast_rate,
+                "loss_slow_rate": self.loss_slow_rate}
+
+    def add(self, loss: float) -> None:
+        """Fold in one loss (a non-finite one changes nothing)."""
+        if not math.isfinite(loss):
+            return
+        self._count += 1
+        if self._fast is None or self._slow is None:
+            self._fast = self._slow = loss
+            return
+        self._fast += max(self.loss_fast_rate, 1.0 / self._count) * (loss - self._fast)
+        self._slow += max(self.loss_slow_rate, 1.0 / self._count) * (loss - self._slow)
+
+    @property
+    def improving(self) -> bool | None:
+        """None if no loss was added, True (the benefit of the doubt) until ``1 / loss_slow_rate`` losses
+        were added, since the two averages cannot differ before the slow one has its own memory."""
+        if self._fast is None or self._slow is None:
+            return None
+        if self._count < 1.0 / self.loss_slow_rate:
+            return True
+        return self._fast < self._slow - self.min_improvement * abs(self._slow)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_fast": self._fast, "loss_slow": self._slow, "losses": self._count}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._fast = optional_float(state["loss_fast"])
+        self._slow = optional_float(state["loss_slow"])
+        self._count = int(state["losses"])

@@ -28,6 +28,7 @@ from .robust import (
     MIN_SCALE_SAMPLES,
     RECENT_FLAGGED,
     Episodes,
+    LossProgress,
     as_float,
     check_count,
     check_metric,
@@ -35,7 +36,6 @@ from .robust import (
     check_rate,
     check_state,
     huber_consistency,
-    loss_averages,
     optional_float,
     update_scale,
 )
@@ -133,13 +133,7 @@ class SurgeDetector:
         self.alarm_level = as_float("alarm_level", alarm_level)
         if math.isnan(self.alarm_level) or not self.alarm_level > self.min_level:
             raise ValueError(f"alarm_level must be a number above min_level ({self.min_level!r}), got {alarm_level!r}")
-        self.min_improvement = check_positive("min_improvement", min_improvement, allow_zero=True)
-        self.loss_fast_rate = check_rate("loss_fast_rate", loss_fast_rate)
-        self.loss_slow_rate = check_rate("loss_slow_rate", loss_slow_rate)
-        if not self.loss_slow_rate < self.loss_fast_rate:
-            raise ValueError(
-                f"loss_slow_rate ({loss_slow_rate!r}) must be below loss_fast_rate ({loss_fast_rate!r})"
-            )
+        self._loss = LossProgress(min_improvement, loss_fast_rate, loss_slow_rate)
         self.warmup = check_count("warmup", warmup, 0)
         self.rate = check_rate("rate", rate)
         self.scale_rate = check_rate("scale_rate", scale_rate)
@@ -178,9 +172,7 @@ class SurgeDetector:
         self._last_residual: float | None = None
         self._episodes = Episodes()
         self._recent: list[float] = []
-        self._loss_fast: float | None = None
-        self._loss_slow: float | None = None
-        self._losses = 0
+        self._loss.reset()
 
     @property
     def ready(self) -> bool:
@@ -197,11 +189,7 @@ class SurgeDetector:
         """Whether the loss passed to :meth:`update` is still improving: None if no loss was passed,
         True (the benefit of the doubt) until ``1 / loss_slow_rate`` losses were seen, since the
         two averages cannot differ before the slow one has its own memory."""
-        if self._loss_fast is None or self._loss_slow is None:
-            return None
-        if self._losses < 1.0 / self.loss_slow_rate:
-            return True
-        return self._loss_fast < self._loss_slow - self.min_improvement * abs(self._loss_slow)
+        return self._loss.improving
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state for checkpoints (see :meth:`~stable_attn.monitor.spikes.SpikeDetector.state_dict`)."""
@@ -215,9 +203,7 @@ class SurgeDetector:
                 "z_threshold": self.z_threshold,
                 "min_level": self.min_level,
                 "alarm_level": self.alarm_level,
-                "min_improvement": self.min_improvement,
-                "loss_fast_rate": self.loss_fast_rate,
-                "loss_slow_rate": self.loss_slow_rate,
+                **self._loss.config(),
                 "warmup": self.warmup,
                 "rate": self.rate,
                 "scale_rate": self.scale_rate,
@@ -232,9 +218,7 @@ class SurgeDetector:
             "run": self._episodes.run,
             "last_kind": self._episodes.last_kind,
             "recent": list(self._recent),
-            "loss_fast": self._loss_fast,
-            "loss_slow": self._loss_slow,
-            "losses": self._losses,
+            **self._loss.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -251,9 +235,7 @@ class SurgeDetector:
         self._episodes.run = int(state["run"])
         self._episodes.last_kind = state["last_kind"]
         self._recent = [float(v) for v in state["recent"]]
-        self._loss_fast = optional_float(state["loss_fast"])
-        self._loss_slow = optional_float(state["loss_slow"])
-        self._losses = int(state["losses"])
+        self._loss.load_state_dict(state)
 
     def update(self, step: int, value: float, loss: float | None = None) -> SpikeEvent | None:
         """Feed one observation (and optionally the training loss of the same step); return an event
@@ -262,7 +244,7 @@ class SurgeDetector:
         value = as_float("value", value)
         step = int(step)
         if loss is not None:
-            self._track_loss(as_float("loss", loss))
+            self._loss.add(as_float("loss", loss))
         if value == -math.inf:
             return None
         if not math.isfinite(value):
@@ -303,10 +285,6 @@ class SurgeDetector:
             return event
         self._accept(value)
         return None
-
-    def _track_loss(self, loss: float) -> None:
-        self._losses, self._loss_fast, self._loss_slow = loss_averages(
-            self._losses, self._loss_fast, self._loss_slow, loss, self.loss_fast_rate, self.loss_slow_rate)
 
     def _sigma(self) -> float:
         floor = self.min_delta / self.z_threshold

@@ -32,6 +32,7 @@ from transformers import DataCollatorWithFlattening
 import stable_attn
 import stable_attn.integrations.transformers as st
 from stable_attn.integrations.transformers import dispatch
+from stable_attn.integrations.transformers.checkpointing import prepare_checkpointed_training
 
 st.register()
 
@@ -145,6 +146,15 @@ def run_cell(name, kind, use_cache, checkpointing=False):
     torch._dynamo.reset()
     batch = make_batch(kind)
     model = build(name, "stable_attn", checkpointing)
+    # what the callbacks do for a checkpointed model (transformers >= 5.25 needs the dynamo switch)
+    undo = prepare_checkpointed_training([model])
+    try:
+        return _run_cell(name, kind, use_cache, checkpointing, batch, model)
+    finally:
+        undo.restore()
+
+
+def _run_cell(name, kind, use_cache, checkpointing, batch, model):
     eager = loss_and_grads(model, batch, use_cache)
     recorder = Recorder()
     compiled = torch.compile(model, fullgraph=True, backend=recorder)

@@ -123,65 +123,19 @@ def test_first_descent_does_not_inflate_the_noise_scale(phi: float) -> None:
             assert [(e.step, e.rule) for e in events] == [(step, "jump")], (seed, step)
 
 
-# What version 4 added: re-entry buffers, the re-baseline's flag marks, the finite-update count.
-V4_KEYS = ("seen", "marks", "episode", "held", "clean", "first")
-
-
-def test_version_3_state_loads_and_resumes_like_the_saved_detector() -> None:
-    values = early_loss(7)
-    det = SpikeDetector()
-    run(det, values[:200])
-    state = det.state_dict()
-    for key in V4_KEYS:
-        state.pop(key)
-    state["version"] = 3
-    restored = SpikeDetector()
-    restored.load_state_dict(state)
-    assert restored.ready and restored.state_dict()["seen"] == state["n"]
-    assert restored.state_dict()["held"] == [] and restored.state_dict()["marks"] == []
-    spiked = values[200:].copy()
-    spiked[50] *= 2.0
-    assert [e.step for e in run(restored, spiked)] == [50]
-
-
-def test_version_2_state_loads_with_the_moment_count() -> None:
+def test_a_state_of_another_format_is_refused_naming_its_version() -> None:
     det = SpikeDetector()
     run(det, early_loss(7)[:200])
     state = det.state_dict()
-    assert state["version"] == 5 and state["rcount"] > 0
-    for key in ("rcount", *V4_KEYS):
-        state.pop(key)
-    state["version"] = 2
-    restored = SpikeDetector()
-    restored.load_state_dict(state)
-    assert restored.ready and restored.state_dict()["rcount"] == state["residuals"]
-
-
-def test_version_4_state_loads_without_a_start_and_never_learns_one() -> None:
-    """A state saved before version 5 has no record of the run's start: the next values are not it."""
-    det = SpikeDetector(min_progress_share=0.5)
-    losses = early_loss(7)[:200]
-    run(det, losses)
-    state = det.state_dict()
-    assert state["first"] == [float(v) for v in losses[:5]] and det.progress_share(10.0) > 0.5
-    state.pop("first")
-    state["version"] = 4
-    restored = SpikeDetector(min_progress_share=0.5)
-    restored.load_state_dict(state)
-    run(restored, losses[:10])
-    assert restored.state_dict()["first"] == [] and restored.progress_share(10.0) is None
-
-
-def test_version_1_state_still_loads() -> None:
-    det = SpikeDetector()
-    run(det, early_loss(7)[:200])
-    state = det.state_dict()
-    for key in ("window", "rmean", "rvar", "rcov", "rcount", *V4_KEYS):
-        state.pop(key, None)
-    state["version"] = 1
-    restored = SpikeDetector()
-    restored.load_state_dict(state)
-    assert restored.ready and restored.phase == "calibrated"
+    assert state["version"] == 5
+    fresh = SpikeDetector()
+    for version in (1, 4, 6):
+        with pytest.raises(ValueError, match=f"state version {version} is not supported: SpikeDetector reads "
+                                             "version 5"):
+            fresh.load_state_dict({**state, "version": version})
+    assert fresh.state_dict() == SpikeDetector().state_dict()  # nothing loaded
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
 
 
 def test_gross_validation() -> None:

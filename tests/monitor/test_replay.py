@@ -12,7 +12,7 @@ import torch
 
 import stable_attn
 from stable_attn import cli
-from stable_attn.integrations.transformers.models import _options
+from stable_attn.integrations.transformers.models import model_options_of
 from stable_attn.kernels import naive
 from stable_attn.monitor import replay
 from stable_attn.monitor.alert_schema import validate_alert
@@ -98,7 +98,7 @@ def test_replay_restores_the_model_when_the_loss_raises():
     ids = _periodic()
 
     def broken(m, batch):
-        if _options(next(iter(stable_attn.integrations.transformers.attention_modules(m)))[1])["pv_fp32"]:
+        if model_options_of(next(iter(stable_attn.integrations.transformers.attention_modules(m)))[1])["pv_fp32"]:
             raise RuntimeError("boom")
         return replay.default_loss(m, batch)
 
@@ -161,7 +161,7 @@ def _normalisation_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     bf16 ulps squared; it reaches the model's parameters through a zero-weighted term so that the backward
     runs as in a step. The attention options are the model's own (what replay switches).
     """
-    opts = _options(next(iter(stable_attn.integrations.transformers.attention_modules(model)))[1])
+    opts = model_options_of(next(iter(stable_attn.integrations.transformers.attention_modules(model)))[1])
     out = stable_attn.attention(batch["q"], batch["k"], batch["v"], scale=batch["scale"], backend="torch",
                                 stabilize=opts["stabilize"], pv_fp32=opts["pv_fp32"])
     zero = sum(p.sum() for p in model.parameters()) * 0.0

@@ -60,18 +60,19 @@ from stable_attn.integrations.transformers.masks import (
 from stable_attn.integrations.transformers.masks import packed_documents as packed_documents
 from stable_attn.integrations.transformers.masks import recognize_packed_mask_function as recognize_packed_mask_function
 from stable_attn.integrations.transformers.models import OPTION_DEFAULTS as OPTION_DEFAULTS
-from stable_attn.integrations.transformers.models import _options as _options
 from stable_attn.integrations.transformers.models import (
     attach_stats,
     attention_modules,
     configure,
     detach_stats,
+    model_options_of,
 )
 from stable_attn.integrations.transformers.registry import NAME, register
 from stable_attn.integrations.transformers.swap import find_hf_models as find_hf_models
+from stable_attn.integrations.transformers.swap import prepare_models as prepare_models
 from stable_attn.integrations.transformers.swap import swap_attention as swap_attention
 
-# the names listed here are the module's exports of before the split; the others above stay importable
+# the public names; the others imported above are importable from here too
 __all__ = [
     "NAME",
     "StableAttnMask",
@@ -79,6 +80,7 @@ __all__ = [
     "attention_modules",
     "configure",
     "detach_stats",
+    "model_options_of",
     "recognize_mask_function",
     "register",
     "stable_attn_attention_forward",

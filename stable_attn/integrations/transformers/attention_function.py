@@ -20,7 +20,7 @@ from stable_attn.integrations.transformers.masks import (
     position_starts,
     rotate_filled_prefix,
 )
-from stable_attn.integrations.transformers.models import _options, _who
+from stable_attn.integrations.transformers.models import _who, model_options_of
 from stable_attn.varlen import attention_varlen
 
 # Arguments some models pass that change the attention in ways the fused op cannot reproduce.
@@ -120,7 +120,7 @@ def stable_attn_attention_forward(
     stats = getattr(module, "stable_attn_stats", None)
     if stats is not None and not stats.enabled:
         stats = None
-    opts = _options(module)
+    opts = model_options_of(module)
     dispatch.record(module, query, key, opts["backend"], attn_mask=attn_mask, varlen=documents is not None, who=who)
     common = dict(causal=causal, scale=scaling, window=window, softcap=softcap or None,
                   dropout_p=float(dropout) if module.training else 0.0, stabilize=opts["stabilize"],

@@ -23,7 +23,9 @@ def _who(module: nn.Module) -> str:
     return type(module).__name__ + (f" (model_type={model_type!r})" if model_type else "")
 
 
-def _options(module: nn.Module) -> dict[str, Any]:
+def model_options_of(module: nn.Module) -> dict[str, Any]:
+    """The options an attention module runs: its own (:func:`configure`), else its model config's
+    ``stable_attn`` dict (checked, completed with the defaults), else the defaults. Not a copy: do not mutate it."""
     own = getattr(module, "stable_attn_options", None)
     if own is not None:
         return own

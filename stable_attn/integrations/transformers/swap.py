@@ -1,13 +1,19 @@
-"""Switching the transformers models inside a training module (a LightningModule) to ``"stable_attn"``."""
+"""Preparing the transformers models inside a training module (a LightningModule) for a monitored run:
+switched to ``"stable_attn"``, with per-layer statistics attached."""
 
 from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
+from stable_attn.integrations.transformers.models import attach_stats, attention_modules
 from stable_attn.integrations.transformers.registry import register
+from stable_attn.stats import AttentionStats
 
-__all__ = ["find_hf_models", "swap_attention"]
+__all__ = ["PreparedModels", "find_hf_models", "prepare_models", "swap_attention"]
 
 
 def find_hf_models(root: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -31,3 +37,42 @@ def swap_attention(models: dict[str, torch.nn.Module]) -> None:
     for model in models.values():
         if getattr(model.config, "_attn_implementation", None) != "stable_attn":
             model.set_attn_implementation("stable_attn")
+
+
+@dataclass(frozen=True)
+class PreparedModels:
+    """What :func:`prepare_models` did: the models it prepared (by module path), and with ``stats=True`` each
+    attention layer's statistics and module under one layer name (``layer{i}``, prefixed with the model's path,
+    or ``model``, when a run holds several models)."""
+
+    models: dict[str, torch.nn.Module] = field(default_factory=dict)
+    stats: dict[str, AttentionStats] = field(default_factory=dict)
+    modules: dict[str, torch.nn.Module] = field(default_factory=dict)
+
+    @property
+    def attention_layers(self) -> int:
+        """The attention modules of the prepared models."""
+        return sum(len(attention_modules(m)) for m in self.models.values())
+
+
+def prepare_models(root: torch.nn.Module, *, swap: bool, stats: bool,
+                   prepared: Collection[torch.nn.Module] = ()) -> PreparedModels:
+    """Prepare the outermost transformers models under ``root`` (:func:`find_hf_models`) that are not in
+    ``prepared`` (the models of an earlier call of the same run): ``swap`` switches them to ``"stable_attn"``,
+    ``stats`` attaches :class:`AttentionStats` to every attention layer (:func:`attach_stats`)."""
+    known = {id(m) for m in prepared}
+    models = {path: m for path, m in find_hf_models(root).items() if id(m) not in known}
+    if swap and models:
+        swap_attention(models)
+    layer_stats: dict[str, AttentionStats] = {}
+    modules: dict[str, torch.nn.Module] = {}
+    several = len(models) + len(known) > 1
+    for path, model in models.items():
+        if not stats:
+            continue
+        # attach_stats names the layers in attention_modules' order
+        attached = attach_stats(model)
+        names = [f"{path or 'model'}.{layer}" if several else layer for layer in attached]
+        layer_stats.update(zip(names, attached.values(), strict=True))
+        modules.update(zip(names, (m for _, m in attention_modules(model)), strict=True))
+    return PreparedModels(models, layer_stats, modules)
