@@ -1,6 +1,6 @@
 """What an alert's evidence costs on the step that alerts (issue 26; docs/BENCHMARKS.md, "Alert evidence").
 
-The evidence (stable_attn/monitor/evidence.py) is gathered only when an alert is delivered, except the loss
+The evidence (stable_attn/monitor/alerts/evidence.py) is gathered only when an alert is delivered, except the loss
 window and the learning rates, kept every step (a deque append and a list of floats), and the per-head
 statistics, one more host copy on monitored steps (both inside benchmarks/callback_overhead.py's hook time).
 This times the rest, on one alert step: :meth:`Evidence.fill` for a loss-spike alert, which is dominated by
@@ -26,8 +26,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from stable_attn.monitor import Alert, names
+from stable_attn.monitor.alerts.evidence import StepFacts
 from stable_attn.monitor.engine import MonitorEngine, Trainables, World
-from stable_attn.monitor.evidence import StepFacts
 
 SIZES = {  # name: (layers, width, heads, vocab, seq, batch)
     "tiny": (4, 128, 4, 256, 128, 8),  # benchmarks/callback_overhead.py's model

@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import healthy_runs  # noqa: E402
 
-from stable_attn.monitor import SpikeDetector, names, spikes  # noqa: E402
+from stable_attn.monitor import SpikeDetector, names  # noqa: E402
+from stable_attn.monitor.detectors import spikes  # noqa: E402
 from stable_attn.monitor.verdict import RankReading, StepJudge  # noqa: E402
 
 CORRUPT_AT = (30, 120)

@@ -43,10 +43,10 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..monitor import names
+from ..monitor.actions.recovery import SkipStream
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
-from ..monitor.recovery import SkipStream
 
 __all__ = ["StableAttentionTrainerCallback"]
 

@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypedDict
 
-from . import alerting, names
-from .alerts import Alert
-from .spikes import SpikeDetector
+from . import names
+from .alerts import channels as alerting
+from .alerts.alert import Alert
+from .detectors.spikes import SpikeDetector
 
 __all__ = ["ACTIONS", "ACTION_WORDS", "CONFIRMED_ACTIONS", "MonitorConfig", "MonitorOptions", "SpikeAction"]
 
@@ -110,7 +111,7 @@ class MonitorConfig:
         ``log_every_n_steps=50`` that is 2,500 optimizer steps.""")
     rollback_every: int = _arg(100, """optimizer steps between snapshots for ``on_spike="rollback"``; with
         ``"recover"`` the snapshots are ``min(rollback_every, rollback_steps)`` steps apart.""")
-    # on_spike="recover" (issue 26): monitor/recovery.py, docs/RECOVERY.md
+    # on_spike="recover": monitor/actions/recovery.py, docs/RECOVERY.md
     rollback_steps: int = _arg(100, """with ``on_spike="recover"``: roll back to the newest snapshot taken at
         least this many optimizer steps before the spike (a ring of ``ceil(rollback_steps / spacing) + 1``
         snapshots in host memory).""")
@@ -158,19 +159,19 @@ class MonitorConfig:
         optimizer steps in a row a loss or gradient-norm spike must last before that action is taken; the
         spike's earlier updates are dropped as under ``"skip"`` (so the weights a later rollback or stop keeps
         are the same). A drift (a sustained rise by construction) and a NaN or inf act at once. 1: act on the
-        spike's first step (before 0.3).""")
+        spike's first step.""")
     diagnose_spikes: bool = _arg(False, """on a loss or gradient-norm spike, re-run the step's forward and backward
         on its batches and pre-step weights with the fix off, with our fix and with ``P-bar V`` in fp32
-        (:mod:`stable_attn.monitor.replay`; one extra forward and backward per variant, on spike steps only, not
+        (:mod:`stable_attn.monitor.actions.replay`; one extra forward and backward per variant, on spike steps only, not
         under DDP); the spike alert's ``diagnosis`` holds each variant's loss and gradient norm and the verdict
         (numerical or data), and the first three spikes are kept under ``{log_dir}/replay/step-N`` for
         ``stable-attn replay`` (one copy of the model on disk each).""")
-    # QK-Clip (issue 25): monitor/qk_clip.py
+    # QK-Clip: monitor/actions/qk_clip.py
     qk_clip: float | None = _arg(None, """QK-Clip's ``tau``: after each applied optimizer step, every attention
         head (key-value group) whose max scaled logit over the step's training forwards (all micro-batches and
         ranks) exceeds ``tau`` has its query and key weights scaled so that it is ``tau`` (Kimi K2: 100.0);
         statistics are then collected every step (without the entropy off monitored steps). None: off.
-        Layouts: :mod:`stable_attn.monitor.qk_clip`; one it cannot edit raises at setup.""")
+        Layouts: :mod:`stable_attn.monitor.actions.qk_clip`; one it cannot edit raises at setup.""")
     qk_clip_alpha: float = _arg(0.5, """the queries' share of QK-Clip's scale ``eta = tau / S_h``: queries by
         ``eta ** alpha``, keys by ``eta ** (1 - alpha)``; in [0, 1].""")
 
@@ -280,7 +281,7 @@ class MonitorConfig:
 
     @property
     def recovers(self) -> bool:
-        """``on_spike="recover"``: the engine keeps a ring of snapshots and skip windows (monitor/recovery.py)."""
+        """``on_spike="recover"``: a ring of snapshots and skip windows (monitor/actions/recovery.py)."""
         return self.on_spike == "recover"
 
     # ------------------------------------------------------ signatures and docs

@@ -21,9 +21,9 @@ every update (one small device-to-host copy per step): deciding later would let 
 ``end_step``: layer statistics are reduced across ranks, the early-warning detectors see them, the run's
 :class:`~stable_attn.monitor.actions.base.Action` (``on_spike``, owning its state; the judge asked it to decide)
 restores or snapshots, and a stop names the checkpoint the adapter writes. Rank zero's
-alerts go to the :class:`~stable_attn.monitor.alert_desk.AlertDesk`, with the evidence of their step
-(:mod:`.evidence`) filled from what the step already holds and a :class:`~stable_attn.monitor.evidence.StepFacts`
-the engine builds; docs/ALERTS.md has the line format.
+alerts go to the :class:`~stable_attn.monitor.alerts.desk.AlertDesk`, with the evidence of their step
+(:mod:`.alerts.evidence`) filled from what the step already holds and a
+:class:`~stable_attn.monitor.alerts.evidence.StepFacts` the engine builds; docs/ALERTS.md has the line format.
 
 Every rank issues the same collectives in the same order on every step (one all-gather per step, one
 more on monitored steps), whatever it observed, so a spike seen by one rank cannot deadlock the
@@ -38,29 +38,29 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import names
 from .actions.base import Action, RunContext, Skip, Stop, Warn
+from .actions.qk_clip import QKClip
+from .actions.recovery import Recover, Recovery
+from .actions.replay import diagnose
 from .actions.rollback import Rollback
-from .alert_desk import AlertDesk
-from .alerts import ALERT_KINDS, Alert
+from .actions.snapshots import Trainables
+from .alerts.alert import Alert
+from .alerts.desk import AlertDesk
+from .alerts.evidence import StepFacts
 from .config import ACTIONS, MonitorConfig
-from .data_position import data_position as _data_position
-from .evidence import StepFacts
+from .detectors.spikes import SpikeDetector
+from .detectors.surge import SurgeDetector
 from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
-from .qk_clip import QKClip
-from .recovery import Recover, Recovery
-from .replay import diagnose
+from .loop import Decision, StepEnd, World
+from .loop import data_position as _data_position
 from .resume_checks import check_resumed_state
-from .rollback import Trainables
-from .spikes import SpikeDetector
-from .surge import SurgeDetector
 from .verdict import ActionCap, NotTrainingStreak, PhaseNotes, RankReading, StepJudge
 
 if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
@@ -71,66 +71,6 @@ if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, Py
 __all__ = ["ACTIONS", "Decision", "MonitorEngine", "StepEnd", "Trainables", "World"]
 
 log = logging.getLogger("stable_attn")
-
-
-@dataclass(frozen=True)
-class World:
-    """Where the engine runs: this process's rank, the number of ranks, the device of the model, and
-    the collective it may use.
-
-    Attributes:
-        all_gather: required when ``size > 1``; called on every rank with a tensor of the same shape,
-            returns every rank's tensor stacked (``[size, *shape]``) or concatenated along dim 0, in
-            rank order (Lightning's ``strategy.all_gather`` and accelerate's ``gather`` both do).
-        grad_norm: the global 2-norm of the gradients of the parameters it is given (a 0-d tensor, or
-            None without gradients); None uses :func:`~stable_attn.monitor.grad_norm.total_grad_norm`,
-            right for one process and DDP.
-    """
-
-    rank: int = 0
-    size: int = 1
-    device: torch.device = torch.device("cpu")
-    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-    grad_norm: Callable[[Iterable[torch.nn.Parameter]], torch.Tensor | None] | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"World(size={self.size!r}) is not supported; use an int >= 1")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
-            raise ValueError(f"World(rank={self.rank!r}) is not supported with size={self.size}; use an int in "
-                             f"[0, {self.size})")
-        if self.size > 1 and self.all_gather is None:
-            raise ValueError(f"World(size={self.size}) needs all_gather: every rank must see every rank's values")
-
-    @property
-    def is_zero(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def backend(self) -> str:
-        return "triton (CUDA)" if self.device.type == "cuda" else "torch (CPU)"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What :meth:`MonitorEngine.before_optimizer_step` decided for the step (the same on every rank)."""
-
-    step: int
-    drop: bool  # the update is dropped: the engine has already set the gradients to None
-    action: str  # what the step's alerts say is done: "warn", "skip", "rollback" or "stop"
-    rollback: bool  # end_step restores the last snapshot
-    stop: bool  # end_step returns the checkpoint path to save before stopping
-
-
-@dataclass(frozen=True)
-class StepEnd:
-    """What :meth:`MonitorEngine.end_step` leaves to the adapter."""
-
-    step: int
-    metrics: dict[str, float] | None = None  # on monitored steps: what to log at ``step``
-    stop_checkpoint: str | None = None  # save a checkpoint there (every rank), then stop training
-    rolled_back: bool = False
-    alert_count_changed: bool = False  # an alert was raised during this step (since its begin_step)
 
 
 class MonitorEngine:
@@ -155,7 +95,7 @@ class MonitorEngine:
         self.world = World()
         self.desk = AlertDesk()  # rank zero's channels, evidence, deferred alerts and delivery counts
         self.alert_count = 0
-        self.alert_kinds: dict[str, int] = dict.fromkeys(ALERT_KINDS, 0)
+        self.alert_kinds: dict[str, int] = dict.fromkeys(names.ALERT_KINDS, 0)
         self.skipped_steps: list[int] = []
         self.rollbacks: list[tuple[int, int]] = []  # (spiking step, snapshot step)
         self.unconfirmed_grad_norm_jumps = 0  # gradient-norm jumps without a loss rise: counted, not alerted
@@ -567,7 +507,7 @@ class MonitorEngine:
         ranks[names.LOSS].load_other_states(state_dict.get("other_rank_loss_detectors", []))
         ranks[names.GRAD_NORM].load_other_states(state_dict.get("other_rank_grad_norm_detectors", []))
         self.alert_count = int(state_dict.get("alert_count", 0))
-        self.alert_kinds = dict.fromkeys(ALERT_KINDS, 0) | dict(state_dict.get("alert_kinds", {}))
+        self.alert_kinds = dict.fromkeys(names.ALERT_KINDS, 0) | dict(state_dict.get("alert_kinds", {}))
         self._streak.streak = int(state_dict.get("not_training_streak", 0))
         self._cap.load_state_dict(state_dict.get("spike_actions", {}))
         self.skipped_steps = list(state_dict.get("skipped_steps", []))

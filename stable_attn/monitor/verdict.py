@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import names
 from .actions.base import Action, Verdict
-from .alerts import Alert
+from .alerts.alert import Alert
 from .config import CONFIRMED_ACTIONS
-from .events import SpikeEvent
-from .spikes import SpikeDetector
+from .detectors.events import SpikeEvent
+from .detectors.spikes import SpikeDetector
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +108,7 @@ class Judgement:
     alerts: list[Alert] = field(default_factory=list)  # alerts with no detector event (non-finite gradients)
     unconfirmed: int = 0  # gradient-norm jumps the loss did not confirm (ranks), neither alerted nor acted on
     spiked: bool = False  # a loss or (confirmed) gradient-norm spike, or a NaN/inf, on any rank
-    # For the alerts' evidence (monitor/evidence.py), by metric (names.LOSS, names.GRAD_NORM) and rank: each
+    # For the alerts' evidence (monitor/alerts/evidence.py), by metric (names.LOSS, names.GRAD_NORM) and rank: each
     # detector's forecast before the step's value, and the events the detectors returned (confirmed or not).
     baselines: dict[str, dict[int, float | None]] = field(default_factory=dict)
     events: dict[str, dict[int, SpikeEvent]] = field(default_factory=dict)
@@ -199,7 +199,7 @@ class ActionCap:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         values = {}
-        for key in ("count", "quiet", "lasted"):  # "lasted" is absent before 0.3
+        for key in ("count", "quiet", "lasted"):  # a state without "lasted" starts it at 0
             value = state.get(key, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"spike_actions.{key}={value!r} in the saved monitor state is not supported; "

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from stable_attn.callbacks import StableAttentionCallback
-from stable_attn.monitor.rollback import Trainables, check_snapshot, snapshot_from_state, snapshot_state, take_snapshot
+from stable_attn.monitor.actions.snapshots import (
+    Trainables,
+    check_snapshot,
+    snapshot_from_state,
+    snapshot_state,
+    take_snapshot,
+)
 
 
 def _trainables(width: int = 3) -> Trainables:
@@ -126,7 +132,7 @@ def test_ctrl_c_during_a_rollback_restore_leaves_the_whole_snapshot_restored(mon
     import os
     import signal
 
-    from stable_attn.monitor.rollback import restore_snapshot
+    from stable_attn.monitor.actions.snapshots import restore_snapshot
 
     state = _trainables()
     snapshot = take_snapshot(state)

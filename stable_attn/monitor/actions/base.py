@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .. import names
 
 if TYPE_CHECKING:
-    from ..alerts import Alert
-    from ..rollback import Trainables
+    from ..alerts.alert import Alert
+    from .snapshots import Trainables
 
 __all__ = ["Action", "JudgeStates", "RunContext", "Skip", "StepDone", "Stop", "Verdict", "Warn"]
 

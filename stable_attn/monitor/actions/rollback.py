@@ -8,7 +8,8 @@ import copy
 import logging
 from typing import Any
 
-from ..rollback import (
+from .base import Action, JudgeStates, RunContext, StepDone, Verdict
+from .snapshots import (
     Snapshot,
     Trainables,
     check_snapshot,
@@ -17,7 +18,6 @@ from ..rollback import (
     snapshot_state,
     take_snapshot,
 )
-from .base import Action, JudgeStates, RunContext, StepDone, Verdict
 
 __all__ = ["Rollback"]
 

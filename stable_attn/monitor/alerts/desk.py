@@ -1,9 +1,10 @@
 """The alert desk: where a run's alerts are delivered, on rank zero.
 
-It owns the channels (an :class:`~stable_attn.monitor.alerts.AlertDispatcher`, opened at the run's start and
-closed at its end), each alert's :class:`~stable_attn.monitor.evidence.Evidence`, the alerts held back until their
-monitored step's attention statistics are reduced, and the per-channel delivery counts across runs (a resume adds
-the checkpoint's). The engine hands it each alert with a :class:`~stable_attn.monitor.evidence.StepFacts`; ranks
+It owns the channels (an :class:`~stable_attn.monitor.alerts.alert.AlertDispatcher`, opened at the run's start
+and closed at its end), each alert's :class:`~stable_attn.monitor.alerts.evidence.Evidence`, the alerts held back
+until their monitored step's attention statistics are reduced, and the per-channel delivery counts across runs (a
+resume adds the checkpoint's). The engine hands it each alert with a
+:class:`~stable_attn.monitor.alerts.evidence.StepFacts`; ranks
 other than zero never open it, so there it delivers nothing.
 """
 
@@ -12,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from . import alerting
-from .alerts import Alert, AlertDispatcher
+from . import channels as alerting
+from .alert import Alert, AlertDispatcher
 from .evidence import Evidence, StepFacts
 
 __all__ = ["AlertDesk"]

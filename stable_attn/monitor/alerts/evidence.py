@@ -11,7 +11,7 @@ an alert of the step (docs/ALERTS.md has each field, its unit and when it is nul
 - ``world_size`` and ``ranks``: each rank's loss and gradient norm with its detector's forecast before
   the value, and the score, threshold and rule where that rank's detector flagged it (the ranks flagged on the
   alert's metric first, then those flagged on the other, then by rank);
-- ``loss_window``: ``[step, loss]`` of the last :data:`~stable_attn.monitor.alert_schema.CAPS` ``loss_window``
+- ``loss_window``: ``[step, loss]`` of the last :data:`~stable_attn.monitor.alerts.schema.CAPS` ``loss_window``
   (32) optimizer steps up to the alert's, the mean over ranks as ``train/loss`` logs it (since the process
   started: a resume starts the window afresh);
 - ``attention``: the per-layer statistics of the latest monitored step (the alert's step for an early
@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from . import names
-from .alert_schema import CAPS
-from .alerts import Alert, checkpoint_name, json_safe
-from .layer_stats import LayerStats
-from .verdict import RankReading
+from .. import names
+from ..layer_stats import LayerStats
+from ..verdict import RankReading
+from .alert import Alert, checkpoint_name, json_safe
+from .schema import CAPS
 
 __all__ = ["RELATIVE_FLOORS", "TOP_GRAD_NORMS", "Evidence", "StepFacts", "moved", "top_grad_norms"]
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import names
+from .. import names
 
 __all__ = ["REPLAY_VERDICTS", "VARIANTS", "Replay", "default_loss", "diagnose", "replay_bundle", "replay_step",
            "table", "verdict", "write_replay_bundle"]
@@ -75,7 +75,7 @@ class Replay:
 
 def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
     """The one transformers model inside ``model`` (``model`` itself if it is one)."""
-    from ..integrations.transformers.swap import find_hf_models
+    from ...integrations.transformers.swap import find_hf_models
 
     found = list(find_hf_models(model).values())
     if len(found) != 1:
@@ -102,7 +102,7 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from ..integrations.transformers import attention_modules
+    from ...integrations.transformers import attention_modules
 
     hf = _hf_model(model)
     impl = getattr(hf.config, "_attn_implementation", None)
@@ -116,7 +116,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def run_variant_of(model: torch.nn.Module) -> str:
     """The variant the model's attention layers run now (the first layer's options; ``"paper"`` for the published
     rule)."""
-    from ..integrations.transformers.models import model_options_of
+    from ...integrations.transformers.models import model_options_of
 
     opts = model_options_of(_attention_modules(model)[0])
     if opts.get("pv_fp32"):
@@ -135,7 +135,7 @@ _ABSENT = object()
 @contextlib.contextmanager
 def _variant(modules: Sequence[torch.nn.Module], options: Mapping[str, Any]) -> Iterator[None]:
     """Every layer runs ``options`` over its own; its options and statistics as they were afterwards."""
-    from ..integrations.transformers.models import model_options_of
+    from ...integrations.transformers.models import model_options_of
 
     saved = [(m, m.__dict__.get("stable_attn_options", _ABSENT), getattr(m, "stable_attn_stats", None))
              for m in modules]

@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from . import names
-from .actions.base import Action, JudgeStates, RunContext, StepDone, Verdict
-from .alerts import Alert
-from .rollback import (
+from .. import names
+from ..alerts.alert import Alert
+from .base import Action, JudgeStates, RunContext, StepDone, Verdict
+from .snapshots import (
     Snapshot,
     Trainables,
     restore_snapshot,

@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import names as metric_names
-from .alerts import Alert
-from .config import check_qk_clip
+from .. import names as metric_names
+from ..alerts.alert import Alert
+from ..config import check_qk_clip
 
 __all__ = ["HeadLayout", "QKClip", "QKClipRecord", "head_layout"]
 
