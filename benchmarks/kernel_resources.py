@@ -1,7 +1,7 @@
 """Shared memory, registers, spills and the static issue/tensor ratio of every Triton kernel variant.
 
 Each variant is compiled ahead of time for sm_80 (A100) and/or sm_90 (H100/H200) with the block
-configuration the launchers would pick (stable_attn/kernels/triton_attention.py), then
+configuration the launchers would pick (stable_attn/kernels/triton_launch.py), then
 ``cuobjdump --dump-resource-usage`` (shipped inside Triton's package) reads REG, STACK and LOCAL
 from the cubin: non-zero STACK/LOCAL means register spills. ``wgmma`` says whether the sm_90 PTX
 uses Hopper's warpgroup matrix instructions. ``loop_sass`` counts the SASS instructions one warp

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .kernels import rules
+from . import rules
 from .options import is_int, scale_problem
 
 MAX_HEAD_DIM = 256

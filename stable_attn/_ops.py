@@ -39,38 +39,60 @@ def log_once(key: str, message: str, level: int = logging.INFO) -> None:
 # The Triton kernels address one batch element's q/k/v/o with 32-bit offsets.
 _TRITON_MAX_ELEMENTS_PER_BATCH = 2**31
 
+# Why the PyTorch path serves a call the kernels could otherwise take (backend_rule's reasons).
+REASONS = ("backend", "pv_fp32", "attn_mask", "empty", "size", "cpu")
+
+
+def backend_rule(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch.Tensor | None = None,
+                 pv_fp32: bool = False, *, cuda: bool) -> tuple[str, str | None]:
+    """The one rule of which implementation serves a call: ``("triton", None)`` or ``("torch", reason)``, the
+    reason one of :data:`REASONS`. ``cuda``: whether the call's tensors are on a CUDA device (the serving check of
+    the transformers integration and ``explain()`` ask what would serve there). ``q`` / ``k``: ``[B, ...]``, one
+    batch element per first index (a packed call as one batch element). Logs and raises nothing:
+    :func:`resolve_backend` does, for the calls that run.
+    """
+    if backend == "torch":
+        return "torch", "backend"
+    if pv_fp32:  # a comparison variant (stable-attn replay, the numerics lab): the kernels keep P-bar V in bf16
+        return "torch", "pv_fp32"
+    if has_attn_mask:
+        return "torch", "attn_mask"
+    if q.shape[0] == 0:
+        return "torch", "empty"  # an empty batch: nothing to launch; the PyTorch path returns the empty tensors
+    if (backend == "triton" or cuda) and _elements_per_batch(q, k) >= _TRITON_MAX_ELEMENTS_PER_BATCH:
+        return "torch", "size"
+    if backend == "auto" and not cuda:
+        return "torch", "cpu"
+    return "triton", None
+
+
+def _elements_per_batch(q: torch.Tensor, k: torch.Tensor | None) -> int:
+    return max(math.prod(q.shape[1:]), 0 if k is None else math.prod(k.shape[1:]))
+
 
 def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch.Tensor | None = None,
                     pv_fp32: bool = False) -> str:
-    """Pick the implementation. Never drops the stabilization: what Triton cannot serve goes to torch."""
-    if backend == "torch":
-        return "torch"
-    if pv_fp32:  # a comparison variant (stable-attn replay, the numerics lab): the kernels keep P-bar V in bf16
-        if backend == "triton":
-            raise ValueError("pv_fp32=True with backend='triton' is not supported: the Triton kernels compute "
-                             "P-bar V in the input dtype; use backend='auto' or 'torch' (the PyTorch path serves it)")
-        if q.is_cuda:
+    """Pick the implementation (:func:`backend_rule`), saying once where the PyTorch path serves a call on a CUDA
+    device (or one that asked for Triton). Never drops the stabilization: what Triton cannot serve goes to torch."""
+    if pv_fp32 and backend == "triton":
+        raise ValueError("pv_fp32=True with backend='triton' is not supported: the Triton kernels compute "
+                         "P-bar V in the input dtype; use backend='auto' or 'torch' (the PyTorch path serves it)")
+    impl, reason = backend_rule(backend, q, has_attn_mask, k, pv_fp32, cuda=q.is_cuda)
+    if backend == "triton" or q.is_cuda:
+        if reason == "pv_fp32":
             log_once("pv_fp32", "stable_attn: pv_fp32=True is served by the PyTorch path (P-bar V in fp32; slower "
                      "than the Triton kernel)", logging.WARNING)
-        return "torch"
-    if has_attn_mask:
-        if backend == "triton" or q.is_cuda:
+        elif reason == "attn_mask":
             log_once("attn_mask", "stable_attn: an arbitrary attn_mask is served by the PyTorch path "
                      "(stabilized, slower than the Triton kernel)", logging.WARNING)
-        return "torch"
-    if q.shape[0] == 0:
-        return "torch"  # an empty batch: nothing to launch; the PyTorch path returns the empty tensors
-    per_batch = max(math.prod(q.shape[1:]), 0 if k is None else math.prod(k.shape[1:]))
-    if per_batch >= _TRITON_MAX_ELEMENTS_PER_BATCH and (backend == "triton" or q.is_cuda):
-        log_once("int32", f"stable_attn: {per_batch} elements per batch element exceed the Triton kernels' "
-                 "32-bit offsets; served by the PyTorch path (stabilized, slower)", logging.WARNING)
-        return "torch"
-    if backend == "auto":
-        return "triton" if q.is_cuda else "torch"
-    if not q.is_cuda and not interpreting():
+        elif reason == "size":
+            log_once("int32", f"stable_attn: {_elements_per_batch(q, k)} elements per batch element exceed the "
+                     "Triton kernels' 32-bit offsets; served by the PyTorch path (stabilized, slower)",
+                     logging.WARNING)
+    if impl == "triton" and not q.is_cuda and not interpreting():
         raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
                          "imported; use backend='torch' or 'auto' for the CPU path")
-    return "triton"
+    return impl
 
 
 def autocast_inputs(*xs):

@@ -9,7 +9,7 @@ accumulators (backward).
 
 Layouts: q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nk, D]``. Internally q is viewed as
 ``[B, Hkv, G, Nq, D]`` (``G = Hq // Hkv``) so grouped-query attention never repeats k or v.
-Scores live in base-2 units (``s2 = s * log2(e)``, see rules.py); ``lse`` is saved in base 2. The forward
+Scores live in base-2 units (``s2 = s * log2(e)``, see stable_attn/rules.py); ``lse`` is saved in base 2. The forward
 rounds ``P-bar = exp2(x * qk_scale2 - r)`` once, as the kernel's ``tl.fma`` does: :func:`fma_f32`
 (docs/ALGORITHM.md, "Rounding points").
 """
@@ -20,20 +20,20 @@ import math
 
 import torch
 
+from .. import rules
 from ..options import Options
-from ..stats import STATS_ENTROPY, RowStats
-from . import rules
-from .philox import keep_mask
 
-# the rule's functions live in rules.py; called by these names below, so that tests can record the calls by
-# patching reference.block_offset
-from .rules import block_offset, row_top2
+# the rule's functions live in stable_attn/rules.py; called by these names below, so that tests can record
+# the calls by patching reference.block_offset
+from ..rules import block_offset, row_top2
+from ..stats import STATS_ENTROPY, RowStats
+from .philox import keep_mask
 
 TILE_ELEMENTS = 1 << 17  # fp32 elements in one score tile (512 KiB)
 _DEFAULT_OPTIONS = Options()
 
 
-class _Problem:
+class Problem:
     """Shapes and masks of one call, and the tile geometry derived from them."""
 
     def __init__(self, q, k, key_padding_mask, attn_mask, opts: Options):
@@ -191,7 +191,7 @@ def _fma_f32_round_to_odd(a: torch.Tensor, b64: torch.Tensor, c: torch.Tensor) -
     return s.float()
 
 
-def _grouped(x: torch.Tensor, p: _Problem) -> torch.Tensor:
+def grouped(x: torch.Tensor, p: Problem) -> torch.Tensor:
     return x.view(p.B, p.Hkv, p.G, p.Nq, x.shape[-1])
 
 
@@ -204,7 +204,7 @@ class Walk:
         self.__dict__.update(state)
 
 
-def walk_blocks(p: _Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: int = False) -> Walk:
+def walk_blocks(p: Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: int = False) -> Walk:
     """The online softmax with the rule (docs/ALGORITHM.md, forward steps 1-8) of the query rows ``[q0, q1)``
     (``q_c``: their fp32 ``[B, Hkv, G * cq, D]``) over the key ``blocks`` (``(j0, j1)`` in increasing order,
     aligned on the partition), from the initial state (``m = -inf``, ``r = -FP32_MAX``, ``l = 0``). The training
@@ -284,15 +284,15 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
                       with_stats: int = False):
     """Forward pass. Returns ``(out, lse2, row_stats)``; ``row_stats`` is None unless requested
     (``with_stats``: a ``stats.STATS_*`` level; True collects the row statistics without the entropy)."""
-    p = _Problem(q, k, key_padding_mask, attn_mask, opts)
+    p = Problem(q, k, key_padding_mask, attn_mask, opts)
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     dtype = q.dtype
     sat_tol2 = rules.sat_tolerance2(dtype)
     neg_inf = -math.inf
 
-    qg = _grouped(q, p)
+    qg = grouped(q, p)
     out = torch.empty_like(q)
-    outg = _grouped(out, p)
+    outg = grouped(out, p)
     lse2 = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
     entropy_on = with_stats == STATS_ENTROPY  # with_stats: a stats.STATS_* level (True: without the entropy)
     if with_stats:
@@ -333,7 +333,7 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
 def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=None,
                        opts: Options = _DEFAULT_OPTIONS):
     """FlashAttention-2 backward: recompute ``P`` per tile as the forward formed ``P-bar``, with ``lse2``
-    for the offset: ``exp2(fma_f32(x, qk_scale2, -lse2))``, rounded once, where :attr:`_Problem.fused_scale`,
+    for the offset: ``exp2(fma_f32(x, qk_scale2, -lse2))``, rounded once, where :attr:`Problem.fused_scale`,
     else ``exp2(s2 - lse2)``; returns dq, dk, dv. (With ``fl(x * qk_scale2)`` each key's exponent would
     move by up to half an ulp of a huge score against the forward's ``P-bar``.)
 
@@ -341,13 +341,13 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
     (for dQ and dK) are cast to the input dtype before their products, as FA2 does; accumulation is
     fp32. The stabilization does not appear here: it changed only the offset, not ``O`` or ``lse``.
     """
-    p = _Problem(q, k, key_padding_mask, attn_mask, opts)
+    p = Problem(q, k, key_padding_mask, attn_mask, opts)
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     dtype = q.dtype
     keep_scale = opts.keep_scale
     fused, c = p.fused_scale, opts.qk_scale2
 
-    qg, dog, og = _grouped(q, p), _grouped(do, p), _grouped(out, p)
+    qg, dog, og = grouped(q, p), grouped(do, p), grouped(out, p)
     lse2g = lse2.view(B, Hkv, G, Nq)
     # key blocks outside, query chunks inside: dK and dV need only a block-sized fp32 accumulator;
     # dQ is the one full-size fp32 accumulator (the memory budget in ALGORITHM.md)

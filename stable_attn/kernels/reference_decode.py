@@ -18,17 +18,17 @@ import torch
 
 from ..options import Options
 from . import decode_plan
-from .reference import _grouped, _Problem, walk_blocks
+from .reference import Problem, grouped, walk_blocks
 
 
 def partials(q, k, v, key_padding_mask, opts: Options, split: int):
     """The splits' partials ``(acc [B, Hq, Nq, S, D], l, r, m [B, Hq, Nq, S])``, fp32, for splits of ``split``
     keys: what the decode kernel writes before its merge (the same ``r`` and ``m`` bits: the decisions)."""
     decode_plan.check_split(split, opts.key_block)
-    p = _Problem(q, k, key_padding_mask, None, opts)
+    p = Problem(q, k, key_padding_mask, None, opts)
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     S = decode_plan.num_splits(p.Nk, split)
-    q_c = _grouped(q, p).float().reshape(B, Hkv, G * Nq, D)
+    q_c = grouped(q, p).float().reshape(B, Hkv, G * Nq, D)
     blocks = list(p.key_blocks(0, Nq))  # the visible blocks of the partition, in key order
     acc = torch.empty(B, p.Hq, Nq, S, D, device=q.device)
     l, r, m = (torch.empty(B, p.Hq, Nq, S, device=q.device) for _ in range(3))

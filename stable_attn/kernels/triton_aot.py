@@ -4,7 +4,7 @@
 (Triton IR -> PTX -> cubin with ptxas) on the CPU, so compile errors, shared-memory overflow and
 register spills of every variant are caught on a machine without a GPU (the compile test and
 benchmarks/kernel_resources.py use this module). It builds the same signature and compile-time
-constants the launchers in ``triton_attention.py`` pass at run time, with the pointer and stride
+constants the launchers (``triton_launch.launch_constants``) pass at run time, with the pointer and stride
 alignment hints Triton derives for contiguous tensors whose head dim is a multiple of 16.
 
 Static speed model (:func:`describe`). The SASS of the cubin (Triton's bundled ``cuobjdump -sass``)
@@ -33,9 +33,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from .. import rules
 from ..options import BLOCK_N, MODE_NAMES
-from . import rules
-from .triton_attention import head_block, launch_constants
 from .triton_backward import (
     attn_bwd_dkdv_kernel,
     attn_bwd_dkdv_varlen_kernel,
@@ -46,6 +45,7 @@ from .triton_backward import (
 )
 from .triton_backward_fused import attn_bwd_fused_kernel, attn_bwd_fused_varlen_kernel, fused_constants
 from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
+from .triton_launch import head_block, launch_constants
 
 # Shared memory one block may use (bytes): A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
 SHARED_LIMIT = {80: 166912, 90: 232448}
@@ -139,7 +139,7 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
 
 def _constants(v: Variant) -> tuple[dict, dict]:
     """The compile-time constants and compile options of a variant: the launchers' own
-    (``triton_attention.launch_constants``), for TMA-compatible strides on a GPU (no interpreter)."""
+    (``triton_launch.launch_constants``), for TMA-compatible strides on a GPU (no interpreter)."""
     if v.kind == "bwd_pre":
         return dict(HEAD_D=v.head_dim, BLOCK_D=head_block(v.head_dim), BLOCK_M=64), dict(num_warps=4, num_stages=1)
     f = v.features

@@ -7,14 +7,14 @@ offset ``r`` subtracted before ``exp2``) is the reference's, line for line. The 
 stretches: blocks cut by the sliding window's left edge (masked), blocks every row sees in full
 (no structural mask), blocks cut by the causal diagonal or the end of the keys (masked). They are
 visited in increasing key order, so the running state sees the same sequence as the reference.
-With ``TILE_N = 2 * BLOCK_N`` (``triton_attention.fwd_config``: the rule's modes on sm_90 at D = 128) one K tile
+With ``TILE_N = 2 * BLOCK_N`` (``triton_launch.fwd_config``: the rule's modes on sm_90 at D = 128) one K tile
 holds two blocks: one score product for both, then the rule, ``P-bar`` and ``P-bar V`` block by block
 (``fwd_tile``), the same operations on the same values as one block per tile.
 
 Compile-time flags select every variant (mode, causal, window, softcap, dropout, padding mask,
 statistics), so a variant pays only for what it uses. ``TMA``: K and V arrive through tensor
 descriptors (``triton_tiles.load_tile``, shared with the backward); the launcher takes them for the 128-key tile
-of stabilize off on sm_90, where no rule sees the partition (``triton_attention.fwd_config``).
+of stabilize off on sm_90, where no rule sees the partition (``triton_launch.fwd_config``).
 ``UPCAST`` is set only under ``TRITON_INTERPRET=1``: the interpreter cannot do bf16 arithmetic or
 bf16 ``tl.dot``, so operands are widened to fp32 right after loading, and every rounding point stays
 an explicit cast to ``DTYPE`` (bf16 x bf16 products are exact in fp32, so CPU and GPU round ``P-bar``
@@ -39,8 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import rules
 from .. import stats as _stats
-from . import rules
 from .triton_tiles import TMA_PACKED, key_range, load_tile, round_to, scores_tile, varlen_bounds
 
 # A jit function reads only globals that are tl.constexpr instances.

@@ -241,7 +241,11 @@ def test_graph_breaks_without_fullgraph_are_not_ours(name, kind, use_cache, chec
     model = build(name, "stable_attn", checkpointing)
     if name == "gpt2":
         model.loss_type = None  # transformers' loss lookup then warns once, a break
-    explained = torch._dynamo.explain(model)(**make_batch(kind), use_cache=use_cache)
+    undo = prepare_checkpointed_training([model])  # as the callbacks do; use_cache=True passed explicitly still warns
+    try:
+        explained = torch._dynamo.explain(model)(**make_batch(kind), use_cache=use_cache)
+    finally:
+        undo.restore()
     assert explained.graph_break_count >= 1, explained  # transformers' breaks happen: this cell can see breaks
     assert breaks_in_stable_attn(explained) == []
     recorder = Recorder(aot=False)

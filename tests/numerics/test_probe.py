@@ -124,11 +124,11 @@ def test_arithmetic_flag_parses_and_bad_values_name_the_accepted_ones(capsys):
         build_parser().parse_args(["probe", "--arithmetic", "h200"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "--arithmetic" in err and "'h200'" in err and all(m in err for m in ("a100", "h100", "ieee"))
+    assert "--arithmetic" in err and "'h200'" in err and all(m in err for m in ("a100", "h100", "b200", "ieee"))
     model = tiny_model("gpt2-tiny")
     ids = torch.zeros(1, 8, dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"arithmetic='b200'.*accepted values.*'a100', 'h100', 'ieee'"):
-        probe(model, ids, arithmetic="b200")
+    with pytest.raises(ValueError, match=r"arithmetic='v100'.*accepted values.*'a100', 'h100', 'b200', 'ieee'"):
+        probe(model, ids, arithmetic="v100")
     with pytest.raises(ValueError, match=r"max_rows=0"):
         probe(model, ids, arithmetic="h100", max_rows=0)
     with pytest.raises(ValueError, match=r"--rows must be >= 1, got 0"):

@@ -121,7 +121,8 @@ def stable_attn_attention_forward(
     if stats is not None and not stats.enabled:
         stats = None
     opts = model_options_of(module)
-    dispatch.record(module, query, key, opts["backend"], attn_mask=attn_mask, varlen=documents is not None, who=who)
+    dispatch.record(module, query, key, opts["backend"], attn_mask=attn_mask, varlen=documents is not None, who=who,
+                    pv_fp32=opts["pv_fp32"])
     common = dict(causal=causal, scale=scaling, window=window, softcap=softcap or None,
                   dropout_p=float(dropout) if module.training else 0.0, stabilize=opts["stabilize"],
                   beta=opts["beta"], stats=stats, backend=opts["backend"], block_n=opts["block_n"],

@@ -1,10 +1,10 @@
-"""The constants of kernels/rules.py: the exact tie boundary and the shifted offset."""
+"""The constants of stable_attn/rules.py: the exact tie boundary and the shifted offset."""
 
 from __future__ import annotations
 
 import torch
 
-from stable_attn.kernels import rules
+from stable_attn import rules
 
 
 def test_tie_tolerance_is_the_exact_rounding_boundary():

@@ -1,0 +1,118 @@
+"""benchmarks/real_runs.py: the corpus is whole and sourced, the published rules do what their sources do,
+and the short form of the benchmark scores every rule on every signal."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import real_runs as rr  # noqa: E402
+
+HELD_OUT_OWNERS = "abcdefghijklm"  # owners a-m are kept for a held-out evaluation
+
+
+def test_corpus_is_whole_sourced_and_keeps_held_out_owners_out():
+    runs = rr.load_manifest()["runs"]
+    assert len(runs) >= 40
+    assert len({r["id"] for r in runs}) == len(runs)
+    size = 0
+    for run in runs:
+        path = os.path.join(rr.CORPUS, run["file"])
+        size += os.path.getsize(path)
+        source = run["source"]
+        if "repo" in source:
+            owner = source["repo"].split("/")[0]
+            assert owner[0].lower() not in HELD_OUT_OWNERS, owner
+            assert len(source["commit"]) == 40 and source["path"].endswith("trainer_state.json")
+        else:
+            assert source["script"] == "benchmarks/record_cpu_runs.py"
+        with open(path) as f:
+            rows = list(csv.DictReader(f))
+        steps = [int(r["step"]) for r in rows]
+        assert steps == sorted(set(steps)) and len(rows) == run["points"], run["id"]
+        assert all(math.isfinite(float(r["loss"])) for r in rows)
+        logged = {s for s in rr.SIGNALS if any(r[s] for r in rows)}
+        assert set(run["signals"]) == logged
+        for item in run["context"] + run["events"]:
+            lo, hi = item["steps"]
+            assert steps[0] <= lo <= hi <= steps[-1] and item["reason"], (run["id"], item)
+        for event in run["events"]:
+            assert set(event["signals"]) <= logged and event["kind"] in ("spike", "instability", "divergence")
+    assert size < 3_000_000
+
+
+def test_episodes_are_maximal_runs_of_flags():
+    flags = np.array([0, 1, 1, 0, 1, 0, 0, 1], dtype=bool)
+    assert rr.episodes(flags) == [(1, 2), (4, 4), (7, 7)]
+    assert rr.episodes(np.zeros(3, dtype=bool)) == []
+
+
+def noisy(n: int = 200, seed: int = 0) -> np.ndarray:
+    return 1.0 + 0.01 * np.random.default_rng(seed).standard_normal(n)
+
+
+def test_olmo_rule_waits_for_64_values_is_two_sided_and_lets_a_spike_hide_the_next():
+    v = noisy()
+    v[40] += 0.2
+    assert not rr.olmo_flags(v).any()  # fewer than 64 values held
+    v = noisy()
+    v[120] -= 0.2
+    assert np.nonzero(rr.olmo_flags(v))[0].tolist() == [120]  # |z|: a drop skips too
+    alone, after = noisy(), noisy()
+    alone[106] += 0.12
+    after[100] += 0.3
+    after[106] += 0.12
+    assert np.nonzero(rr.olmo_flags(alone))[0].tolist() == [106]
+    assert np.nonzero(rr.olmo_flags(after))[0].tolist() == [100]  # the first spike entered the window
+
+
+def test_llmc_rule_keeps_flagged_values_out_except_the_third_in_a_row():
+    after = noisy()
+    after[100] += 0.3
+    after[106] += 0.12
+    assert np.nonzero(rr.llmc_flags(after))[0].tolist() == [100, 106]
+    run = noisy()
+    run[100:104] += 0.2
+    assert np.nonzero(rr.llmc_flags(run))[0].tolist() == [100, 101, 102]  # the third re-enters, the fourth is hidden
+    drop = noisy()
+    drop[120] -= 0.2
+    assert not rr.llmc_flags(drop).any()  # one-sided
+
+
+def test_cosmos_rule_needs_10x_the_median_capped_at_4x_the_lowest_median():
+    v = np.concatenate([np.ones(60), [9.5, 10.5]])
+    assert np.nonzero(rr.cosmos_flags(v))[0].tolist() == [61]
+    assert not rr.cosmos_flags(np.concatenate([np.ones(11), [50.0]])).any()  # fewer than 12 observations
+    # the median follows a level shift to 6, but the baseline stops at 4x the lowest median (1): 45 > 10 x 4
+    shifted = np.concatenate([np.ones(60), np.full(100, 6.0), [45.0]])
+    assert np.nonzero(rr.cosmos_flags(shifted))[0].tolist() == [160]
+    assert rr.cosmos_flags(np.array([1.0] * 20 + [math.nan]))[-1]
+
+
+def test_short_benchmark_scores_every_rule_on_every_signal(tmp_path, capsys):
+    out = tmp_path / "summary.json"
+    summary = rr.main(["--traces", "1", "--steps", "500", "--verify-steps", "200", "--json", str(out)])
+    assert json.loads(out.read_text())["traces"] == 1
+    text = capsys.readouterr().out
+    assert "**Loss, real runs**" in text and "**Gradient norm, real runs**" in text
+    corpus = summary["corpus"]
+    assert set(corpus) == set(rr.RULES)
+    for name, per in corpus.items():
+        assert set(per) == ({"grad_norm"} if name.startswith("cosmos") else set(rr.SIGNALS))
+        for s in per.values():
+            assert s["runs_alerted"] <= s["runs"] and s["caught"] <= s["events"]
+            assert s["benign_episodes"] <= s["flagged"]
+            assert s["benign_per_10k"] == 1e4 * s["benign_episodes"] / s["points"]
+    # ours flags the two garbled batches of cpu_corrupted_batches on both signals, cosmos on the gradient norm
+    assert corpus["ours"]["loss"]["caught"] >= 2 and corpus["ours"]["grad_norm"]["caught"] >= 2
+    assert corpus["cosmos 10x median"]["grad_norm"]["caught"] >= 2
+    for name, per in summary["synthetic"].items():
+        assert set(per) == set(rr.FAMILIES)
+        assert all((s is None) == name.startswith("cosmos") for s in per.values())
