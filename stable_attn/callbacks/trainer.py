@@ -44,17 +44,17 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..monitor import names
+from ..monitor.actions.recovery import SkipStream
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
-from ..monitor.recovery import SkipStream
 
 __all__ = ["StableAttentionTrainerCallback"]
 
 if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
     from typing_extensions import Unpack
 
-    from ..monitor.typed_options import MonitorOptions
+    from ..monitor.config import MonitorOptions
 
 log = logging.getLogger("stable_attn")
 
@@ -277,7 +277,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     @property
     def alert_delivery(self) -> dict[str, dict[str, int]]:
         """Per channel: alerts delivered, failed, dropped and abandoned (closed channels and earlier runs)."""
-        return self.engine.alert_delivery
+        return self.engine.desk.delivered
 
     def summary(self) -> str:
         return self.engine.summary()
@@ -391,7 +391,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
                           all_gather=_all_gather if size > 1 else None, grad_norm=self._taps.grad_norm)
             self.engine.setup(model, world, stage="train")
             steps = args.logging_strategy == "steps"
-            self._every = self.engine.log_every_n_steps or (state.logging_steps if steps else 0)
+            self._every = self.engine.config.log_every_n_steps or (state.logging_steps if steps else 0)
             output_dir = args.output_dir or "."
             stop_path = lambda step: os.path.join(output_dir, names.trainer_checkpoint(step))  # the Trainer's save
             self.engine.start(output_dir, self._every, stop_path)

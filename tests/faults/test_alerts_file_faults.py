@@ -7,7 +7,7 @@ import os
 import pytest
 
 from stable_attn.callbacks import StableAttentionCallback, StableAttentionTrainerCallback
-from stable_attn.monitor import alerting
+from stable_attn.monitor.alerts import channels as alerting
 from tests.faults.conftest import outcome
 
 CALLBACKS = [StableAttentionCallback, StableAttentionTrainerCallback]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import stable_attn.integrations.transformers  # noqa: F401 - registers "stable_attn"
 from stable_attn import cli
-from stable_attn.monitor import replay
+from stable_attn.monitor.actions import replay
 from tests.integrations import tiny_models
 
 VOCAB = 24

@@ -12,7 +12,7 @@ from transformers import TrainerCallback, TrainerControl
 
 from stable_attn.callbacks import StableAttentionTrainerCallback
 from stable_attn.monitor import names
-from stable_attn.monitor.alert_schema import validate_alert
+from stable_attn.monitor.alerts.schema import validate_alert
 
 BAD = 12  # the optimizer step that reads the garbled batch (its loss is about 3x the trained level)
 

@@ -12,7 +12,7 @@ floats, ints and short lists, so :meth:`~SpikeDetector.state_dict` survives ``to
 docs/DETECTORS.md is the reference: the rules (``event.rule``: ``nonfinite``, ``gross``, ``jump``,
 ``drift``), when each judges (:attr:`SpikeDetector.phase`), the progress gate on a low, noisy loss, the
 design ("The spike detector's design") and the measurements behind every number. The robust statistics
-shared with the early-warning detectors are in :mod:`stable_attn.monitor.robust`.
+shared with the early-warning detectors are in :mod:`stable_attn.monitor.detectors.robust`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from ..names import GRAD_NORM, LOSS
 from .events import SpikeEvent
-from .names import GRAD_NORM, LOSS
 from .robust import (
     MIN_SCALE_SAMPLES,
     RECENT_FLAGGED,
@@ -305,7 +305,7 @@ class SpikeDetector:
     # ---------------------------------------------------------------- update
     def update(self, step: int, value: float) -> SpikeEvent | None:
         """Feed one observation (anything ``float()`` accepts: a 1-element tensor too); return a
-        :class:`~stable_attn.monitor.events.SpikeEvent` if it is anomalous, else None. ``step`` is only
+        :class:`~stable_attn.monitor.detectors.events.SpikeEvent` if it is anomalous, else None. ``step`` is only
         carried into the event; a flagged value does not enter the estimates."""
         value = as_float("value", value)
         step = int(step)

@@ -1,7 +1,7 @@
 """The alert line's schema, as data: a JSON Schema dict (:data:`ALERT_SCHEMA`) and :func:`validate_alert`.
 
 One alert is one JSON object (a line of ``stable_attn_alerts.jsonl``, a webhook body): what
-:meth:`~stable_attn.monitor.alerts.Alert.to_dict` writes. docs/ALERTS.md documents every field; this module
+:meth:`~stable_attn.monitor.alerts.alert.Alert.to_dict` writes. docs/ALERTS.md documents every field; this module
 is its machine form, which the tests and ``stable-attn report`` check lines against.
 
 Versions: a line without ``version`` is version 1 (the fields of 0.1 to 0.x: step, kind, metric, value,
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .names import ALERT_KINDS
+from ..names import ALERT_KINDS
 
 __all__ = ["ALERT_SCHEMA", "CAPS", "EVIDENCE", "REMOTE_CAPS", "VERSION", "AlertSchemaError", "alert_version",
            "check_field", "validate_alert"]
@@ -122,7 +122,7 @@ EVIDENCE: dict[str, dict[str, Any]] = {
         "stopped": {"type": "boolean"},
         "checkpoint": _nullable({"type": "string"}),
     })),
-    # diagnose_spikes (monitor/replay.py): each variant's loss and gradient norm and the verdict, or why none
+    # diagnose_spikes (monitor/actions/replay.py): each variant's loss and gradient norm and the verdict, or why none
     "diagnosis": _nullable({"type": "object", "properties": {
         "verdict": {"enum": ["numerical", "data", "unclear"]},
         "metric": {"enum": ["loss", "grad_norm"]},

@@ -4,7 +4,7 @@ An :class:`Alert` is one record of something worth a human's attention during tr
 a NaN, a surge in attention saturation). An :class:`AlertDispatcher` hands each alert to every
 channel and shields training from channel failures: a full disk, a raising user callback or an
 unreachable webhook is logged, never raised, and counted (:data:`DELIVERY_COUNTS`). The webhook channel
-lives in :mod:`stable_attn.monitor.webhook`. Only the standard library is used.
+lives in :mod:`stable_attn.monitor.alerts.webhook`. Only the standard library is used.
 
 JSON encoding (JSONL lines and webhook bodies, via :meth:`Alert.to_dict`): one object with the keys
 :attr:`Alert.FIELDS`, in that order. Non-finite floats (:attr:`Alert.FLOAT_FIELDS` and the changes in
@@ -15,7 +15,7 @@ the epoch. :meth:`Alert.from_dict` reverses the encoding; :meth:`Alert.decode_fi
 without building an alert, for readers that also take older or hand-written lines (``stable-attn report``).
 The evidence fields (:attr:`Alert.EVIDENCE_FIELDS`, schema version 2) hold JSON values as written: nested
 non-finite floats are the same strings there. docs/ALERTS.md documents every field; the schema's machine
-form is :mod:`stable_attn.monitor.alert_schema`.
+form is :mod:`stable_attn.monitor.alerts.schema`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from . import alert_schema
-from .events import SpikeEvent
-from .names import ALERT_KINDS
+from ..detectors.events import SpikeEvent
+from ..names import ALERT_KINDS
+from . import schema as alert_schema
 
 __all__ = [
     "ALERT_KINDS",
@@ -159,11 +159,11 @@ class Alert:
         checkpoint: the checkpoint a stop writes (a local path; None unless the alert stops the run). The
             formatted line ends with it; :meth:`for_remote` keeps its file or folder name only.
         time: wall-clock time of the alert, seconds since the epoch.
-        version: the schema version of the line (:data:`~stable_attn.monitor.alert_schema.VERSION`; 1 for a
+        version: the schema version of the line (:data:`~stable_attn.monitor.alerts.schema.VERSION`; 1 for a
             line read back without one).
         data_position, lrs, world_size, ranks, loss_window, attention, grad_norms, outcome, diagnosis: the evidence
             (:attr:`EVIDENCE_FIELDS`), JSON values, each None when unknown; docs/ALERTS.md says what each
-            holds. :mod:`stable_attn.monitor.evidence` fills them for the engine's alerts.
+            holds. :mod:`stable_attn.monitor.alerts.evidence` fills them for the engine's alerts.
     """
 
     #: The keys of an alert's JSON object (:meth:`to_dict`; the alerts JSONL, webhook bodies), in the
@@ -260,7 +260,7 @@ class Alert:
     def for_remote(self) -> Alert:
         """This alert as it may leave the machine (the webhook's payload): a stop's checkpoint named by its
         file or folder name (``stable_attn-stop-step=25.ckpt``, ``checkpoint-25``), not its local path.
-        The evidence's lists are cut to :data:`~stable_attn.monitor.alert_schema.REMOTE_CAPS` (docs/ALERTS.md).
+        The evidence's lists are cut to :data:`~stable_attn.monitor.alerts.schema.REMOTE_CAPS` (docs/ALERTS.md).
         Returns ``self`` when there is nothing to change."""
         changes: dict[str, Any] = {}
         if self.checkpoint is not None:

@@ -35,11 +35,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from .config import check_qk_clip
+from .. import names as metric_names
+from ..alerts.alert import Alert
+from ..config import check_qk_clip
 
 __all__ = ["HeadLayout", "QKClip", "QKClipRecord", "head_layout"]
 
@@ -258,6 +261,34 @@ class QKClip:
         if record.heads:
             self.clip_steps += 1
         return record
+
+    def after_step(self, step: int, stats: Mapping[str, Any], world: Any, monitored: bool, acted: bool,
+                   lr: float | None) -> tuple[dict[str, float], Alert | None]:
+        """After the optimizer step, on every rank: the step's per-head max logits MAX-reduced over ranks (one
+        collective, whatever the step did), then the edit, unless the update was dropped (a skipped, rolled-back
+        or stopped step is not clipped). Returns the step's ``qk_clip/`` metrics (empty: no clip) and the alert
+        due (the first clip and every 100th). ``world``: the engine's (rank, size, device, all_gather)."""
+        gather = world.all_gather if world.size > 1 else None
+        max_logits = self.reduce(stats, gather, world.device)
+        if not monitored:  # a monitored step's statistics are collected, then reset, by the layer watch
+            for s in stats.values():
+                s.reset()
+        if acted:
+            return {}, None
+        record = self.apply(max_logits)
+        if not record.heads:
+            return {}, None
+        metrics = {metric_names.QK_CLIP_HEADS: float(record.clipped_heads)}
+        metrics.update({metric_names.qk_clip_metric(layer): record.max_logit[layer] for layer in record.heads})
+        if not self.alert_due():
+            return metrics, None
+        worst = max(record.heads, key=lambda layer: record.max_logit[layer])
+        detail = "; ".join(f"{layer} heads {record.heads[layer]} S_h {record.max_logit[layer]:.4g} eta "
+                           f"{min(record.eta[layer]):.4g}" for layer in record.heads)
+        return metrics, Alert(step=step, kind="qk_clip", metric=metric_names.qk_clip_metric(worst),
+                              value=record.max_logit[worst], threshold=self.tau, lr=lr,
+                              message=f"QK-Clip #{self.clip_steps} clipped {record.clipped_heads} query head(s): "
+                                      f"{detail}")
 
     def alert_due(self) -> bool:
         """Whether the clip just applied is one to raise an alert for: the first and every 100th after it."""

@@ -26,8 +26,8 @@ from stable_attn.monitor import (
     SpikeEvent,
     WebhookChannel,
 )
-from stable_attn.monitor import alerts as alerts_module
-from stable_attn.monitor.webhook import MAX_TIMEOUT_S
+from stable_attn.monitor.alerts import alert as alerts_module
+from stable_attn.monitor.alerts.webhook import MAX_TIMEOUT_S
 
 
 def make_alert(**overrides) -> Alert:

@@ -1,13 +1,20 @@
-"""monitor/recovery.py and monitor/data_position.py with a fake model and optimizer."""
+"""monitor/actions/recovery.py and monitor/loop.py with a fake model and optimizer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from stable_attn.monitor.data_position import batch_fingerprint, data_position
-from stable_attn.monitor.recovery import LrScale, Recovery, SkipStream, SnapshotRing, ring_layout, snapshot_bytes
-from stable_attn.monitor.rollback import Trainables
+from stable_attn.monitor.actions.recovery import (
+    LrScale,
+    Recovery,
+    SkipStream,
+    SnapshotRing,
+    ring_layout,
+    snapshot_bytes,
+)
+from stable_attn.monitor.actions.snapshots import Trainables
+from stable_attn.monitor.loop import batch_fingerprint, data_position
 
 
 def state(step: int, model: torch.nn.Module, opt) -> Trainables:

@@ -1,4 +1,4 @@
-"""monitor/qk_clip.py: QK-Clip on tiny transformers models, the kernel's per-head max logit as S_h.
+"""monitor/actions/qk_clip.py: QK-Clip on tiny transformers models, the kernel's per-head max logit as S_h.
 
 Each case runs a forward through attn_implementation="stable_attn" (PyTorch path) with statistics, takes a
 real AdamW step, clips at a tau below some heads' max logit and above others', and runs the same batch
@@ -26,7 +26,7 @@ from transformers import (
 
 import stable_attn
 import stable_attn.integrations.transformers as st
-from stable_attn.monitor.qk_clip import QKClip, head_layout
+from stable_attn.monitor.actions.qk_clip import QKClip, head_layout
 
 st.register()
 VOCAB, SEQ = 64, 24

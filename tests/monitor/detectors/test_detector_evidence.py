@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # As the benchmarks run: one torch thread (faster than two on a shared 2-core machine).
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -3,7 +3,7 @@
 Zhai et al. (2023), "Stabilizing Transformer Training by Preventing Attention Entropy Collapse"
 (arXiv 2303.06296), find that the attention entropy of a layer collapsing towards zero comes before the
 training instability. Entropy also falls in healthy training (attention sharpens as the model learns),
-so like :class:`~stable_attn.monitor.surge.SurgeDetector` the rule asks for the loss to have stopped
+so like :class:`~stable_attn.monitor.detectors.surge.SurgeDetector` the rule asks for the loss to have stopped
 improving as well. One scalar per update (a layer's mean attention entropy in nats, as the callbacks log
 it: ``stable_attn/entropy/<layer>``), O(window) pure-Python arithmetic, state in plain floats, ints
 and lists (JSON-safe).
@@ -57,7 +57,7 @@ class EntropyCollapseDetector:
     of the window; after ``rebaseline_after`` flagged updates in a row the collapsed level is accepted
     (the window restarts from the recent flagged values) and a new episode may fire later. Non-finite
     values are ignored: a NaN entropy comes with a NaN or infinite max logit, which
-    :meth:`SurgeDetector.max_logit <stable_attn.monitor.surge.SurgeDetector.max_logit>` reports as
+    :meth:`SurgeDetector.max_logit <stable_attn.monitor.detectors.surge.SurgeDetector.max_logit>` reports as
     ``nonfinite``.
 
     Args:

@@ -6,12 +6,12 @@ the detectors' readings, every param group's learning rate and a reference to th
 appends the step's loss to the loss window. :meth:`Evidence.fill` turns that into the evidence fields of
 an alert of the step (docs/ALERTS.md has each field, its unit and when it is null):
 
-- ``data_position``: the engine's ``data_position`` (the adapters fill it), copied;
+- ``data_position``: the step's data position (the adapters give it through ``MonitorEngine.add_batch``), copied;
 - ``lrs``: every param group's learning rate (``lr`` keeps the first's);
 - ``world_size`` and ``ranks``: each rank's loss and gradient norm with its detector's forecast before
   the value, and the score, threshold and rule where that rank's detector flagged it (the ranks flagged on the
   alert's metric first, then those flagged on the other, then by rank);
-- ``loss_window``: ``[step, loss]`` of the last :data:`~stable_attn.monitor.alert_schema.CAPS` ``loss_window``
+- ``loss_window``: ``[step, loss]`` of the last :data:`~stable_attn.monitor.alerts.schema.CAPS` ``loss_window``
   (32) optimizer steps up to the alert's, the mean over ranks as ``train/loss`` logs it (since the process
   started: a resume starts the window afresh);
 - ``attention``: the per-layer statistics of the latest monitored step (the alert's step for an early
@@ -31,6 +31,9 @@ newest step, ``|after - before| / max(|before|, floor)`` (floors :data:`RELATIVE
 layer and statistic, and within that layer the head whose own value of that statistic changed most, by the
 same measure, names the head (rank zero's per-head statistics: heads are not gathered across ranks).
 
+What the engine knows at the moment an alert is delivered comes as a :class:`StepFacts`, a frozen record it builds
+(the data position, the world size, the watched layers, the rollback target and whether the run stops).
+
 Nothing here raises into training: a failure to gather one piece of evidence leaves that field None and is
 logged once (DEBUG after the first).
 """
@@ -42,17 +45,18 @@ import math
 import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from . import names
-from .alert_schema import CAPS
-from .alerts import Alert, checkpoint_name, json_safe
-from .layer_stats import LayerStats
+from .. import names
+from ..layer_stats import LayerStats
+from ..verdict import RankReading
+from .alert import Alert, checkpoint_name, json_safe
+from .schema import CAPS
 
-__all__ = ["RELATIVE_FLOORS", "TOP_GRAD_NORMS", "Evidence", "moved", "top_grad_norms"]
+__all__ = ["RELATIVE_FLOORS", "TOP_GRAD_NORMS", "Evidence", "StepFacts", "moved", "top_grad_norms"]
 
 log = logging.getLogger("stable_attn")
 
@@ -61,6 +65,17 @@ RELATIVE_FLOORS = {"max_logit": 1.0, "saturation": 0.01, "sink_mass": 0.01, "ent
 #: Parameters listed in ``grad_norms.top``.
 TOP_GRAD_NORMS = CAPS["grad_norms.top"]
 _LAYER_FIELDS = ("max_logit", "saturation", "sink_mass", "entropy", "fixed_rate")
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What the engine knows of the step when an alert of it is delivered (built by the engine, read here)."""
+
+    data_position: dict[str, Any] | None = None  # {"epoch", "batch_index", "fingerprint"} of the step's last batch
+    world_size: int = 1
+    layers: LayerStats | None = None  # the watched attention layers and their recent statistics
+    restores_to: int | None = None  # the step a rollback decided at this step goes back to
+    stopping: bool = False  # the run stops at the end of this step
 
 
 def _relative(before: float, after: float, stat: str) -> float:
@@ -134,7 +149,7 @@ class Evidence:
         self._root: weakref.ref[torch.nn.Module] | None = None
         self._names: dict[int, str] = {}
         self._step: int | None = None
-        self._rows: list[list[float]] = []
+        self._rows: list[RankReading] = []
         self._judged: Any = None
         self._lrs: list[Any] | None = None
         self._params: list[torch.nn.Parameter] = []
@@ -146,9 +161,9 @@ class Evidence:
         self._root = weakref.ref(root)
         self._names = {}
 
-    def record(self, step: int, rows: list[list[float]], judged: Any, optimizer: Any,
+    def record(self, step: int, rows: list[RankReading], judged: Any, optimizer: Any,
                parameters: list[torch.nn.Parameter]) -> None:
-        """The step's gathered rows (``[loss, grad norm, has loss, non-finite grads]`` per rank), its
+        """The step's gathered readings (one :class:`~stable_attn.monitor.verdict.RankReading` per rank), its
         :class:`~stable_attn.monitor.verdict.Judgement`, every param group's learning rate and the parameters
         (their gradients are read only if the step alerts)."""
         self._step, self._rows, self._judged, self._params = step, rows, judged, parameters
@@ -162,9 +177,9 @@ class Evidence:
         self.losses.append((step, float(loss)))
 
     # ------------------------------------------------------------------ fill
-    def fill(self, alert: Alert, engine: Any, leave: tuple[str, ...] = ()) -> Alert:
-        """``alert`` with its evidence fields filled from the engine's step (fields already set, and those named
-        in ``leave``, are kept)."""
+    def fill(self, alert: Alert, facts: StepFacts, leave: tuple[str, ...] = ()) -> Alert:
+        """``alert`` with its evidence fields filled from the step's record and ``facts`` (fields already set, and
+        those named in ``leave``, are kept)."""
         fields: dict[str, Any] = {}
         for name, build in (("data_position", self._data_position), ("lrs", self._lrs_of),
                             ("world_size", self._world_size), ("ranks", self._ranks),
@@ -173,7 +188,7 @@ class Evidence:
             if getattr(alert, name) is not None or name in leave:
                 continue
             try:
-                fields[name] = json_safe(build(alert, engine))
+                fields[name] = json_safe(build(alert, facts))
             except Exception as exc:  # evidence is a courtesy: it never costs the alert or the run
                 level = logging.DEBUG if name in self._failed else logging.WARNING
                 self._failed.add(name)
@@ -184,22 +199,22 @@ class Evidence:
     def _this_step(self, alert: Alert) -> bool:
         return self._step is not None and alert.step == self._step
 
-    def _data_position(self, alert: Alert, engine: Any) -> dict[str, Any] | None:
-        position = getattr(engine, "data_position", None)
+    def _data_position(self, alert: Alert, facts: StepFacts) -> dict[str, Any] | None:
+        position = facts.data_position
         if not position:
             return None
         return {"epoch": _int_or_none(position.get("epoch")), "batch_index": _int_or_none(position.get("batch_index")),
                 "fingerprint": None if position.get("fingerprint") is None else str(position["fingerprint"])}
 
-    def _lrs_of(self, alert: Alert, engine: Any) -> list[float] | None:
+    def _lrs_of(self, alert: Alert, facts: StepFacts) -> list[float] | None:
         if not self._this_step(alert) or not self._lrs:
             return None
         return [None if lr is None else float(lr) for lr in self._lrs]
 
-    def _world_size(self, alert: Alert, engine: Any) -> int:
-        return int(engine.world.size)
+    def _world_size(self, alert: Alert, facts: StepFacts) -> int:
+        return int(facts.world_size)
 
-    def _ranks(self, alert: Alert, engine: Any) -> list[dict[str, Any]] | None:
+    def _ranks(self, alert: Alert, facts: StepFacts) -> list[dict[str, Any]] | None:
         if not self._this_step(alert) or not self._rows:
             return None
         judged = self._judged
@@ -216,20 +231,20 @@ class Evidence:
 
         out = []
         for rank, row in enumerate(self._rows):
-            out.append({"rank": rank, "loss": reading(names.LOSS, rank, row[0]) if row[2] else None,
-                        "grad_norm": reading(names.GRAD_NORM, rank, row[1])})
+            out.append({"rank": rank, "loss": reading(names.LOSS, rank, row.loss) if row.has_loss else None,
+                        "grad_norm": reading(names.GRAD_NORM, rank, row.grad_norm)})
         # the ranks whose detector of the alert's metric flagged first, then those flagged on the other metric
         own = events.get(alert.metric, {})
         flagged = {r for metric in events.values() for r in metric}
         out.sort(key=lambda r: (r["rank"] not in own, r["rank"] not in flagged, r["rank"]))
         return out[: CAPS["ranks"]]
 
-    def _loss_window(self, alert: Alert, engine: Any) -> list[list[Any]] | None:
+    def _loss_window(self, alert: Alert, facts: StepFacts) -> list[list[Any]] | None:
         window = [[step, loss] for step, loss in self.losses if step <= alert.step]
         return window or None
 
-    def _attention(self, alert: Alert, engine: Any) -> dict[str, Any] | None:
-        layers: LayerStats | None = engine.layers
+    def _attention(self, alert: Alert, facts: StepFacts) -> dict[str, Any] | None:
+        layers = facts.layers
         if layers is None or not layers.recent:
             return None
         step, values, _ = layers.recent[-1]
@@ -237,7 +252,7 @@ class Evidence:
         return {"step": step, "window": len(layers.recent), "layers": shown[: CAPS["attention.layers"]],
                 "layers_total": len(shown), "moved": moved(layers.recent)}
 
-    def _grad_norms_of(self, alert: Alert, engine: Any) -> dict[str, Any] | None:
+    def _grad_norms_of(self, alert: Alert, facts: StepFacts) -> dict[str, Any] | None:
         if not self._this_step(alert):
             return None
         if self._grad_norms is None or self._grad_norms[0] != alert.step:
@@ -250,21 +265,18 @@ class Evidence:
             self._names = {id(p): name for name, p in root.named_parameters()}
         return [(self._names.get(id(p), f"parameter{i}"), p.grad) for i, p in enumerate(self._params)]
 
-    def _outcome(self, alert: Alert, engine: Any) -> dict[str, Any]:
+    def _outcome(self, alert: Alert, facts: StepFacts) -> dict[str, Any]:
         verdict = self._judged.verdict if self._this_step(alert) and self._judged is not None else None
         dropped = verdict.drop if verdict is not None else None
         rolled_back_to = None
-        snapshot = getattr(engine, "_snapshot", None)
-        if verdict is not None and verdict.rollback and snapshot is not None:
-            rolled_back_to = int(snapshot.step)
-        skipping = getattr(engine, "skipping_batches", None)
-        stopped = bool((verdict is not None and verdict.stop) or getattr(engine, "_pending_stop", False)
-                       or alert.checkpoint is not None)
+        if verdict is not None and verdict.rollback and facts.restores_to is not None:
+            rolled_back_to = int(facts.restores_to)
+        stopped = bool((verdict is not None and verdict.stop) or facts.stopping or alert.checkpoint is not None)
         checkpoint = checkpoint_name(alert.checkpoint) if alert.checkpoint is not None else None
+        # the batches a recovery skips: its own alert says (it sets the outcome itself)
         return {"taken": alert.action, "update_applied": None if dropped is None else not dropped,
-                "rolled_back_to": rolled_back_to,
-                "skipping_batches": [int(skipping[0]), int(skipping[1])] if skipping is not None else None,
-                "stopped": stopped, "checkpoint": checkpoint or None}
+                "rolled_back_to": rolled_back_to, "skipping_batches": None, "stopped": stopped,
+                "checkpoint": checkpoint or None}
 
 
 def _int_or_none(value: Any) -> int | None:

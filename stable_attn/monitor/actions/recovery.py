@@ -30,6 +30,7 @@ scaling (plain values); the ring is not saved: a resumed run starts it afresh (t
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
@@ -40,10 +41,23 @@ from typing import Any
 
 import torch
 
-from .rollback import Snapshot, Trainables, snapshot_from_state, snapshot_state, take_snapshot, tensors_in
+from .. import names
+from ..alerts.alert import Alert
+from .base import Action, JudgeStates, RunContext, StepDone, Verdict
+from .snapshots import (
+    Snapshot,
+    Trainables,
+    restore_snapshot,
+    snapshot_from_state,
+    snapshot_state,
+    take_snapshot,
+    tensors_in,
+)
 
-__all__ = ["RING_DIR", "LrScale", "Recovery", "RingEntry", "SkipStream", "SkipWindow", "SnapshotRing", "ring_layout",
-           "snapshot_bytes"]
+__all__ = ["RING_DIR", "LrScale", "Recover", "Recovery", "RingEntry", "SkipStream", "SkipWindow", "SnapshotRing",
+           "ring_layout", "snapshot_bytes"]
+
+log = logging.getLogger("stable_attn")
 
 
 def ring_layout(rollback_steps: int, rollback_every: int) -> tuple[int, int]:
@@ -382,3 +396,105 @@ class Recovery:
         self.used, self.last_step, self.lr_until, self.skipped_batches = used, last_step, lr_until, skipped
         self.window, self.stream = window, stream
         self.history = [dict(e) for e in state.get("history", []) if isinstance(e, dict)]
+
+
+class Recover(Action):
+    """``on_spike="recover"`` as an :class:`~stable_attn.monitor.actions.base.Action` over a :class:`Recovery`:
+    :meth:`decide` asks it (recover, skip within the cool-down, stop once all are used), :meth:`after_step`
+    carries a recovery out (the ring's snapshot restored with its detectors, the skip window opened, an alert),
+    keeps the ring and scales the next step's learning rate."""
+
+    word = "recover"
+
+    def __init__(self, run: RunContext, recovery: Recovery) -> None:
+        super().__init__(run)
+        self.recovery = recovery
+        self.pending = False
+        self._judge: JudgeStates | None = None
+        self._decided: tuple[int, Verdict, str] | None = None  # (step, verdict, Recovery.decide's word)
+        self._resumed = False
+
+    def start(self, state: Trainables, judge: JudgeStates) -> None:
+        self._judge = judge
+        resumed, self._resumed = self._resumed, False
+        r, run = self.recovery, self.run
+        ring = r.ring
+        ring.clear()
+        ring.directory, ring.rank = os.path.join(run.log_dir or ".", RING_DIR), run.rank
+        ring.take(state, judge.detector_states())  # the oldest state a recovery can go back to
+        if run.is_zero:
+            log.info("%s: recovery snapshot ring of %d x %.1f MB %s", run.name, ring.length,
+                     (ring.snapshot_bytes or 0) / 1e6, f"on disk in {ring.directory} (over snapshot_memory_limit="
+                     f"{ring.memory_limit})" if ring.on_disk else "in host memory")
+        if resumed and run.is_zero:
+            log.warning("%s: recovery snapshot ring starts afresh at global_step %d (the ring is not saved in "
+                        "checkpoints); recoveries used: %d of %d", run.name, state.step, r.used, r.max_recoveries)
+
+    def decide(self, step: int) -> Verdict:
+        decision = self.recovery.decide(step)
+        verdict = Verdict(action=decision, not_training=True, **{decision: True})
+        self._decided = (step, verdict, decision)
+        self.pending = decision == "recover"
+        return verdict
+
+    def note(self, verdict: Verdict) -> str:
+        if self._decided is None or verdict is not self._decided[1]:
+            return super().note(verdict)
+        return {"recover": "; recovering (on_spike='recover')",
+                "skip": f"; update skipped (within cooldown_steps={self.recovery.cooldown_steps} of the last "
+                        "recovery)",
+                "stop": f"; stopping (max_recoveries={self.recovery.max_recoveries} used)"}[self._decided[2]]
+
+    def alerts(self, step: int, lr: float) -> list[Alert]:
+        decided, self._decided = self._decided, None
+        if decided is None or decided[0] != step or decided[2] != "stop":
+            return []
+        r = self.recovery
+        return [Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used, threshold=r.max_recoveries,
+                      lr=lr, action="stop", checkpoint=self.run.stop_checkpoint(step),
+                      message=f"the run spiked again after all {r.max_recoveries} recoveries (max_recoveries): "
+                              "rolling back and skipping data did not keep it stable, so it stops with a "
+                              "checkpoint; look at the data around the spikes and at the learning rate")]
+
+    def after_step(self, step: int, state: Trainables, acted: bool) -> StepDone:
+        r = self.recovery
+        done = StepDone()
+        if self.pending:
+            self.pending = False
+            done = self._recover(step, state)
+        elif not acted and r.ring.due(state.step):
+            assert self._judge is not None
+            r.ring.take(state, self._judge.detector_states())
+        # for the next optimizer.step() only: installed now, after this step's optimizer and scheduler steps
+        # (Lightning runs the step's closure, and so before_optimizer_step, inside optimizer.step())
+        r.scale_lr(step + 1, state.optimizers)
+        return done
+
+    def _recover(self, step: int, state: Trainables) -> StepDone:
+        """Roll back to the ring's snapshot ``rollback_steps`` back, open the skip window, alert."""
+        r = self.recovery
+        entry = r.ring.target(step, r.rollback_steps)
+        assert entry is not None and self._judge is not None  # start put the first snapshot in the ring
+        restore_snapshot(state, entry.load())
+        if entry.detectors is not None:
+            self._judge.load_detector_states(entry.detectors)
+        position = self.run.position() or {}
+        epoch, index = position.get("epoch"), position.get("batch_index")
+        begun = r.begin(step, entry.step, epoch, index + 1 + self.run.skip_lag if index is not None else None)
+        where = f" (after batch {index} of epoch {epoch}, fingerprint {position.get('fingerprint')})" \
+            if index is not None else ""
+        window = r.window
+        skipping = [window.start, window.stop - 1] if window is not None else None
+        outcome = {"taken": "recover", "update_applied": False, "rolled_back_to": int(entry.step),
+                   "skipping_batches": skipping, "stopped": False, "checkpoint": None}
+        alert = Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used, threshold=r.max_recoveries,
+                      lr=self.run.lr, action="recover", message=f"spike at step {step}{where}: {r.message(begun)}",
+                      outcome=outcome)
+        return StepDone(rolled_back_to=entry.step, alerts=(alert,))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recovery": self.recovery.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recovery.load_state_dict(state.get("recovery", {}))  # checks its own fields (ValueError) first
+        self._resumed = True

@@ -8,7 +8,7 @@ import pytest
 from detector_runs import run
 
 from stable_attn.monitor import SpikeDetector
-from stable_attn.monitor.verdict import SPIKE_ACTIONS, ActionCap, StepJudge
+from stable_attn.monitor.verdict import SPIKE_ACTIONS, ActionCap, RankReading, StepJudge
 
 
 def noisy_loss(seed: int, level: float, cv: float, steps: int = 1500, additive: bool = False) -> np.ndarray:
@@ -89,14 +89,13 @@ def test_action_cap_stops_acting_after_the_cap_and_resumes_after_the_cooldown():
 def test_judge_warns_only_at_the_cap_but_still_drops_nonfinite_updates():
     judge = StepJudge("skip", SpikeDetector(), SpikeDetector.grad_norm(), ActionCap(2, 10))
     for step in range(60):
-        judge.judge(step, [[2.0 + 0.01 * (step % 3), 1.0, 1.0, 0.0]], has_norm=True, scaler=False, lr=1e-3,
-                    note=lambda v: "")
+        judge.judge(step, [RankReading(2.0 + 0.01 * (step % 3), 1.0)], has_norm=True, scaler=False, lr=1e-3)
     verdicts, alerts = [], []
     for step in range(60, 64):
-        out = judge.judge(step, [[50.0, 1.0, 1.0, 0.0]], has_norm=True, scaler=False, lr=1e-3, note=lambda v: "")
+        out = judge.judge(step, [RankReading(50.0, 1.0)], has_norm=True, scaler=False, lr=1e-3)
         verdicts.append(out.verdict.skip)
         alerts += out.alerts
     assert verdicts == [True, True, False, False]
     assert [a.metric for a in alerts] == [SPIKE_ACTIONS] and "miscalibrated" in alerts[0].message
-    out = judge.judge(64, [[float("nan"), 1.0, 1.0, 0.0]], has_norm=True, scaler=False, lr=1e-3, note=lambda v: "")
+    out = judge.judge(64, [RankReading(float("nan"), 1.0)], has_norm=True, scaler=False, lr=1e-3)
     assert out.verdict.drop  # a NaN update is never applied, cap or not

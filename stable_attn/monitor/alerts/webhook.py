@@ -6,7 +6,7 @@ is ``payload(alert)`` as JSON; by default :meth:`Alert.to_dict`, the keys of :at
 ``step``, ``kind``, ``metric``, ``value``, ``baseline``, ``threshold``, ``score``, ``lr``, ``layers``
 (layer names and changes), ``action``, ``message``, ``checkpoint`` (a file or folder name) and ``time``, and
 the evidence of schema version 2 with its lists capped (docs/ALERTS.md,
-:data:`~stable_attn.monitor.alert_schema.REMOTE_CAPS`): no data, no weights, no file paths beyond what
+:data:`~stable_attn.monitor.alerts.schema.REMOTE_CAPS`): no data, no weights, no file paths beyond what
 a user's own message holds.
 
 Where it goes, and nowhere else: a direct connection to the URL's host and port (``http.client``: no
@@ -41,7 +41,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .alerts import Alert, AlertChannel
+from .alert import Alert, AlertChannel
 
 __all__ = ["MAX_TIMEOUT_S", "WebhookChannel", "check_headers", "check_timeout", "check_url"]
 

@@ -1,7 +1,8 @@
 """What the detectors share: the robust noise scale, argument checks, state checks, episode counts, the
 early warnings' loss gate (:class:`LossProgress`).
 
-:class:`~stable_attn.monitor.spikes.SpikeDetector` and :class:`~stable_attn.monitor.surge.SurgeDetector`
+:class:`~stable_attn.monitor.detectors.spikes.SpikeDetector` and
+:class:`~stable_attn.monitor.detectors.surge.SurgeDetector`
 measure a value against a baseline in robust standard deviations of the recent noise; the variance
 behind them is updated here (:func:`update_scale`), with the Huber consistency factor that keeps it
 unbiased on Gaussian noise (:func:`huber_consistency`). The checks raise the errors both constructors

@@ -1,7 +1,8 @@
 """The event a detector returns for an anomalous update: :class:`SpikeEvent`.
 
-Both :class:`~stable_attn.monitor.spikes.SpikeDetector` and :class:`~stable_attn.monitor.surge.SurgeDetector`
-return one; :meth:`stable_attn.monitor.alerts.Alert.from_event` turns one into an alert. Pure Python.
+Both :class:`~stable_attn.monitor.detectors.spikes.SpikeDetector` and
+:class:`~stable_attn.monitor.detectors.surge.SurgeDetector` return one;
+:meth:`stable_attn.monitor.alerts.alert.Alert.from_event` turns one into an alert. Pure Python.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ class SpikeEvent:
             the previous anomalous update; alert on these, act (e.g. skip) on every event.
         rule: which rule fired: ``"gross"`` (far above the recent values while the detector is not
             calibrated yet), ``"jump"`` (this value alone is far above the forecast), ``"drift"``
-            (a sustained rise, see :class:`~stable_attn.monitor.spikes.SpikeDetector`), ``"surge"`` or ``"level"``
-            (:class:`~stable_attn.monitor.surge.SurgeDetector`) or ``"nonfinite"``.
+            (a sustained rise, see :class:`~stable_attn.monitor.detectors.spikes.SpikeDetector`), ``"surge"`` or
+            ``"level"``
+            (:class:`~stable_attn.monitor.detectors.surge.SurgeDetector`) or ``"nonfinite"``.
     """
 
     step: int

@@ -17,7 +17,8 @@ from test_engine import EVERY, Loop
 
 from stable_attn.cli import main
 from stable_attn.monitor import Alert, names
-from stable_attn.monitor.alert_schema import (
+from stable_attn.monitor.alerts.evidence import RELATIVE_FLOORS, moved, top_grad_norms
+from stable_attn.monitor.alerts.schema import (
     ALERT_SCHEMA,
     CAPS,
     EVIDENCE,
@@ -27,7 +28,6 @@ from stable_attn.monitor.alert_schema import (
     validate_alert,
 )
 from stable_attn.monitor.engine import MonitorEngine
-from stable_attn.monitor.evidence import RELATIVE_FLOORS, moved, top_grad_norms
 from stable_attn.report import load_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

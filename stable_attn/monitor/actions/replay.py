@@ -25,6 +25,7 @@ would confuse its reducer): docs/DETECTORS.md.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,8 +34,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["REPLAY_VERDICTS", "VARIANTS", "Replay", "default_loss", "model_identity", "replay_bundle", "replay_step",
-           "table", "verdict", "write_replay_bundle"]
+from .. import names
+
+__all__ = ["REPLAY_VERDICTS", "VARIANTS", "Replay", "default_loss", "diagnose", "model_identity", "replay_bundle",
+           "replay_step", "table", "verdict", "write_replay_bundle"]
+
+log = logging.getLogger("stable_attn")
 
 #: The attention options of each variant, as ``configure()`` takes them.
 VARIANTS: Mapping[str, Mapping[str, Any]] = {
@@ -70,7 +75,7 @@ class Replay:
 
 def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
     """The one transformers model inside ``model`` (``model`` itself if it is one)."""
-    from ..integrations.transformers.swap import find_hf_models
+    from ...integrations.transformers.swap import find_hf_models
 
     found = list(find_hf_models(model).values())
     if len(found) != 1:
@@ -97,7 +102,7 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from ..integrations.transformers import attention_modules
+    from ...integrations.transformers import attention_modules
 
     hf = _hf_model(model)
     impl = getattr(hf.config, "_attn_implementation", None)
@@ -111,7 +116,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def run_variant_of(model: torch.nn.Module) -> str:
     """The variant the model's attention layers run now (the first layer's options; ``"paper"`` for the published
     rule)."""
-    from ..integrations.transformers.models import model_options_of
+    from ...integrations.transformers.models import model_options_of
 
     opts = model_options_of(_attention_modules(model)[0])
     if opts.get("pv_fp32"):
@@ -130,7 +135,7 @@ _ABSENT = object()
 @contextlib.contextmanager
 def _variant(modules: Sequence[torch.nn.Module], options: Mapping[str, Any]) -> Iterator[None]:
     """Every layer runs ``options`` over its own; its options and statistics as they were afterwards."""
-    from ..integrations.transformers.models import model_options_of
+    from ...integrations.transformers.models import model_options_of
 
     saved = [(m, m.__dict__.get("stable_attn_options", _ABSENT), getattr(m, "stable_attn_stats", None))
              for m in modules]
@@ -451,3 +456,35 @@ def table(result: Mapping[str, Any]) -> str:
                           "while another does not"}
     lines.append(f"verdict: {result['verdict']} ({meaning[result['verdict']]})")
     return "\n".join(lines)
+
+
+def diagnose(root: torch.nn.Module | None, batches: Sequence[Any], *, step: int, metric_name: str, threshold: float,
+             world_size: int, is_zero: bool, log_dir: str | None, bundles: list[str], name: str) -> dict[str, Any]:
+    """``diagnose_spikes``: replay the step three ways on its batches (the weights are still the pre-step ones when
+    the engine calls it, before the optimizer step) and say whether the spike is numerical or the data; the first
+    :data:`MAX_BUNDLES` spikes are written as bundles on rank zero (their paths appended to ``bundles``). Never
+    raises: a replay that cannot run says why in the result."""
+    metric = {names.LOSS: "loss", names.GRAD_NORM: "grad_norm"}.get(metric_name)
+    if metric is None:
+        return {"skipped": f"no replay for the metric {metric_name!r}"}
+    if world_size > 1:
+        return {"skipped": "not replayed under DDP (a backward outside DDP's forward would confuse its reducer)"}
+    if not batches or root is None:
+        return {"skipped": "the training loop passed no batches for this step (MonitorEngine.add_batch)"}
+    try:
+        run_variant = run_variant_of(root)
+        result = replay_step(root, batches, run_variant=run_variant, variants=variants_with(run_variant))
+        found = verdict(result, metric, threshold)
+    except Exception as exc:  # a diagnosis is a courtesy: it never costs the alert or the run
+        log.warning("%s: the spike at step %d was not replayed: %s: %s", name, step, type(exc).__name__, exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    diagnosis = {"metric": metric, "threshold": threshold, **result.as_dict(), "verdict": found}
+    if is_zero and log_dir and len(bundles) < MAX_BUNDLES:
+        try:
+            path = os.path.join(log_dir, BUNDLES_DIR, f"step-{step}")
+            bundles.append(write_replay_bundle(path, root, batches, step=step, metric=metric, threshold=threshold,
+                                               run_variant=run_variant))
+            diagnosis["bundle"] = os.path.basename(path)
+        except Exception as exc:
+            log.warning("%s: no replay bundle for step %d: %s: %s", name, step, type(exc).__name__, exc)
+    return diagnosis

@@ -1,5 +1,6 @@
-"""stable_attn.monitor.replay and pv_fp32 (issue 26, item 3): replay a spiking step three ways and say whether the
-spike is the attention numerics or the data; the fp32-P-bar-V variant of the PyTorch path; diagnose_spikes."""
+"""stable_attn.monitor.actions.replay and pv_fp32 (issue 26, item 3): replay a spiking step three ways and say
+whether the spike is the attention numerics or the data; the fp32-P-bar-V variant of the PyTorch path;
+diagnose_spikes."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import stable_attn
 from stable_attn import cli
 from stable_attn.integrations.transformers.models import model_options_of
 from stable_attn.kernels import naive
-from stable_attn.monitor import replay
-from stable_attn.monitor.alert_schema import validate_alert
+from stable_attn.monitor.actions import replay
+from stable_attn.monitor.alerts.schema import validate_alert
 from stable_attn.monitor.engine import MonitorEngine, Trainables
 from tests.integrations import tiny_models
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from detector_runs import run
 
-from stable_attn.monitor import SpikeDetector, spikes
+from stable_attn.monitor import SpikeDetector
+from stable_attn.monitor.detectors import spikes
 
 
 def early_loss(seed: int, steps: int = 400, sigma: float = 0.03) -> np.ndarray:

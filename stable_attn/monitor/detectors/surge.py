@@ -1,10 +1,10 @@
 """Early warnings on per-layer attention statistics: :class:`SurgeDetector`.
 
-Like :class:`~stable_attn.monitor.spikes.SpikeDetector` it takes one scalar per update (and, optionally,
+Like :class:`~stable_attn.monitor.detectors.spikes.SpikeDetector` it takes one scalar per update (and, optionally,
 that step's training loss), costs O(1) pure-Python arithmetic and keeps its state in plain floats, ints
-and short lists; it returns a :class:`~stable_attn.monitor.events.SpikeEvent` for every anomalous
+and short lists; it returns a :class:`~stable_attn.monitor.detectors.events.SpikeEvent` for every anomalous
 update, ``is_new`` on the first of an episode. Its noise scale is the robust one of
-:mod:`stable_attn.monitor.robust`.
+:mod:`stable_attn.monitor.detectors.robust`.
 
 The rules (``event.rule``) and when each is active, with the defaults (docs/DETECTORS.md has the
 measurements behind every number):
@@ -54,7 +54,7 @@ class SurgeDetector:
     fixed-block rate, per layer, fed on the steps the caller monitors, together with that step's
     training loss. The baseline is an exponential moving average of accepted values (no trend: a
     steady climb is itself worth a warning once it outruns the average); the noise scale is the same
-    robust clipped-residual variance as in :class:`~stable_attn.monitor.spikes.SpikeDetector`. A value fires
+    robust clipped-residual variance as in :class:`~stable_attn.monitor.detectors.spikes.SpikeDetector`. A value fires
     (``kind="early_warning"``, ``rule="surge"``) when all of these hold:
 
     - **absolute level**: the value is at least ``min_level`` (a max logit of 7, a saturation of 1%
@@ -192,7 +192,8 @@ class SurgeDetector:
         return self._loss.improving
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-Python state for checkpoints (see :meth:`~stable_attn.monitor.spikes.SpikeDetector.state_dict`)."""
+        """Plain-Python state for checkpoints (see
+        :meth:`~stable_attn.monitor.detectors.spikes.SpikeDetector.state_dict`)."""
         return {
             "version": _STATE_VERSION,
             "type": "SurgeDetector",
@@ -240,7 +241,7 @@ class SurgeDetector:
     def update(self, step: int, value: float, loss: float | None = None) -> SpikeEvent | None:
         """Feed one observation (and optionally the training loss of the same step); return an event
         on a surge or a non-finite value, else None. A non-finite loss is ignored here (the loss's
-        own :class:`~stable_attn.monitor.spikes.SpikeDetector` reports it)."""
+        own :class:`~stable_attn.monitor.detectors.spikes.SpikeDetector` reports it)."""
         value = as_float("value", value)
         step = int(step)
         if loss is not None:

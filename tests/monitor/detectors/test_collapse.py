@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stable_attn import attention
-from stable_attn.monitor.collapse import EntropyCollapseDetector
+from stable_attn.monitor.detectors.collapse import EntropyCollapseDetector
 from stable_attn.monitor.layer_watch import LayerWatch
 from stable_attn.stats import AttentionStats
 

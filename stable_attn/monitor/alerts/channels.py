@@ -14,9 +14,8 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from . import Alert, AlertDispatcher, CallableChannel, JsonlChannel, LoggingChannel, WebhookChannel
-from .alerts import DELIVERY_COUNTS
-from .webhook import check_headers, check_timeout, check_url
+from .alert import DELIVERY_COUNTS, Alert, AlertDispatcher, CallableChannel, JsonlChannel, LoggingChannel
+from .webhook import WebhookChannel, check_headers, check_timeout, check_url
 
 __all__ = ["add_counts", "build_dispatcher", "check_alerts_file", "check_on_alert", "check_webhook", "close_dispatcher"]
 
