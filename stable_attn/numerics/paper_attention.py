@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import rules
+from .. import rules
 
 __all__ = ["PaperStats", "paper_forward", "paper_backward", "paper_attention"]
 
