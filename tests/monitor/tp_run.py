@@ -58,7 +58,7 @@ def main(rank: int, world: int, port: str, out: str) -> None:
 
     from stable_attn.integrations.transformers import attach_stats
     from stable_attn.monitor.grad_norm import total_grad_norm
-    from stable_attn.monitor.qk_clip import QKClip, head_layout
+    from stable_attn.monitor.actions.qk_clip import QKClip, head_layout
 
     reference = model()
     sharded = copy.deepcopy(reference)
