@@ -134,6 +134,11 @@ class SpikeDetector:
             ``(gross_ratio - 1) * |median|``); None disables the rule.
         gross_warmup: finite updates before the gross rule can fire (>= 1).
         gross_z: the gross rule's bar is also this many sigmas of the run's own noise; 0: the ratio alone.
+        start_ratio: None (default), or from the 2nd finite update until the gross rule judges, a value
+            above this factor times every accepted value is flagged (rule ``gross``) and kept out.
+        rising_noise: measure the noise from rising differences only (direction ``"up"``): a metric that
+            falls several-fold over its first updates (a gradient norm) so keeps its bar at the size of its
+            rises, not of its start's fall (docs/DETECTORS.md, "The start of a run").
         level_rate: smoothing rate of the level (larger follows faster, noisier baseline).
         trend_rate: smoothing rate of the trend (Holt's beta, applied to level changes).
         scale_rate: smoothing rate of the robust noise variance.
@@ -164,6 +169,8 @@ class SpikeDetector:
         gross_ratio: float | None = 1.25,
         gross_warmup: int = 3,
         gross_z: float = 6.0,
+        start_ratio: float | None = None,
+        rising_noise: bool = False,
         level_rate: float = 0.1,
         trend_rate: float = 0.1,
         scale_rate: float = 0.03,
@@ -192,6 +199,14 @@ class SpikeDetector:
         self.gross_ratio = gross_ratio
         self.gross_warmup = check_count("gross_warmup", gross_warmup, 1)
         self.gross_z = check_positive("gross_z", gross_z, allow_zero=True)
+        if start_ratio is not None:
+            start_ratio = as_float("start_ratio", start_ratio)
+            if not (start_ratio > 1.0 and math.isfinite(start_ratio)):
+                raise ValueError(f"start_ratio must be a finite number > 1 or None, got {start_ratio!r}")
+        self.start_ratio = start_ratio
+        if not isinstance(rising_noise, bool):
+            raise TypeError(f"rising_noise must be a bool, got {rising_noise!r}")
+        self.rising_noise = rising_noise
         self.level_rate = check_rate("level_rate", level_rate)
         self.trend_rate = check_rate("trend_rate", trend_rate)
         self.scale_rate = check_rate("scale_rate", scale_rate)
@@ -207,6 +222,8 @@ class SpikeDetector:
         self.noisy_progress_share = None if noisy_progress_share is None else check_positive(
             "noisy_progress_share", noisy_progress_share, allow_zero=True)
         self._kappa = huber_consistency(self.clip)
+        # Falls are left out of the noise only where rises are what is judged (direction "up").
+        self._rising = rising_noise and direction == "up"
         # The smallest margin a jump must clear in log space (see _sigma for why it also floors the scale).
         self._min_margin = math.log1p(self.min_rel_change) if log_space else 0.0
         self._warned_nonpositive = False
@@ -221,9 +238,14 @@ class SpikeDetector:
     def grad_norm(cls, metric: str = GRAD_NORM, **kwargs: Any) -> SpikeDetector:
         """Defaults for a gradient norm: the gross rule fires at 5x the recent median (early
         gradient norms of healthy runs swing by up to 4x from one step to the next), and at 4 sigmas
-        of the norm's own noise where that is wider (the 5x ratio already allows for the usual swings)."""
+        of the norm's own noise where that is wider (the 5x ratio already allows for the usual swings);
+        before it, from the 2nd update, a value 8x above every earlier one is flagged; the noise is
+        measured on rises only (a run's norm falls 4-20x over its first points, and counted as noise
+        that fall raised the gross bar to 7-48x: docs/DETECTORS.md, "The start of a run")."""
         kwargs.setdefault("gross_ratio", 5.0)
         kwargs.setdefault("gross_z", 4.0)
+        kwargs.setdefault("start_ratio", 8.0)
+        kwargs.setdefault("rising_noise", True)
         kwargs.setdefault("noisy_progress_share", None)  # a norm does not fall from a start as a loss does
         return cls(metric, **kwargs)
 
@@ -337,6 +359,10 @@ class SpikeDetector:
         # a fast fall (a learning-rate drop) the trend runs on below a curve that has flattened, and
         # the flattening is not a spike.
         excess = x - max(forecast, min(self._window)) if self.direction == "up" else abs(residual)
+        if self.phase == "starting" and self.start_ratio is not None:
+            event = self._start(step, value, x)
+            if event is not None:
+                return event
         if self.phase == "gross":
             event = self._gross(step, value, x)
             if event is not None:
@@ -444,7 +470,8 @@ class SpikeDetector:
         # or a slow explosion the level is chasing) cancels in them, so it cannot inflate the scale
         # and widen its own threshold, while noise that grows shows up at once.
         self._var, self._residuals = update_scale(
-            self._var, self._residuals, residual, self._last_residual, bound, trusted, self.scale_rate, self._kappa
+            self._var, self._residuals, residual, self._last_residual, bound, trusted, self.scale_rate, self._kappa,
+            self._rising,
         )
         # While a rise is accumulating in the drift sum, it must not widen its own threshold (a slow
         # explosion's residuals look like slowly varying, autocorrelated noise). Nor may the forecast's
@@ -531,6 +558,15 @@ class SpikeDetector:
         score = (x - reference) / self._sigma() if self._var is not None else math.inf
         return self._spike(step, value, x, reference, margin, score, "gross")
 
+    def _start(self, step: int, value: float, x: float) -> SpikeEvent | None:
+        """The rule of the first updates, before the gross rule judges: far above every accepted value."""
+        assert self.start_ratio is not None
+        reference = max(self._window)
+        margin = math.log(self.start_ratio) if self.log_space else (self.start_ratio - 1.0) * abs(reference)
+        if not x - reference > margin or not self._material(value, reference):
+            return None
+        return self._spike(step, value, x, reference, margin, math.inf, "gross")
+
     def progress_share(self, value: float) -> float | None:
         """The share of the run's progress that ``value`` undoes: its rise over the current baseline (the
         forecast, never below the lowest recent value) over the fall from the run's start (the median of
@@ -579,7 +615,7 @@ class SpikeDetector:
 
     def _window_noise(self) -> tuple[float, float]:
         """The run's measured noise, (relative, absolute), in the window before the value judged."""
-        return window_noise(self._noise[-_NOISE_WINDOW - 1 : -1], self.log_space, _GROSS_WINDOW)
+        return window_noise(self._noise[-_NOISE_WINDOW - 1 : -1], self.log_space, _GROSS_WINDOW, self._rising)
 
     def _abs_margin(self, z: float, absolute: float) -> float:
         """The log-space rise of ``z`` absolute-noise sigmas above the level: log(1 + z * noise / level)
