@@ -49,8 +49,11 @@ _logger = logging.getLogger("stable_attn")
 # While an update is skipped (flagged or non-finite) the trend is extrapolated with this per-update
 # decay, so a long anomaly cannot drag the forecast far along a stale slope (total drift <= ~19 slopes).
 _GAP_TREND_DECAY = 0.95
-# Values at or below zero have no logarithm; they are floored here (a huge downward outlier, which
-# the clipped update absorbs) and a warning says once that log_space=False suits such a metric.
+# Values at or below zero have no logarithm. Watching rises ("up"), such a value (an exact 0.0: a loss logged
+# rounded, a norm of a step without gradients) is no rise and is left out of every estimate: floored and accepted,
+# it pulled the level ~7 log units down and the ordinary values after it were flagged as jumps 50 in a row. With
+# "both" it is floored here (a huge drop, flagged by the jump rule once calibrated). Either way a warning says
+# once that log_space=False suits such a metric.
 _LOG_FLOOR = 1e-30
 _SCALE_EPS = 1e-12
 # Warm-up also waits until an EMA (rate _BIAS_RATE) of clipped standardized residuals is within
@@ -328,11 +331,15 @@ class SpikeDetector:
     def update(self, step: int, value: float) -> SpikeEvent | None:
         """Feed one observation (anything ``float()`` accepts: a 1-element tensor too); return a
         :class:`~stable_attn.monitor.events.SpikeEvent` if it is anomalous, else None. ``step`` is only
-        carried into the event; a flagged value does not enter the estimates."""
+        carried into the event; a flagged value does not enter the estimates, nor (log space, direction ``"up"``)
+        does a value at or below zero, which returns None."""
         value = as_float("value", value)
         step = int(step)
         if not math.isfinite(value):
             return self._nonfinite(step, value)
+        if self.log_space and value <= 0.0 and self.direction == "up":
+            self._warn_nonpositive(value)
+            return None
         x = self._transform(value)
         self._seen += 1
         if self._seen <= _FIRST_VALUES:
@@ -413,12 +420,16 @@ class SpikeDetector:
         if not self.log_space:
             return value
         if value <= 0.0:
-            if not self._warned_nonpositive:
-                self._warned_nonpositive = True
-                _logger.warning("SpikeDetector(%r) got %r <= 0 in log space; it is treated as a tiny positive value. "
-                                "Use log_space=False for metrics that can be zero or negative.", self.metric, value)
+            self._warn_nonpositive(value)
             value = _LOG_FLOOR
         return math.log(value)
+
+    def _warn_nonpositive(self, value: float) -> None:
+        if not self._warned_nonpositive:
+            self._warned_nonpositive = True
+            what = "left out" if self.direction == "up" else "treated as a tiny positive value"
+            _logger.warning("SpikeDetector(%r) got %r <= 0 in log space; it is %s. Use log_space=False for metrics "
+                            "that can be zero or negative.", self.metric, value, what)
 
     def _to_value(self, x: float) -> float:
         if not self.log_space:

@@ -129,6 +129,21 @@ def test_grad_norm_start_rule_flags_a_value_far_above_every_earlier_one() -> Non
     assert run(SpikeDetector.grad_norm(), [0.6, 4.5, 0.9, 0.7]) == []  # 7.5x: below the 8x of the start rule
 
 
+@pytest.mark.parametrize("preset", [SpikeDetector.loss, SpikeDetector.grad_norm])
+@pytest.mark.parametrize("seed", range(3))
+def test_an_exact_zero_is_left_out(preset, seed: int, caplog: pytest.LogCaptureFixture) -> None:
+    # Floored and accepted at step 60 (before calibration), a 0.0 pulled the level ~7 log units down, and the
+    # 50 ordinary values after it were flagged as jumps until a re-baseline.
+    values = np.exp(0.2 * np.random.default_rng(seed).standard_normal(400))
+    values[[60, 200, 201]] = 0.0
+    det = preset()
+    assert run(det, values) == []
+    assert det.state_dict()["seen"] == 397
+    assert caplog.text.count("<= 0 in log space; it is left out") == 1
+    values[300] *= 5.0  # a spike after the zeros is still caught
+    assert [e.step for e in run(preset(), values)] == [300]
+
+
 def test_start_and_rising_noise_validation() -> None:
     with pytest.raises(ValueError, match="start_ratio must be a finite number > 1 or None, got 1.0"):
         SpikeDetector(start_ratio=1.0)
