@@ -35,6 +35,7 @@ values, so only ``P-bar``'s rounding and the accumulation count.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -43,10 +44,22 @@ import time
 
 import torch
 
+from stable_attn.kernels import naive
 from stable_attn.numerics import arithmetic
 from stable_attn.numerics.bias import ErrorStats, error_stats, row_unit
 
 INPUTS = ("tied-k1", "tied-k2", "tied-k4", "tied-k8", "tied-k4-m0", "tied-k4-sym", "random")
+
+# The asymmetric-value study (``--study asym``): value distributions of the tied keys and of the others,
+# (mean of tied V, mean of other V); every element has standard deviation ASYM_SD around its mean.
+VALUE_DISTS = {"same": (-2.0, -2.0), "tied-closer": (-1.0, -3.0), "tied-farther": (-3.0, -1.0), "sink": (0.0, -3.0)}
+ASYM_SD = 0.5
+ASYM_KS = (1, 2, 4, 8)
+ASYM_BLOCKS = (64, 128)
+# other keys sit ASYM_GAP + Exp(mean 2) below the tied max: non-tied mass eps = (N - k) e^-gap / 3, about
+# 5e-4 at N = 256 and gap 12, so the tied keys' midpoint is decided by eps's sticky term (the regime of
+# O ~ mean V_tied + (eps/k)(mean V_other - mean V_tied)); today's inputs (gap 3) have eps ~ 4
+ASYM_GAP = 12.0
 
 
 def make_inputs(kind: str, trials: int, n: int, d: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +83,62 @@ def make_inputs(kind: str, trials: int, n: int, d: int, gen: torch.Generator) ->
     return scores, values
 
 
+def make_asym_inputs(dist: str, k: int, trials: int, n: int, d: int, gen: torch.Generator,
+                     gap: float = ASYM_GAP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores ``[T, N]`` and bf16 values ``[T, N, D]``: ``k`` keys tie at the max ``m ~ U(-4, 4)``, the others
+    ``gap + Exp(mean 2)`` below; tied and other values drawn from :data:`VALUE_DISTS` ``[dist]``."""
+    if dist not in VALUE_DISTS:
+        raise ValueError(f"dist={dist!r}; accepted values: {tuple(VALUE_DISTS)}")
+    if not 1 <= k < n:
+        raise ValueError(f"k={k} tied keys must be in [1, n) with n={n}")
+    bf16 = torch.bfloat16
+    m = (8.0 * torch.rand(trials, 1, generator=gen) - 4.0).to(bf16).float()
+    drop = gap + 2.0 * torch.empty(trials, n).exponential_(generator=gen)
+    scores = (m - drop).to(bf16).float()
+    scores[:, :k] = m
+    tied_mean, other_mean = VALUE_DISTS[dist]
+    means = torch.full((1, n, 1), other_mean)
+    means[:, :k] = tied_mean
+    values = (means + ASYM_SD * torch.randn(trials, n, d, generator=gen)).to(bf16)
+    return scores, values
+
+
+def _tc_model(s: torch.Tensor, v: torch.Tensor, fix: str, *, block: int, model: str) -> arithmetic.ModelOutput:
+    return arithmetic.tensor_core_model(s, v, fix, block_n=block, model=model)
+
+
+def asym_models(block: int, tc_models: tuple[str, ...]) -> dict[str, object]:
+    """The asymmetric study's models on ``block``-key blocks: (a) fused IEEE, (b) all-bf16, (d) tensor cores."""
+    out = {
+        "a_kernel": lambda s, v, fix: arithmetic.kernel_model(s, v, fix, block_n=block, backend="torch"),
+        "b_blockwise_bf16": lambda s, v, fix: arithmetic.blockwise_bf16_model(s, v, fix, block_n=block),
+    }
+    for tc in tc_models:
+        out[f"d_tensor_core_{tc}"] = functools.partial(_tc_model, block=block, model=tc)
+    return out
+
+
+def predicted_sign(model: str, dist: str, k: int, fix: str) -> int:
+    """The sign of the mean error the midpoint analysis predicts (0: no systematic direction).
+
+    Fused (a, d): O = acc / l is rounded once; with k >= 2 tied keys mean V_tied sits on a bf16 midpoint
+    in part of the rows and the sticky term delta = (eps/k)(mean V_other - mean V_tied) decides it: sign(delta).
+    k = 1: O rounds back to V_1 and loses delta: -sign(delta). The rule does not change acc / l (ours keeps the
+    consistent row sum), so it keeps the sign; the paper's rule with FlashAttention-2's unrounded row sum scales
+    O by rounded/unrounded P-bar (up to 2^-9, random), which blurs the midpoint (a weaker bias, same sign).
+    (b) all-bf16: O-bar = sum V_tied + eps V_other is rounded to bf16 before the division: the sticky term has
+    the sign of V_other (the paper's "sign of V"); k = 1 rounds back to V_1: -sign(delta). Any fix makes
+    P-bar < 1 for the tied keys, so O-bar is no longer on a midpoint: no tie term (0).
+    """
+    tied_mean, other_mean = VALUE_DISTS[dist]
+    sign_delta = (other_mean > tied_mean) - (other_mean < tied_mean)
+    if model.startswith("b_"):
+        if k == 1 or fix != "off":
+            return -sign_delta if k == 1 else 0
+        return (other_mean > 0) - (other_mean < 0)
+    return -sign_delta if k == 1 else sign_delta
+
+
 # (d) the kernel's forward with P-bar V on bit-level tensor-core models (run on the CPU on every device)
 TC_MODELS = {
     "d_tensor_core_a100": lambda s, v, fix: arithmetic.tensor_core_model(s, v, fix, model="a100"),
@@ -82,6 +151,8 @@ FP8_MODELS = {
     "e_fp8_h100": lambda s, v, fix: arithmetic.tensor_core_model(s, v, fix, model="h100",
                                                                  pbar_dtype=torch.float8_e4m3fn),
     "e_fp8_ieee": lambda s, v, fix: arithmetic.tensor_core_model(s, v, fix, model="ieee",
+                                                                 pbar_dtype=torch.float8_e4m3fn),
+    "e_fp8_b200": lambda s, v, fix: arithmetic.tensor_core_model(s, v, fix, model="b200",
                                                                  pbar_dtype=torch.float8_e4m3fn),
 }
 
@@ -128,6 +199,64 @@ def machine(device: str) -> str:
     return f"CPU ({cpu}), {os.cpu_count()} cores visible, {threads} thread(s), torch {torch.__version__}"
 
 
+def run_asym(args: argparse.Namespace) -> dict:
+    """The asymmetric-value study: every (values, k, block) cell in every model and fix, with its prediction."""
+    dists = [x for x in args.dists.split(",") if x]
+    ks = [int(x) for x in args.ks.split(",") if x]
+    blocks = [int(x) for x in args.blocks.split(",") if x]
+    tcs = tuple(x for x in args.tc_models.split(",") if x)
+    cells = []
+    header = (f"{'values':<13} {'k':>2} {'blk':>4} {'model':<22} {'fix':<6} {'mean':>8} {'t':>8} {'rms':>7} "
+              f"{'pred':>5} held")
+    print(f"asymmetric-value bias study: {args.trials} trials/cell, N={args.keys}, D={args.head_dim}, gap "
+          f"{args.gap:g} + Exp(2), value sd {ASYM_SD}; values (tied mean, other mean): "
+          + ", ".join(f"{d} {VALUE_DISTS[d]}" for d in dists))
+    print("errors vs float64 oracle in units of 2^-8 * rms(O_row); t = mean / s.e.; biased = |t| >= 3; "
+          "pred = predicted sign (0: none); held = the sign of a biased mean, or no bias, as predicted")
+    print(header)
+    print("-" * len(header))
+    for di, dist in enumerate(dists):
+        for k in ks:
+            gen = torch.Generator().manual_seed(args.seed * 1000 + 10 * di + k)
+            scores, values = make_asym_inputs(dist, k, args.trials, args.keys, args.head_dim, gen, args.gap)
+            exact = arithmetic.oracle(scores, values)
+            unit = row_unit(exact)
+            eps = (naive.probabilities(scores)[:, k:].sum(-1) / naive.probabilities(scores)[:, :k].sum(-1) * k)
+            base = error_stats(exact.to(torch.bfloat16).double(), exact, unit)
+            cells.append({"values": dist, "k": k, "block": None, "model": "exact_rounded_bf16", "fix": "-",
+                          "eps_median": float(eps.median()), **base.as_dict()})
+            for block in blocks:
+                for name, fn in asym_models(block, tcs).items():
+                    for fix in arithmetic.FIXES:
+                        res = fn(scores, values, fix)
+                        st = error_stats(res.out.cpu(), exact, unit)
+                        pred = predicted_sign(name, dist, k, fix)
+                        got = 0 if not st.biased else (1 if st.mean > 0 else -1)
+                        cells.append({"values": dist, "k": k, "block": block, "model": name, "fix": fix,
+                                      **st.as_dict(), "fired_per_row": res.fired_rate, "predicted_sign": pred,
+                                      "observed_sign": got, "held": got == pred})
+                        print(f"{dist:<13} {k:>2} {block:>4} {name:<22} {fix:<6} {st.mean:8.4f} {st.t:8.2f} "
+                              f"{st.rms:7.3f} {pred:>5} {'yes' if got == pred else 'NO'}", flush=True)
+    return {"cells": cells, "config": {"study": "asym", "values": {d: VALUE_DISTS[d] for d in dists},
+                                        "value_sd": ASYM_SD, "ks": ks, "blocks": blocks, "gap": args.gap,
+                                        "tc_models": list(tcs)}}
+
+
+def git_commit() -> str | None:
+    """The commit the study ran at (with ``+dirty`` when the work tree differs), or None outside git."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=1000, help="independent rows per cell (default 1000)")
@@ -141,7 +270,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pbar", default="bf16", choices=("bf16", "e4m3"),
                     help="dtype P-bar (for e4m3 also V) is cast to for the product (default bf16; e4m3: FP8)")
     ap.add_argument("--json", default="bias_study.json", help="where to write the results (default bias_study.json)")
+    ap.add_argument("--study", default="inputs", choices=("inputs", "asym"),
+                    help="inputs: the --inputs kinds (default); asym: the asymmetric-value study")
+    ap.add_argument("--dists", default=",".join(VALUE_DISTS), help="asym: value distributions (comma-separated)")
+    ap.add_argument("--ks", default=",".join(map(str, ASYM_KS)), help="asym: numbers of tied maxima")
+    ap.add_argument("--blocks", default=",".join(map(str, ASYM_BLOCKS)), help="asym: key-block sizes")
+    ap.add_argument("--gap", type=float, default=ASYM_GAP, help="asym: other keys sit gap + Exp(2) below the max")
+    ap.add_argument("--tc-models", default="a100,h100", help="asym: tensor-core models of (d) (a100, h100, b200)")
     args = ap.parse_args(argv)
+    if args.study == "asym":
+        torch.set_num_threads(args.threads)
+        commit = git_commit()  # before the run: the code it ran
+        t0 = time.perf_counter()
+        res = run_asym(args)
+        elapsed = time.perf_counter() - t0
+        held = [c["held"] for c in res["cells"] if "held" in c]
+        print(f"\nprediction held in {sum(held)}/{len(held)} cells; {elapsed:.1f} s on {machine('cpu')}")
+        res.update({"command": " ".join(["python", "benchmarks/bias_study.py",
+                                         *(argv if argv is not None else sys.argv[1:])]),
+                    "commit": commit, "machine": machine("cpu"), "seconds": elapsed})
+        res["config"].update({"trials": args.trials, "keys": args.keys, "head_dim": args.head_dim, "seed": args.seed,
+                              "threads": args.threads, "unit": "2^-8 * rms(O_row)", "bias_t": 3.0})
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {args.json}")
+        return 0
     inputs = [x for x in args.inputs.split(",") if x]
     for x in inputs:
         if x not in INPUTS:
@@ -151,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
     torch.set_num_threads(args.threads)
+    commit = git_commit()
     models = models_for(args.device, args.pbar)
     t_start = time.perf_counter()
     cells, verdicts = [], []
@@ -198,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(cells)} cells in {elapsed:.1f} s on {machine(args.device)}")
     result = {
         "command": " ".join(["python", "benchmarks/bias_study.py", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": commit,
         "machine": machine(args.device),
         "config": {"trials": args.trials, "keys": args.keys, "head_dim": args.head_dim, "device": args.device,
                    "pbar": args.pbar,

@@ -34,7 +34,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from stable_attn.kernels import decode_plan, rules  # noqa: E402
+from stable_attn import rules  # noqa: E402
+from stable_attn.kernels import decode_plan  # noqa: E402
 from stable_attn.kernels import triton_decode as td  # noqa: E402
 from stable_attn.kernels.triton_aot import CUOBJDUMP, parse_sass, sass_of, steady_loop  # noqa: E402
 from stable_attn.options import BLOCK_N, MODE_NAMES  # noqa: E402

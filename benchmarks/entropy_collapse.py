@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from instability import RunConfig, train  # noqa: E402
 
 from stable_attn.monitor import SpikeDetector, SurgeDetector  # noqa: E402
-from stable_attn.monitor.collapse import EntropyCollapseDetector  # noqa: E402
+from stable_attn.monitor.detectors.collapse import EntropyCollapseDetector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TUNING = {(1.0, 0), (1e-2, 0)}

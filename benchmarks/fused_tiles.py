@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from stable_attn.kernels import triton_aot as aot  # noqa: E402
-from stable_attn.kernels.triton_attention import BwdConfig  # noqa: E402
 from stable_attn.kernels.triton_backward_fused import fused_constants  # noqa: E402
+from stable_attn.kernels.triton_launch import BwdConfig  # noqa: E402
 
 
 def describe_tile(d: int, causal: bool, cc: int, m: int, n: int, warps: int, stages: int, cubin_dir: str) -> dict:

@@ -23,19 +23,19 @@ import torch
 from stable_attn.kernels import reference
 from stable_attn.options import Options
 
-_FUSED = reference._Problem.fused_scale
+_FUSED = reference.Problem.fused_scale
 
 
 def _forward(q, k, v, opts: Options, single: bool) -> tuple[float, float]:
     """``(cpu s, wall s)`` of one forward; ``single=False`` takes the two-rounding path."""
     if not single:
-        reference._Problem.fused_scale = property(lambda self: False)
+        reference.Problem.fused_scale = property(lambda self: False)
     try:
         c0, w0 = time.process_time(), time.perf_counter()
         reference.attention_forward(q, k, v, opts=opts)
         return time.process_time() - c0, time.perf_counter() - w0
     finally:
-        reference._Problem.fused_scale = _FUSED
+        reference.Problem.fused_scale = _FUSED
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,9 @@ step "kernel tests on CUDA" 130 env STABLE_ATTN_TEST_DEVICE=cuda python -m pytes
     -x -p no:cacheprovider --durations=5 \
     --ignore=tests/kernels/test_triton_compile.py --ignore=tests/kernels/test_kernel_resources.py
 
+step "NaN queries stay NaN (forward, backward, decode, varlen)" 20 \
+    env STABLE_ATTN_TEST_DEVICE=cuda python -m pytest tests/faults/test_nan_query_faults.py -q -p no:cacheprovider
+
 step "tensor-core model against tl.dot (stable_attn.numerics.tensor_core)" 20 \
     env STABLE_ATTN_TEST_DEVICE=cuda python -m pytest tests/numerics/gpu_tensor_core_check.py -q -p no:cacheprovider
 

@@ -31,8 +31,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import healthy_runs  # noqa: E402
 
-from stable_attn.monitor import SpikeDetector, names, spikes  # noqa: E402
-from stable_attn.monitor.verdict import StepJudge  # noqa: E402
+from stable_attn.monitor import SpikeDetector, names  # noqa: E402
+from stable_attn.monitor.detectors import spikes  # noqa: E402
+from stable_attn.monitor.verdict import RankReading, StepJudge  # noqa: E402
 
 CORRUPT_AT = (30, 120)
 
@@ -71,8 +72,7 @@ def alerts(trace: dict[str, list[tuple[int, float]]], **loss_options) -> tuple[d
     out: dict[int, list[str]] = {}
     unconfirmed = 0
     for (step, loss), (_, norm) in zip(trace[names.LOSS], trace[names.GRAD_NORM]):
-        judged = judge.judge(step, [[loss, norm, 1.0, 0.0]], has_norm=True, scaler=False, lr=math.nan,
-                             note=lambda verdict: "")
+        judged = judge.judge(step, [RankReading(loss, norm)], has_norm=True, scaler=False, lr=math.nan)
         unconfirmed += judged.unconfirmed
         for event, _ in judged.spikes:
             out.setdefault(step, []).append(event.metric.split("/")[-1])

@@ -1,7 +1,8 @@
 """Shared memory, registers, spills and the static issue/tensor ratio of every Triton kernel variant.
 
-Each variant is compiled ahead of time for sm_80 (A100) and/or sm_90 (H100/H200) with the block
-configuration the launchers would pick (stable_attn/kernels/triton_attention.py), then
+Each variant is compiled ahead of time for sm_80 (A100), sm_90 (H100/H200), sm_100 (B200/B300) and/or
+sm_120 (RTX 50-series) with the block configuration the launchers would pick
+(stable_attn/kernels/triton_launch.py), then
 ``cuobjdump --dump-resource-usage`` (shipped inside Triton's package) reads REG, STACK and LOCAL
 from the cubin: non-zero STACK/LOCAL means register spills. ``wgmma`` says whether the sm_90 PTX
 uses Hopper's warpgroup matrix instructions. ``loop_sass`` counts the SASS instructions one warp
@@ -18,6 +19,8 @@ the schedulers' clocks with the tensor cores' clocks per iteration on an H100/H2
     python benchmarks/kernel_resources.py --cc 90 --d 64 --kernels fwd --stats-modes off exact paper --opcodes
     python benchmarks/kernel_resources.py --cc 90 80 --d 64 128 --causal true false --kernels bwd_dkdv bwd_dq \
         bwd_fused bwd_fused_atomic --jobs 1                     # the fused backward prototype beside today's
+    python benchmarks/kernel_resources.py --cc 80 90 100 120 --d 64 128 256 --modes exact --no-stats \
+        --kernels fwd bwd_dkdv bwd_dq decode --varlen false true --generations   # docs/BENCHMARKS.md's GPU table
 
 ``--json PATH`` writes one row per variant (fields: kernel, d, mode, stats, cc, regs, spill_bytes,
 shared, wgmma, warps, loop_sass, mma_clk, issue_clk, R, cubin, and more) and keeps the cubins in
@@ -49,12 +52,14 @@ from stable_attn.kernels.triton_aot import (  # noqa: E402
     parse_sass,
     sass_of,
 )
+from stable_attn.kernels.triton_launch import GPU_NAMES  # noqa: E402
 from stable_attn.options import MODE_NAMES  # noqa: E402
 from stable_attn.stats import STATS_ENTROPY  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = {name: mode for mode, name in MODE_NAMES.items()}
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic")  # the fused ones only when asked
+# the fused ones and decode (one new token, G = 4: triton_aot.DECODE_GROUPS) only when asked
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic", "decode")
 
 
 def variants(args) -> list[Variant]:
@@ -70,7 +75,10 @@ def variants(args) -> list[Variant]:
             if args.entropy:  # the statistics with the entropy (stats.STATS_ENTROPY)
                 out += [Variant("fwd", DTYPES[dt], d, causal, MODES[mode], STATS_ENTROPY, cc, **kw)
                         for mode in args.stats_modes if mode in args.modes]
-        out += [Variant(k, DTYPES[dt], d, causal, cc=cc, **kw) for k in KERNELS[1:] if k in args.kernels]
+        out += [Variant(k, DTYPES[dt], d, causal, cc=cc, **kw) for k in KERNELS[1:5] if k in args.kernels]
+        if "decode" in args.kernels and not varlen:  # the decode kernel takes no packed sequences
+            out += [Variant("decode", DTYPES[dt], d, causal, MODES[mode], cc=cc, features=features)
+                    for mode in args.modes]
     return out
 
 
@@ -88,6 +96,30 @@ def table(rows: list[dict]) -> str:
                      f"{r['limit']} | {r['regs']} | {r['spill_bytes']} | {'yes' if r['wgmma'] else 'no'} | "
                      f"{_num(r['loop_sass'], 'd')} | {_num(r['mma_clk'], '.0f')} | {_num(r['issue_clk'], '.0f')} | "
                      f"{_num(r['R'], '.2f')} | {r['compile_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def generations(rows: list[dict]) -> str:
+    """One line per kernel variant and head dim, one column per GPU generation: ``regs / spill B / shared KiB /
+    loop SASS`` (``-`` where no loop is measured: fp32), ``> limit`` where it exceeds the block's shared memory."""
+    ccs = sorted({r["cc"] for r in rows})
+    key = lambda r: r["variant"].rsplit("-sm", 1)[0]  # noqa: E731  the variant without its target
+    by: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        by.setdefault(key(r), {})[r["cc"]] = r
+    lines = ["| variant | " + " | ".join(GPU_NAMES.get(cc, f"sm_{cc}") for cc in ccs) + " |",
+             "|---|" + "---|" * len(ccs)]
+    for name, per in by.items():
+        cells = []
+        for cc in ccs:
+            r = per.get(cc)
+            if r is None:
+                cells.append("")
+                continue
+            fits = "" if r["shared"] <= r["limit"] else " **> limit**"
+            cells.append(f"{r['regs']} / {r['spill_bytes']} / {r['shared'] / 1024:.0f}{fits} / "
+                         f"{_num(r['loop_sass'], 'd')} ({r['block_m']}x{r['block_n']}, {r['warps']}w)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -135,6 +167,8 @@ def backward_designs(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cc", type=int, nargs="+", default=[80, 90], choices=sorted(SHARED_LIMIT))
+    p.add_argument("--generations", action="store_true",
+                   help="print one line per variant with a column per --cc (regs / spill B / shared KiB / loop SASS)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     p.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[True])
@@ -162,7 +196,7 @@ def main() -> None:
 
     if args.from_json:
         rows = [r for path in args.from_json for r in json.load(open(path))]
-        print(table(rows))
+        print(generations(rows) if args.generations else table(rows))
         if args.designs:
             print(backward_designs(rows))
         return
@@ -177,6 +211,8 @@ def main() -> None:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             rows = list(pool.map(describe, vs, [cubin_dir] * len(vs)))
     print(table(rows))
+    if args.generations:
+        print(generations(rows))
     if args.designs:
         print(backward_designs(rows))
     if args.opcodes:

@@ -7,7 +7,7 @@ Each family trains twice from the same initial weights on the same batches (byte
 documentation, ``pydoc_data.topics``, offline), with ``attn_implementation="stable_attn"`` on the PyTorch
 path and AdamW at a high peak learning rate: once plain, once with QK-Clip at ``tau`` (what
 ``MonitorEngine(qk_clip=tau)`` does after each applied step: every step's per-head max logits from the
-attention statistics, then :class:`stable_attn.monitor.qk_clip.QKClip`). After each step the script runs
+attention statistics, then :class:`stable_attn.monitor.actions.qk_clip.QKClip`). After each step the script runs
 the step's batch again (no gradient) and records every head's max logit: for the clipped run, after the
 clip. It prints, per run, the peak max logit before and after the first clip, whether the clipped run's
 re-run max logit stayed <= tau (1 + 1e-3) from its first clip on, per layer, and the loss (mean of the last
@@ -30,7 +30,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import stable_attn.integrations.transformers as st
-from stable_attn.monitor.qk_clip import QKClip
+from stable_attn.monitor.actions.qk_clip import QKClip
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ Run:  python benchmarks/ring_cost.py                       (50M parameters, Adam
       python benchmarks/ring_cost.py --params 200 --repeats 3
 
 Not CI. A stack of ``Linear(2048, 2048)`` layers with ``--params`` million parameters and AdamW (after one step,
-so its two moments exist) is snapshotted into a :class:`~stable_attn.monitor.recovery.SnapshotRing` kept in
+so its two moments exist) is snapshotted into a :class:`~stable_attn.monitor.actions.recovery.SnapshotRing` kept in
 memory (``snapshot_memory_limit=None``) and one kept on disk (``0``), in a temporary folder; the table gives a
 snapshot's bytes, the time to take it (the training thread waits for it, once every ``spacing`` steps) and to
 read it back at a rollback (the best of ``--repeats``). On a GPU the take also copies the state to the host.
@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import cpu_model  # noqa: E402
 
-from stable_attn.monitor.recovery import SnapshotRing  # noqa: E402
-from stable_attn.monitor.rollback import Trainables  # noqa: E402
+from stable_attn.monitor.actions.recovery import SnapshotRing  # noqa: E402
+from stable_attn.monitor.actions.snapshots import Trainables  # noqa: E402
 
 
 def main() -> None:

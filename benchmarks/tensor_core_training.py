@@ -55,9 +55,11 @@ from stable_attn import attention
 from stable_attn.kernels import naive, reference
 from stable_attn.numerics import arithmetic
 from stable_attn.numerics.bias import error_stats, row_unit
-from stable_attn.options import FIX_NAMES, Options
+from stable_attn.numerics.paper_attention import PaperStats, paper_attention
+from stable_attn.options import BLOCK_N, FIX_NAMES, Options
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/instability.py, machine.py
+from bias_study import git_commit  # noqa: E402
 from instability import TEXT, TinyGPT  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
@@ -65,10 +67,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # arm name -> (arithmetic, fix): "emulated" P-bar V on the tensor-core model; "cpu": the op's PyTorch path
 # (bf16 P-bar, fp32 CPU matmul: the control that separates P-bar's rounding from the tensor cores' accumulation);
 # "twin": fp32 P-bar V, the reference of every drift
+# "paper_bf16": the paper's own all-BF16 flash attention, forward and backward (model b; the positive control)
 ARM_KINDS = {"off": ("emulated", "off"), "ours": ("emulated", "ours"), "off_cpu": ("cpu", "off"),
-             "ours_cpu": ("cpu", "ours"), "twin": ("twin", "off")}
+             "ours_cpu": ("cpu", "ours"), "b_off": ("paper_bf16", "off"), "b_paper": ("paper_bf16", "paper"),
+             "twin": ("twin", "off")}
 ARMS = ("off", "ours", "twin")  # the recorded A/B; --arms chooses others (the twin is always run, last)
-PAIRS = (("ours", "off"), ("ours_cpu", "off_cpu"))  # arms also compared with each other
+PAIRS = (("ours", "off"), ("ours_cpu", "off_cpu"), ("b_paper", "b_off"))
+# the positive control (--control): the paper's arithmetic, fix off and the paper's, beside the fused op, fix off
+# and ours, on data with a fixed first token (an attention sink)
+CONTROL_ARMS = ("b_off", "b_paper", "off_cpu", "ours_cpu")
+SINK_TOKEN = 0  # byte 0 never occurs in the text: every sequence starts with it  # arms also compared with each other
 _BF16 = torch.bfloat16
 
 
@@ -124,13 +132,15 @@ class Arm:
 
     name: str
     model: str = "h100"
+    paper_block: int = 32  # key block of the paper_bf16 arms
     measure: bool = False  # on a logged step: O's error against float64 and the P-bar diagnostics
     max_logit: list[float] = field(default_factory=list)  # per call (= layer) of the current step
     o_error: list[dict] = field(default_factory=list)
     pbar: list[dict] = field(default_factory=list)
+    ties: list[dict] = field(default_factory=list)  # per layer: tie-block and fired-block rates (measured steps)
 
     def reset(self, measure: bool) -> None:
-        self.measure, self.max_logit, self.o_error, self.pbar = measure, [], [], []
+        self.measure, self.max_logit, self.o_error, self.pbar, self.ties = measure, [], [], [], []
 
     def __call__(self, block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         qb, kb, vb = (t.to(_BF16) for t in (q, k, v))
@@ -140,7 +150,13 @@ class Arm:
             n = x.shape[-1]
             self.max_logit.append(float(x.masked_fill(~naive.visibility(n, n, causal=True)[0, 0], -math.inf).max()))
         kind, fix = ARM_KINDS[self.name]
-        if kind == "twin":
+        if kind == "paper_bf16":
+            st = PaperStats()
+            out = paper_attention(qb, kb, vb, fix=fix, block_n=self.paper_block, causal=True,
+                                  stats=st if self.measure else None)
+            if self.measure:
+                self.ties.append({"tie_rate": st.tie_rate, "fired_rate": st.fired_rate})
+        elif kind == "twin":
             out = attention(qb, kb, vb, causal=True, stabilize=False, pv_fp32=True, backend="torch")
         elif kind == "cpu":
             out = attention(qb, kb, vb, causal=True, stabilize=FIX_NAMES[fix], backend="torch")
@@ -154,6 +170,11 @@ class Arm:
                 self.pbar.append({"rows_two_pbar_ones": float((res.pbar_ones >= 2).double().mean()),
                                   "fired_blocks_per_row": res.fired_rate,
                                   "o_differs_from_cpu_path": float((out != cpu).double().mean())})
+        if self.measure and kind != "paper_bf16":
+            with torch.no_grad():
+                rate = tie_block_rate(x, BLOCK_N)
+            # our rule fires exactly on this trigger; fix off and the twin never shift
+            self.ties.append({"tie_rate": rate, "fired_rate": rate if fix == "ours" else 0.0})
         if self.measure:
             with torch.no_grad():
                 exact = naive.attention(qb, kb, vb, causal=True).reshape(-1, D)
@@ -162,6 +183,24 @@ class Arm:
                 st = error_stats(got[keep], exact[keep], row_unit(exact[keep]))
                 self.o_error.append({"mean": st.mean, "t": st.t, "rms": st.rms})
         return out.float()
+
+
+def tie_block_rate(x: torch.Tensor, block_n: int) -> float:
+    """Share of (row, key block) pairs, causal, where two or more fp32 scaled scores ``x`` ``[..., N, N]`` give a
+    ``P-bar`` that rounds to 1.0 in bf16 against the running max (the trigger of our rule, fix or not)."""
+    n = x.shape[-1]
+    x = x.masked_fill(~naive.visibility(n, n, causal=True)[0, 0], -math.inf)
+    m = torch.full(x.shape[:-1], -math.inf)
+    hits = seen = 0
+    for j0 in range(0, n, block_n):
+        s = x[..., j0:j0 + block_n]
+        m_blk = s.amax(dim=-1)
+        live = m_blk > -math.inf
+        m = torch.maximum(m, m_blk)
+        ones = (torch.exp(s - m[..., None]).to(_BF16) == 1.0).sum(dim=-1) >= 2
+        hits += int((ones & live).sum())
+        seen += int(live.sum())
+    return hits / seen if seen else 0.0
 
 
 def qk_weights(model: TinyGPT) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -189,14 +228,17 @@ def random_top_share(width: int, trials: int = 20) -> float:
     return sum(shares) / len(shares)
 
 
-def batches(steps: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batches(steps: int, batch: int, seq: int, seed: int, data: str = "text") -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets ``[steps, batch, seq]``: random windows of instability.TEXT, as instability.train
-    draws them."""
-    data = torch.frombuffer(bytearray(TEXT), dtype=torch.uint8).long()
+    draws them; ``data="sinks"``: every input starts with :data:`SINK_TOKEN` (a fixed first token, which
+    attention learns to use as a sink), followed by the window."""
+    text = torch.frombuffer(bytearray(TEXT), dtype=torch.uint8).long()
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(data) - seq - 1, (steps, batch), generator=gen)
+    starts = torch.randint(0, len(text) - seq - 1, (steps, batch), generator=gen)
     idx = starts[..., None] + torch.arange(seq + 1)
-    window = data[idx]
+    window = text[idx]
+    if data == "sinks":
+        window[..., 0] = SINK_TOKEN
     return window[..., :-1], window[..., 1:]
 
 
@@ -208,16 +250,16 @@ def arm_names(args: argparse.Namespace) -> tuple[str, ...]:
 def train(args: argparse.Namespace, on_log=None) -> dict:
     """The three arms in lock-step; returns the traces (and calls ``on_log(traces)`` at every log)."""
     names = arm_names(args)
-    arms = {name: Arm(name, args.arithmetic) for name in names}
+    arms = {name: Arm(name, args.arithmetic, args.paper_block) for name in names}
     pairs = [(a, b) for a, b in PAIRS if a in names and b in names]
     models, opts = {}, {}
     for name in names:
         torch.manual_seed(args.seed)  # the same initial weights in every arm
         models[name] = TinyGPT(args.width, args.heads, args.layers, args.seq, False, attend=arms[name])
         opts[name] = torch.optim.AdamW(models[name].parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    xs, ys = batches(args.steps, args.batch, args.seq, args.seed)
+    xs, ys = batches(args.steps, args.batch, args.seq, args.seed, args.data)
     seconds = dict.fromkeys(names, 0.0)
-    traces: dict = {"steps": [], "arms": {name: {"loss": [], "max_logit": [], "o_error": [], "pbar": [],
+    traces: dict = {"steps": [], "arms": {name: {"loss": [], "max_logit": [], "o_error": [], "pbar": [], "ties": [],
                                                  "drift_q": [], "drift_k": [], "top_share_q": [], "top_share_k": [],
                                                  "loss_every_step": []}
                                           for name in names}}
@@ -233,6 +275,7 @@ def train(args: argparse.Namespace, on_log=None) -> dict:
             tr["max_logit"].append(arms[name].max_logit if measured else None)
             tr["o_error"].append(arms[name].o_error if measured else None)
             tr["pbar"].append(arms[name].pbar if measured else None)
+            tr["ties"].append(arms[name].ties if measured else None)
             if name == "twin":
                 continue
             layer_pairs = zip(qk_weights(models[name]), twin)
@@ -249,8 +292,24 @@ def train(args: argparse.Namespace, on_log=None) -> dict:
         if on_log is not None:
             on_log(traces)
 
-    log(0, {}, False)  # before the first update: every drift is 0
-    for step in range(args.steps):
+    start = 0
+    ckpt = Path(args.checkpoint) if args.checkpoint else None
+    if ckpt is not None and ckpt.exists():  # resume: same arguments, so the same batches and arms
+        saved = torch.load(ckpt, weights_only=False)
+        key = _checkpoint_key(args)
+        if {k: saved["key"].get(k) for k in key} != key:
+            raise ValueError(f"--checkpoint {ckpt}: written by another configuration ({saved['key']}); remove it")
+        for name in names:
+            models[name].load_state_dict(saved["models"][name])
+            opts[name].load_state_dict(saved["opts"][name])
+        traces, start = saved["traces"], saved["step"]
+        if start > args.steps:
+            raise ValueError(f"--checkpoint {ckpt} is at step {start}, past --steps={args.steps}")
+        seconds.update(traces["seconds"])
+        print(f"resumed from {ckpt} at step {start}")
+    else:
+        log(0, {}, False)  # before the first update: every drift is 0
+    for step in range(start, args.steps):
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
         measured = (step + 1) % args.log_every == 0 or step + 1 == args.steps
         losses = {}
@@ -268,6 +327,12 @@ def train(args: argparse.Namespace, on_log=None) -> dict:
             seconds[name] += time.perf_counter() - t0
         if measured:
             log(step + 1, losses, True)
+        if ckpt is not None and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"key": _checkpoint_key(args), "step": step + 1, "traces": traces,
+                        "models": {n: m.state_dict() for n, m in models.items()},
+                        "opts": {n: o.state_dict() for n, o in opts.items()}}, tmp)
+            tmp.replace(ckpt)  # atomic: a run killed while saving keeps the previous checkpoint
         if not all(math.isfinite(v) for v in losses.values()):
             break
     if args.save_weights:
@@ -275,12 +340,21 @@ def train(args: argparse.Namespace, on_log=None) -> dict:
     return traces
 
 
+def _checkpoint_key(args: argparse.Namespace) -> dict:
+    """What a checkpoint must share with the run that resumes it. Not ``--steps``: the first N steps' batches do
+    not depend on it (one generator draws them row by row) and the schedule is a warm-up only, so a longer run
+    resumes a shorter one's checkpoint and continues it."""
+    keys = ("log_every", "lr", "warmup", "width", "heads", "layers", "seq", "batch", "seed", "arithmetic",
+            "arms", "data", "paper_block")
+    return {k: getattr(args, k) for k in keys}
+
+
 def agreement(args: argparse.Namespace, weights: str) -> dict[str, list[float]]:
     """Per emulated arm and layer: the share of ``O``'s elements in which the tensor-core arithmetic differs from
     the op's PyTorch path (same bf16 inputs, same fix), on the last step's batch with the arm's saved final weights
     (``--save-weights``)."""
     states = torch.load(weights)
-    xs, _ = batches(args.steps, args.batch, args.seq, args.seed)
+    xs, _ = batches(args.steps, args.batch, args.seq, args.seed, args.data)
     out = {}
     for name, state in states.items():
         if ARM_KINDS[name][0] != "emulated":
@@ -477,7 +551,17 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arithmetic", default="h100", choices=("h100", "a100", "ieee"))
+    ap.add_argument("--arithmetic", default="h100", choices=("h100", "a100", "b200", "ieee"))
+    ap.add_argument("--data", default="text", choices=("text", "sinks"),
+                    help="text: windows of the text; sinks: every sequence starts with a fixed token")
+    ap.add_argument("--paper-block", type=int, default=32, help="key block of the paper_bf16 arms (default 32)")
+    ap.add_argument("--control", action="store_true",
+                    help="the positive control: arms " + " ".join(CONTROL_ARMS) + " and the twin, --data sinks, "
+                         "the summary table of every --seeds run")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="run these seeds one after the other (each its own --json/--checkpoint, suffixed _seedN)")
+    ap.add_argument("--checkpoint", default=None, help="save every --checkpoint-every steps here; resume from it")
+    ap.add_argument("--checkpoint-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "tensor_core_training.json"))
     ap.add_argument("--table", default=None, help="also write the table here")
@@ -491,7 +575,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--from-json", nargs="+", default=None,
                     help="no training: the table and plot of recorded --json files (later files' arms merged in)")
     args = ap.parse_args(argv)
-    for name in ("steps", "log_every", "width", "heads", "layers", "seq", "batch", "warmup", "threads"):
+    if args.control:
+        args.arms = list(CONTROL_ARMS) if args.arms == list(ARMS) else args.arms
+        args.data = "sinks"
+    for name in ("steps", "log_every", "width", "heads", "layers", "seq", "batch", "warmup", "threads",
+                 "paper_block", "checkpoint_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.width % args.heads:
@@ -499,9 +587,132 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def spikes(losses: list[float], window: int = 10, rtol: float = 2.0) -> int:
+    """Steps whose loss is non-finite or exceeds the mean of the previous ``window`` by ``rtol`` times that mean
+    (Lightning's SpikeDetection rule)."""
+    n = 0
+    for i, x in enumerate(losses):
+        if not math.isfinite(x):
+            n += 1
+        elif i >= window:
+            mean = sum(losses[i - window:i]) / window
+            n += x - mean > rtol * mean
+    return n
+
+
+def _fmt(values: list, spec: str = ".3g") -> str:
+    return " / ".join("-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+                      for v in values)
+
+
+def control_table(runs: dict[int, dict], args: argparse.Namespace, share0: float) -> str:
+    """The positive control over seeds: per arm at fixed step intervals (means over seeds, per layer), then per
+    seed the loss at the end, spikes and the first non-finite step."""
+    seeds = sorted(runs)
+    first = runs[seeds[0]]
+    names = list(first["arms"])
+    steps = first["steps"]
+    every = max(1, (len(steps) - 1) // 6)
+    picks = sorted({*range(every, len(steps), every), len(steps) - 1} - {0})
+    lines = [f"Positive control: tiny GPT, {args.layers} layers, width {args.width}, {args.heads} heads, "
+             f"seq {args.seq} (data: {args.data}), batch {args.batch}, lr {args.lr:g}, warm-up {args.warmup}, "
+             f"seeds {seeds}; paper_bf16 key block {args.paper_block}, fused key block {BLOCK_N}. Arms: "
+             + ", ".join(f"{n} ({ARM_KINDS[n][0]}, fix {ARM_KINDS[n][1]})" for n in names)
+             + "; paper_bf16 = the paper's all-BF16 flash attention forward and backward (model b), cpu = the fused "
+             "op's PyTorch path (model a), twin = fp32 P-bar V",
+             "wall seconds per arm (seed " + str(seeds[0]) + "): "
+             + ", ".join(f"{n} {first['seconds'][n]:.0f}" for n in names),
+             f"top-direction share of a random {args.width}x{args.width} Gaussian matrix: {share0:.3f}",
+             "tie rate: share of (row, key block) pairs with >= 2 P-bar = 1.0 against the plain running max (bf16 "
+             "scores for paper_bf16, fp32 for the others); fired: share where the arm's rule shifted the offset", "",
+             "| step | arm | loss | max logit | tie rate | fired | ||W_q - W_q^twin|| | top share q | "
+             "||W_k - W_k^twin|| | top share k |", "|" + "---|" * 10]
+    layers = range(args.layers)
+
+    def seed_mean(i: int, name: str, key: str, sub: str | None = None) -> list:
+        """Per layer, the mean over the seeds that logged step index ``i`` of ``arms[name][key][i][layer]``."""
+        out = []
+        for l in layers:
+            vals = []
+            for sd in seeds:
+                run = runs[sd]
+                row = run["arms"][name][key][i] if i < len(run["steps"]) else None
+                if row:
+                    vals.append(row[l][sub] if sub else row[l])
+            out.append(sum(vals) / len(vals) if vals else None)
+        return out
+
+    for i in picks:
+        for name in names:
+            losses = [runs[sd]["arms"][name]["loss"][i] for sd in seeds if i < len(runs[sd]["steps"])]
+            row = (f"| {steps[i]} | {name} | {_fmt(losses, '.3f')} | {_fmt(seed_mean(i, name, 'max_logit'), '.1f')} "
+                   f"| {_fmt(seed_mean(i, name, 'ties', 'tie_rate'), '.3f')} "
+                   f"| {_fmt(seed_mean(i, name, 'ties', 'fired_rate'), '.3f')} |")
+            if name == "twin":
+                row += " - | - | - | - |"
+            else:
+                for key in ("q", "k"):
+                    row += (f" {_fmt(seed_mean(i, name, 'drift_' + key), '.3g')} "
+                            f"| {_fmt(seed_mean(i, name, 'top_share_' + key), '.3f')} |")
+            lines.append(row)
+    lines += ["", "| arm | seed | steps run | loss, last 10% of logged steps | spikes (Lightning's rule) | "
+                  "first non-finite step |", "|---|---|---|---|---|---|"]
+    for name in names:
+        for sd in seeds:
+            every_step = runs[sd]["arms"][name]["loss_every_step"]
+            bad = next((i + 1 for i, x in enumerate(every_step) if not math.isfinite(x)), None)
+            lines.append(f"| {name} | {sd} | {len(every_step)} | {mean_last(runs[sd]['arms'][name]['loss']):.4f} | "
+                         f"{spikes(every_step)} | {bad if bad is not None else '-'} |")
+    lines += ["", f"Machine: {cpu_model()}, {os.cpu_count()} cores visible, {torch.get_num_threads()} torch thread(s), "
+                  f"Python {platform.python_version()}, torch {torch.__version__}"]
+    return "\n".join(lines)
+
+
+def _suffixed(path: str | None, seed: int) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}_seed{seed}{p.suffix}"))
+
+
+def run_seeds(args: argparse.Namespace) -> dict[int, dict]:
+    """``train`` once per ``--seeds`` seed, each with its own JSON and checkpoint."""
+    runs = {}
+    base_json, base_ckpt = args.json, args.checkpoint
+    commit = git_commit()  # the code this run ran (a resumed run's earlier steps may have run at another)
+    for seed in args.seeds:
+        args.seed, args.json, args.checkpoint = seed, _suffixed(base_json, seed), _suffixed(base_ckpt, seed)
+        json_path = Path(args.json)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        runs[seed] = train(args, lambda tr, p=json_path: p.write_text(json.dumps({"args": vars(args), "commit": commit,
+                                                                                  **tr})))
+        json_path.write_text(json.dumps({"args": vars(args), "commit": commit, **runs[seed]}))
+        print(f"seed {seed}: {runs[seed]['steps'][-1]} steps, wrote {json_path}", flush=True)
+    args.json, args.checkpoint = base_json, base_ckpt
+    return runs
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     torch.set_num_threads(args.threads)
+    if args.control or args.seeds:
+        if args.seeds is None:
+            args.seeds = [args.seed]
+        if args.from_json:
+            runs = {}
+            for path in args.from_json:
+                rec = json.loads(Path(path).read_text())
+                runs[rec["args"]["seed"]] = rec
+            for key, value in rec["args"].items():
+                if key not in ("from_json", "table", "plot", "json", "seed", "seeds"):
+                    setattr(args, key, value)
+        else:
+            runs = run_seeds(args)
+        text = control_table(runs, args, random_top_share(args.width))
+        print(text)
+        if args.table:
+            Path(args.table).write_text(text + "\n")
+        return 0
     json_path = Path(args.json)
     json_path.parent.mkdir(parents=True, exist_ok=True)
 

@@ -20,10 +20,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .kernels import rules
+from . import rules
 from .options import is_int, scale_problem
 
-MAX_HEAD_DIM = 256
+# Head dims q/k and v may have (each on its own: a value head dim apart from the query's is multi-head latent
+# attention); 512 is Gemma 4's global layers
+MAX_HEAD_DIM = 512
 
 
 class Problem(NamedTuple):
@@ -47,6 +49,34 @@ def unit_last_stride(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Unit stride in the last dim, so every backend returns outputs with exactly the strides the fake
     implementations promise (empty_like of these inputs)."""
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in xs)
+
+
+def output_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The uninitialized output of q ``[..., D]`` and v ``[..., Dv]``: ``empty_like(q)`` when ``Dv == D`` (q's
+    strides, what the ops always promised), else contiguous ``[..., Dv]``; every backend and the ops' fake
+    implementations allocate it here, so they promise the same strides."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def sinks_problem(sinks: Any, q: torch.Tensor, heads: int) -> Problem | None:
+    """What is wrong with learned ``sinks`` for a query with ``heads`` heads, or None: one logit per query
+    head, ``[Hq]``, floating point, on q's device (its values are not read: a traced call reads none)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        return Problem(TypeError, f"sinks must be a tensor [Hq] (one logit per query head) or None, got "
+                                  f"{type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        return Problem(TypeError, f"sinks.dtype={sinks.dtype} is not supported; use a floating-point tensor "
+                                  "(float32, bfloat16 or float16: the logits are read in float32)")
+    if tuple(sinks.shape) != (heads,):
+        return Problem(ValueError, f"sinks must have shape [Hq] = ({heads},) (one logit per query head), got "
+                                   f"{tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        return Problem(ValueError, f"sinks is on {sinks.device}, q on {q.device}; put it on q's device")
+    return None
 
 
 def broadcasts(mask: torch.Tensor, shape: tuple[int, int, int, int]) -> bool:
@@ -99,9 +129,10 @@ def _qkv_problem(q: Any, k: Any, v: Any, packed: bool) -> Problem | None:
     else:
         layout_name, kv_layout = "[B, H, N, D]", "[B, Hkv, Nk, D]"
         layout = f"q {tuple(q.shape)} and k {tuple(k.shape)} as {layout_name}"
-    if k.shape != v.shape:
-        return Problem(ValueError, f"k and v must have the same shape {kv_layout}, got {tuple(k.shape)} and "
-                                   f"{tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        kv_value = kv_layout.replace("D]", "Dv]")
+        return Problem(ValueError, f"k {kv_layout} and v {kv_value} must agree in all but the head dim, got "
+                                   f"{tuple(k.shape)} and {tuple(v.shape)}")
     if not packed and k.shape[0] != q.shape[0]:
         return Problem(ValueError, f"k batch size {k.shape[0]} does not match q batch size {q.shape[0]} ({layout})")
     D = q.shape[-1]
@@ -110,6 +141,10 @@ def _qkv_problem(q: Any, k: Any, v: Any, packed: bool) -> Problem | None:
     if not 1 <= D <= MAX_HEAD_DIM:
         return Problem(ValueError, f"head dim D={D} is not supported; use 1 <= D <= {MAX_HEAD_DIM} (the last dim of "
                                    f"{layout_name})")
+    Dv = v.shape[-1]
+    if not 1 <= Dv <= MAX_HEAD_DIM:
+        return Problem(ValueError, f"value head dim Dv={Dv} is not supported; use 1 <= Dv <= {MAX_HEAD_DIM} (the "
+                                   f"last dim of v; it may differ from q's and k's D={D})")
     Hq, Hkv = q.shape[-2 if packed else 1], k.shape[-2 if packed else 1]
     if Hkv == 0 or Hq % Hkv != 0:
         hint = _FA_HINT if not packed and _fits_bnhd(q, k) else ""
@@ -123,9 +158,10 @@ def _qkv_problem(q: Any, k: Any, v: Any, packed: bool) -> Problem | None:
     return None
 
 
-def dense_problem(q: Any, k: Any, v: Any, key_padding_mask: Any = None, attn_mask: Any = None) -> Problem | None:
-    """What is wrong with an ``attention()`` call's q, k, v (``[B, H, N, D]``) and masks, or None."""
-    problem = _qkv_problem(q, k, v, packed=False)
+def dense_problem(q: Any, k: Any, v: Any, key_padding_mask: Any = None, attn_mask: Any = None,
+                  sinks: Any = None) -> Problem | None:
+    """What is wrong with an ``attention()`` call's q, k, v (``[B, H, N, D]``), masks and sinks, or None."""
+    problem = _qkv_problem(q, k, v, packed=False) or sinks_problem(sinks, q, q.shape[1])
     if problem is not None:
         return problem
     B, Hq, Nq, _ = q.shape
@@ -195,9 +231,9 @@ def layout_doubt(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
 
 
 def packed_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
-                   max_seqlen_k: Any) -> Problem | None:
+                   max_seqlen_k: Any, sinks: Any = None) -> Problem | None:
     """What is wrong with the shapes, dtypes and devices of an ``attention_varlen()`` call, or None."""
-    problem = _qkv_problem(q, k, v, packed=True)
+    problem = _qkv_problem(q, k, v, packed=True) or sinks_problem(sinks, q, q.shape[1])
     if problem is not None:
         return problem
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -234,10 +270,10 @@ def sdpa_problem(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: An
     if not query.device == key.device == value.device:
         return "inputs on different devices"
     B, Hq, Nq, D = query.shape
-    if key.shape != value.shape or key.shape[3] != D:
-        return "a value or key shape that differs from the query's head dim or from each other"
-    if D > MAX_HEAD_DIM:
-        return f"head dim {D} > {MAX_HEAD_DIM}"
+    if key.shape[:3] != value.shape[:3] or key.shape[3] != D:
+        return "a key head dim that differs from the query's, or key and value shapes apart in more than the head dim"
+    if max(D, value.shape[3]) > MAX_HEAD_DIM:
+        return f"head dim {max(D, value.shape[3])} > {MAX_HEAD_DIM}"
     if key.shape[0] != B:
         return "batch broadcasting between query and key"
     Hkv, Nk = key.shape[1], key.shape[2]

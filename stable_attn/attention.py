@@ -29,27 +29,31 @@ def _decode(q, k, attn_mask, opts: Options, with_stats: int) -> bool:
                         has_attn_mask=attn_mask is not None, dropout_p=opts.dropout_p, with_stats=with_stats)
 
 
-def _forward(q, k, v, key_padding_mask, attn_mask, opts: Options, with_stats: int,
+def _forward(q, k, v, sinks, key_padding_mask, attn_mask, opts: Options, with_stats: int,
              ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
+    # resolve_backend sent what the kernels lack (Dv != D, D > 256) to the PyTorch path
     if _decode(q, k, attn_mask, opts, with_stats):
         if opts.backend == "triton":
             from .kernels import triton_decode
 
-            return triton_decode.forward(q, k, v, key_padding_mask, opts)
-        return reference_decode.attention_forward(q, k, v, key_padding_mask, opts)
+            return triton_decode.forward(q, k, v, key_padding_mask, opts, sinks=sinks)
+        return reference_decode.attention_forward(q, k, v, key_padding_mask, opts, sinks=sinks)
     if opts.backend == "triton":
         from .kernels import triton_attention
 
-        return triton_attention.forward(q, k, v, key_padding_mask, opts, with_stats)
-    return reference.attention_forward(q, k, v, key_padding_mask, attn_mask, opts, with_stats)
+        return triton_attention.forward(q, k, v, key_padding_mask, opts, with_stats, sinks=sinks)
+    return reference.attention_forward(q, k, v, key_padding_mask, attn_mask, opts, with_stats, sinks)
 
 
-def _backward(do, q, k, v, out, lse, key_padding_mask, attn_mask, opts: Options):
+def _backward(do, q, k, v, sinks, out, lse, key_padding_mask, attn_mask, opts: Options):
     if opts.backend == "triton":
         from .kernels import triton_attention
 
-        return triton_attention.backward(do, q, k, v, out, lse, key_padding_mask, opts)
-    return reference.attention_backward(do, q, k, v, out, lse, key_padding_mask, attn_mask, opts)
+        dq, dk, dv = triton_attention.backward(do, q, k, v, out, lse, key_padding_mask, opts)
+    else:
+        dq, dk, dv = reference.attention_backward(do, q, k, v, out, lse, key_padding_mask, attn_mask, opts)
+    dsinks = None if sinks is None else reference.sink_gradient(sinks, lse, reference.row_delta(do, out))
+    return dq, dk, dv, dsinks
 
 
 _attention_fwd, _attention_bwd = _ops.define(
@@ -100,6 +104,7 @@ def attention(
     backend: str = DEFAULTS["backend"],
     block_n: int | None = DEFAULTS["block_n"],
     pv_fp32: bool = DEFAULTS["pv_fp32"],
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with the dynamic-max fix (Qiu & Yao, ICLR 2026).
 
@@ -108,8 +113,10 @@ def attention(
     inside the online softmax (docs/ALGORITHM.md).
 
     Args:
-        q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` with ``Hq % Hkv == 0`` (GQA/MQA).
-            dtypes bfloat16, float16, float32; ``D <= 256``.
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``, v: ``[B, Hkv, Nk, Dv]`` with ``Hq % Hkv == 0``
+            (GQA/MQA); ``Dv`` may differ from ``D`` (multi-head latent attention: nothing is padded); the
+            output is ``[B, Hq, Nq, Dv]``. dtypes bfloat16, float16, float32; ``D, Dv <= 512`` (the Triton
+            kernels serve ``D == Dv <= 256``; the rest goes to the PyTorch path, logged once).
         causal: causal mask aligned bottom-right when ``Nq != Nk`` (query i sees keys
             ``j <= i + Nk - Nq``), as FlashAttention >= 2.1 and KV-cache decoding.
         scale: score scale, default ``1/sqrt(D)``.
@@ -138,6 +145,11 @@ def attention(
         pv_fp32: keep ``P-bar`` in fp32 for the ``P-bar V`` product (Qiu & Yao: fp32 for that product alone
             stabilises training); a comparison variant served by the PyTorch path only (``backend="triton"``
             raises; ``"auto"`` on CUDA logs that the PyTorch path serves it). The backward is unchanged.
+        sinks: learned attention sinks (gpt-oss): ``[Hq]``, one logit per query head in the units of the scaled
+            scores, read in fp32; it joins every row's softmax denominator and receives no value, so a row's
+            weights sum to ``1 - P(sink)``. Differentiable (``d sinks`` from the backward). The rule sees the
+            sink as the row's first entry, in a key block of its own (docs/ALGORITHM.md, "Learned sinks").
+            Both backends serve it (the Triton forward and decode kernels start each row from the sink).
 
     A call that needs no gradient with at most 16 queries against at least two key blocks (no ``attn_mask``,
     no dropout, no ``stats``: a ``generate()`` step) takes the decode path on both backends: the keys split
@@ -145,7 +157,7 @@ def attention(
     split keys"; kernels/decode_plan.py).
     """
     q, k, v = autocast_inputs(q, k, v)
-    raise_problem(dense_problem(q, k, v, key_padding_mask, attn_mask))
+    raise_problem(dense_problem(q, k, v, key_padding_mask, attn_mask, sinks))
     if not torch.compiler.is_compiling():  # a log call would break the graph; eager calls are where shapes go wrong
         warn_layout(q, k, causal)
     opts = Options.create(head_dim=q.shape[-1], causal=causal, scale=scale, window=window, softcap=softcap,
@@ -153,11 +165,11 @@ def attention(
                           pv_fp32=pv_fp32)
     check_stats(stats)
     # no backward will be asked for: a short query may take the decode path (_decode)
-    opts = opts.replace(forward_only=not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                       or v.requires_grad)))
-    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32)
+    needs_grad = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    opts = opts.replace(forward_only=not (torch.is_grad_enabled() and needs_grad))
+    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32, v)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.contiguous()  # the kernels index it as [b * Nk + j]
     q, k, v = unit_last_stride(q, k, v)
-    return _ops.run(_attention_fwd, q, k, v, (key_padding_mask, attn_mask), draw_seed(opts.dropout_p), opts, impl,
-                    stats)
+    return _ops.run(_attention_fwd, q, k, v, sinks, (key_padding_mask, attn_mask), draw_seed(opts.dropout_p), opts,
+                    impl, stats)

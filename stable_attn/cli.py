@@ -62,7 +62,7 @@ def _probe_run(args: argparse.Namespace) -> int:
 def _replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", metavar="BUNDLE_DIR",
                         help="a replay bundle: a folder diagnose_spikes=True wrote below the run's log directory "
-                        "(replay/step-N) or stable_attn.monitor.replay.write_replay_bundle wrote")
+                        "(replay/step-N) or stable_attn.monitor.actions.replay.write_replay_bundle wrote")
     parser.add_argument("--device", default="cpu", help="where to run the replay (default: cpu)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
 
@@ -70,10 +70,10 @@ def _replay_arguments(parser: argparse.ArgumentParser) -> None:
 def _replay_run(args: argparse.Namespace) -> int:
     import json
 
-    from stable_attn.monitor.replay import replay_bundle, table
+    from stable_attn.monitor.actions.replay import replay_bundle, table
 
     result = replay_bundle(args.bundle, device=args.device)
-    print(json.dumps(result, indent=1) if args.json else table(result))
+    print(json.dumps(result, indent=1) if args.json else "\n".join(map(_printable, table(result).splitlines())))
     return 0
 
 

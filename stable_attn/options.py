@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
-from .kernels import rules
+from . import rules
 
 Stabilize = bool | Literal["paper"]
 

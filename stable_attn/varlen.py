@@ -24,7 +24,7 @@ import torch
 from . import _ops
 from ._checks import packed_problem, raise_problem, unit_last_stride
 from ._ops import autocast_inputs, check_stats, draw_seed, resolve_backend
-from .kernels import reference_varlen
+from .kernels import reference, reference_varlen
 from .options import DEFAULTS, Options, Stabilize
 from .stats import AttentionStats, RowStats
 
@@ -141,21 +141,21 @@ def launch_extent(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_se
     return cu, cu, min(max_seqlen_q, max(longest, 1)), min(max_seqlen_k, max(longest, 1))
 
 
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: Options, with_stats: int,
-             ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
+def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: Options,
+             with_stats: int) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = launch_extent(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                          max_seqlen_k)
     if opts.backend == "triton":
         from .kernels import triton_attention
 
-        impl = triton_attention.forward_varlen
-    else:
-        impl = reference_varlen.forward_varlen
-    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts, with_stats)
+        return triton_attention.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts,
+                                               with_stats, sinks=sinks)
+    return reference_varlen.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts,
+                                           with_stats, sinks)
 
 
-def _backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: Options):
+def _backward(do, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts: Options):
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = launch_extent(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                          max_seqlen_k)
     if opts.backend == "triton":
@@ -164,7 +164,10 @@ def _backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         impl = triton_attention.backward_varlen
     else:
         impl = reference_varlen.backward_varlen
-    return impl(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts)
+    dq, dk, dv = impl(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts)
+    # lse is [Hq, total_q]; the rows' delta [total_q, Hq] transposed to match
+    dsinks = None if sinks is None else reference.sink_gradient(sinks, lse, reference.row_delta(do, out).t())
+    return dq, dk, dv, dsinks
 
 
 # lse is [Hq, total_q]; the statistics are one batch element [1, Hq, total_q] (what AttentionStats.update reads)
@@ -194,6 +197,7 @@ def attention_varlen(
     backend: str = DEFAULTS["backend"],
     block_n: int | None = DEFAULTS["block_n"],
     pv_fp32: bool = DEFAULTS["pv_fp32"],
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over packed sequences with the dynamic-max fix; FlashAttention's varlen layout.
 
@@ -202,30 +206,31 @@ def attention_varlen(
     ``k/v[cu_seqlens_k[b]:cu_seqlens_k[b+1]]`` and nothing else; no padding is materialized.
 
     Args:
-        q: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA); dtypes
-            bfloat16, float16, float32; ``D <= 256``.
+        q: ``[total_q, Hq, D]``; k: ``[total_k, Hkv, D]``, v: ``[total_k, Hkv, Dv]`` with ``Hq % Hkv == 0``
+            (GQA/MQA); dtypes bfloat16, float16, float32; ``D, Dv <= 512`` (as in :func:`stable_attn.attention`).
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` on q's device: sequence offsets, starting at 0,
             non-decreasing, ending at ``total_q`` / ``total_k``. A sequence with no keys outputs zeros.
         max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence (the kernels' grid).
         causal, window: per sequence, aligned bottom-right as in :func:`stable_attn.attention` (query
             ``i`` of a sequence stands at ``p = i + len_k - len_q``).
-        scale, softcap, stabilize, beta, backend, block_n, pv_fp32: as in :func:`stable_attn.attention`.
+        scale, softcap, stabilize, beta, backend, block_n, pv_fp32, sinks: as in :func:`stable_attn.attention`
+            (each sequence's rows have the sink of their head).
         dropout_p: attention dropout; sequence ``b`` draws the mask :func:`stable_attn.attention` would
             draw on it alone with Philox seed ``seed + b`` (one seed drawn per call).
         stats: an :class:`AttentionStats` to accumulate per-head row statistics into, exactly as
             :func:`stable_attn.attention` does (every packed row counts once).
 
     Returns:
-        ``[total_q, Hq, D]``.
+        ``[total_q, Hq, Dv]``.
     """
     q, k, v = autocast_inputs(q, k, v)
-    raise_problem(packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    raise_problem(packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks))
     opts = Options.create(head_dim=q.shape[-1], causal=causal, scale=scale, window=window, softcap=softcap,
                           dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n,
                           pv_fp32=pv_fp32)
     check_stats(stats)
     # as one batch element: the whole packed tensor must fit the kernels' 32-bit offsets
-    impl = resolve_backend(opts.backend, q[None], False, k[None], opts.pv_fp32)
+    impl = resolve_backend(opts.backend, q[None], False, k[None], opts.pv_fp32, v)
     q, k, v = unit_last_stride(q, k, v)
-    return _ops.run(_varlen_fwd, q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    return _ops.run(_varlen_fwd, q, k, v, sinks, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                     draw_seed(opts.dropout_p), opts, impl, stats)

@@ -61,8 +61,8 @@ BAD = [
     ("window=True", lambda q, k, v: dict(window=True), ValueError),
     ("scale=True", lambda q, k, v: dict(scale=True), ValueError),
     ("softcap=inf", lambda q, k, v: dict(softcap=float("inf")), ValueError),
-    ("head dim D=300", lambda q, k, v: dict(q=torch.randn(2, 4, 10, 300), k=torch.randn(2, 2, 10, 300),
-                                            v=torch.randn(2, 2, 10, 300)), ValueError),
+    ("head dim D=600", lambda q, k, v: dict(q=torch.randn(2, 4, 10, 600), k=torch.randn(2, 2, 10, 600),
+                                            v=torch.randn(2, 2, 10, 600)), ValueError),
     ("attn_mask requires grad", lambda q, k, v: dict(attn_mask=torch.zeros(10, 10, requires_grad=True)), ValueError),
     ("attn_mask of shape", lambda q, k, v: dict(attn_mask=torch.ones(3, 1, 10, 10, dtype=torch.bool)), ValueError),
 ]
@@ -138,6 +138,35 @@ def test_torch_compile_stats_and_dropout_neither_break_the_graph_nor_recompile()
         for _ in range(4):
             fn(q, k, v).sum().backward()
     assert int(st.calls) == 5 and st.rows.tolist() == [5 * 24] * 2
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_counts_the_statistics_once(reentrant, monkeypatch):
+    """The forward recomputed in the backward (torch.utils.checkpoint) folds no statistics: one step's
+    forward is counted once, and the gradients are those of the plain call."""
+    from torch.utils.checkpoint import checkpoint
+
+    from stable_attn import _ops
+
+    q, k, v = _hf_layout(seed=2)
+    # an op after the attention that saves a tensor: the non-reentrant recompute runs past the attention
+    # (it stops once the last tensor the backward needs is recomputed)
+    call = lambda a, b, c, st: stable_attn.attention(a, b, c, causal=True, stats=st).square()  # noqa: E731
+    plain_stats, ckpt_stats = stable_attn.AttentionStats(), stable_attn.AttentionStats()
+    call(q, k, v, plain_stats).sum().backward()
+    plain = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    checkpoint(call, q, k, v, ckpt_stats, use_reentrant=reentrant).sum().backward()
+    for a, t in zip(plain, (q, k, v), strict=True):
+        torch.testing.assert_close(t.grad, a, rtol=0, atol=0)
+    for name in ("rows", "saturated_rows", "calls"):
+        assert torch.equal(getattr(ckpt_stats, name), getattr(plain_stats, name)), name
+    # the same call, were the recompute counted: the test above would see every row twice
+    monkeypatch.setattr(_ops, "recomputing", lambda: False)
+    twice = stable_attn.AttentionStats()
+    checkpoint(call, q, k, v, twice, use_reentrant=reentrant).sum().backward()
+    assert torch.equal(twice.rows, 2 * plain_stats.rows)
 
 
 def test_disabled_stats_are_not_collected():

@@ -69,7 +69,7 @@ def test_unit_last_stride_copies_only_what_needs_it():
 SCALES = [None, 1, 0.3, 1e-30, 1e-39, 1e38, 3e38, True, float("inf"), float("nan"), -0.5, 0]
 MASKS = [None, torch.ones(5, 6, dtype=torch.bool), torch.zeros(1, 4, 5, 6), torch.ones(5, 6, dtype=torch.int64),
          torch.ones(3, 1, 5, 6, dtype=torch.bool)]
-SHAPES = [dict(), dict(hkv=4), dict(d=0), dict(d=257), dict(hkv=3), dict(nk=0), dict(dtype=torch.float64)]
+SHAPES = [dict(), dict(hkv=4), dict(d=0), dict(d=513), dict(hkv=3), dict(nk=0), dict(dtype=torch.float64)]
 
 
 def test_the_sdpa_patch_serves_only_calls_attention_accepts():

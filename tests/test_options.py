@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import stable_attn
+from stable_attn import rules
 from stable_attn.integrations import transformers as hf
-from stable_attn.kernels import rules
 from stable_attn.options import (
     BLOCK_N,
     DEFAULTS,

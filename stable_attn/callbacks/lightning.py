@@ -29,10 +29,10 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..monitor import names
+from ..monitor.actions.recovery import SkipStream
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
-from ..monitor.recovery import SkipStream
 
 __all__ = ["StableAttentionCallback"]
 
@@ -41,13 +41,13 @@ log = logging.getLogger("stable_attn")
 if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
     from typing_extensions import Unpack
 
-    from ..monitor.typed_options import MonitorOptions
+    from ..monitor.config import MonitorOptions
 
-# What the callback shows of its engine, read-only: the run's outcome and state, and the arguments.
+# What the callback shows of its engine, read-only: the run's outcome and state, and (from its config) the arguments.
 _ENGINE_ATTRIBUTES = frozenset({
-    "alert_count", "alert_kinds", "skipped_steps", "rollbacks", "stop_checkpoint", "alert_delivery", "layers",
-    "dispatcher", "surge_detectors", "log_dir", "not_training_streak",
-}) | frozenset(MonitorConfig.names())
+    "alert_count", "alert_kinds", "skipped_steps", "rollbacks", "stop_checkpoint", "layers", "dispatcher",
+    "surge_detectors", "log_dir", "not_training_streak", "loss_detector", "grad_norm_detector",
+})
 _WRONG_TRAINER = ("StableAttentionCallback is a Lightning callback (lightning.Trainer); for transformers.Trainer use "
                   "stable_attn.callbacks.StableAttentionTrainerCallback")
 
@@ -138,14 +138,14 @@ class StableAttentionCallback(Callback):
 
     **Delivery.** Every channel counts its alerts: delivered, failed, dropped (the webhook's queue was
     full) and abandoned (still pending when the run ended, or handed over while the webhook was
-    paused after repeated failures); see :data:`~stable_attn.monitor.alerts.DELIVERY_COUNTS`. The
+    paused after repeated failures); see :data:`~stable_attn.monitor.alerts.alert.DELIVERY_COUNTS`. The
     counts are in :attr:`alert_delivery` and the callback's ``state_dict``, and at the end of ``fit()``
     one line per channel names it (the file path, the webhook's scheme, host and port, never its path
     or query) with its counts: a WARNING for a channel that did not deliver every alert. The JSONL
     file is written synchronously. ``on_alert`` callables run on the training thread, in order;
-    one call longer than :data:`~stable_attn.monitor.alerts.SLOW_CALLABLE_S` (0.1 s) logs one
+    one call longer than :data:`~stable_attn.monitor.alerts.alert.SLOW_CALLABLE_S` (0.1 s) logs one
     WARNING naming the callable. The webhook never blocks training (a background thread; see
-    :mod:`stable_attn.monitor.webhook` for the request, the payload and the time limits).
+    :mod:`stable_attn.monitor.alerts.webhook` for the request, the payload and the time limits).
 
     **End of run.** At the end of ``fit()``, and when ``fit()`` raises (user code, KeyboardInterrupt:
     Lightning's ``on_exception``), the callback closes the channels within one ``webhook_timeout``
@@ -187,6 +187,10 @@ class StableAttentionCallback(Callback):
         engine = self.__dict__.get("engine")  # absent while unpickling
         if engine is not None and name in _ENGINE_ATTRIBUTES:
             return getattr(engine, name)
+        if engine is not None and name in MonitorConfig.names():
+            return engine.config.checked()[name]
+        if engine is not None and name == "alert_delivery":  # per channel, of the closed channels and earlier runs
+            return engine.desk.delivered
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------ start and end
@@ -276,7 +280,7 @@ class StableAttentionCallback(Callback):
 
     def _batch_index(self, trainer: Trainer, batch_idx: int) -> int:
         """The batch's index in the epoch's data. With ``on_spike="recover"`` the fit loop's data fetcher draws
-        from a :class:`~stable_attn.monitor.recovery.SkipStream` (installed at each epoch's first batch, over
+        from a :class:`~stable_attn.monitor.actions.recovery.SkipStream` (installed at each epoch's first batch, over
         the iterator the fetcher made), which discards the batches of a skip window before the loop sees them;
         the fetcher has already drawn the batches it prefetches, so a window starts after those."""
         if self.engine.recovery is None:

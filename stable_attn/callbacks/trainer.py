@@ -25,12 +25,13 @@ the reporting integrations have their copy). So at ``on_train_begin`` the callba
 that called it (it is ``self`` in the calling frame of ``CallbackHandler``) and wraps four of its
 bound methods on that instance only: ``training_step``, ``accelerator.clip_grad_norm_``, ``log`` and
 ``get_batch_samples`` (the data position of each micro-batch, and the skip window of ``on_spike="recover"``).
-``on_train_end`` puts them back.
+``on_train_end`` puts them back; so does a ``train()`` that raises, through a wrapper of ``train`` itself.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import os
@@ -43,17 +44,17 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..monitor import names
+from ..monitor.actions.recovery import SkipStream
 from ..monitor.config import MonitorConfig
 from ..monitor.engine import MonitorEngine, Trainables, World
 from ..monitor.grad_norm import total_grad_norm
-from ..monitor.recovery import SkipStream
 
 __all__ = ["StableAttentionTrainerCallback"]
 
 if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
     from typing_extensions import Unpack
 
-    from ..monitor.typed_options import MonitorOptions
+    from ..monitor.config import MonitorOptions
 
 log = logging.getLogger("stable_attn")
 
@@ -230,10 +231,11 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
 
     **End of run.** ``on_train_end`` logs the summary line, closes the alert channels (within one
     ``webhook_timeout``), puts back ``F.scaled_dot_product_attention`` if ``patch_sdpa`` replaced it and
-    unwraps the Trainer. The Trainer has no hook for a ``train()`` that raises: such a run is ended (the
-    same way) at the start of the callback's next ``train()``, or at the interpreter's exit (until then
-    the Trainer's three methods stay wrapped); a failure inside the callback's own ``on_train_begin``
-    ends it at once.
+    unwraps the Trainer. The Trainer has no hook for a ``train()`` that raises, so the callback wraps the
+    Trainer's ``train`` on the instance (``on_init_end``): a ``train()`` that raises or is interrupted ends
+    the run the same way before the exception leaves ``train()``. A callback added with ``add_callback``
+    after the Trainer was built wraps it at its first ``train()``: a failure of that first one is ended at the
+    callback's next ``train()`` or at the interpreter's exit.
 
     The arguments (``Args:`` below) are :class:`~stable_attn.monitor.config.MonitorConfig`'s, as for
     :class:`~stable_attn.callbacks.StableAttentionCallback`.
@@ -275,7 +277,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     @property
     def alert_delivery(self) -> dict[str, dict[str, int]]:
         """Per channel: alerts delivered, failed, dropped and abandoned (closed channels and earlier runs)."""
-        return self.engine.alert_delivery
+        return self.engine.desk.delivered
 
     def summary(self) -> str:
         return self.engine.summary()
@@ -333,6 +335,30 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             torch.save(snapshot, os.path.join(folder, SNAPSHOT_FILE))
 
     # ---------------------------------------------------------------- hooks
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer, _ = _calling_trainer()
+        if trainer is not None:
+            self._guard(trainer)
+
+    def _guard(self, trainer: Trainer) -> None:
+        """Wrap ``trainer.train`` on the instance, once: a ``train()`` that raises (KeyboardInterrupt included)
+        ends the run before the exception leaves it, since the Trainer has no event for that."""
+        if getattr(trainer.__dict__.get("train"), "_stable_attn_guard", None) is self:
+            return
+        train = trainer.train
+
+        @functools.wraps(train)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return train(*args, **kwargs)
+            except BaseException as exc:
+                if self._running:
+                    self._end(f"after train() raised {type(exc).__name__}")
+                raise
+
+        guarded._stable_attn_guard = self  # type: ignore[attr-defined]
+        trainer.train = guarded
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self._running:  # the last train() raised: end that run first
@@ -353,8 +379,9 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             # on_pre_optimizer_step: no update (a NaN one included) could be dropped, whatever on_spike says.
             raise ValueError(
                 f"{_NAME} does not support DeepSpeed (TrainingArguments.deepspeed={args.deepspeed!r}): DeepSpeed "
-                "applies each update inside backward(), before the callback can drop it; train without a DeepSpeed "
-                "config (single process or DDP)")
+                "applies each update inside backward(), before the callback can drop it (a NaN update included); "
+                "for sharded training use FSDP2 (fsdp='full_shard', fsdp_config={'version': 2}), or train without "
+                "a DeepSpeed config (single process, DDP): docs/DISTRIBUTED.md")
         self._restore(args, state, checkpoint)
         self._stream_resumed = False
         self._taps = _Taps(trainer, self.engine.add_loss, self._add_batch, self._open_stream)
@@ -364,7 +391,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
                           all_gather=_all_gather if size > 1 else None, grad_norm=self._taps.grad_norm)
             self.engine.setup(model, world, stage="train")
             steps = args.logging_strategy == "steps"
-            self._every = self.engine.log_every_n_steps or (state.logging_steps if steps else 0)
+            self._every = self.engine.config.log_every_n_steps or (state.logging_steps if steps else 0)
             output_dir = args.output_dir or "."
             stop_path = lambda step: os.path.join(output_dir, names.trainer_checkpoint(step))  # the Trainer's save
             self.engine.start(output_dir, self._every, stop_path)
@@ -377,8 +404,10 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
             self._end("after the start of train() failed")
             raise
         self._running = True
-        # The Trainer has no event for a train() that raises: then the next train() or the interpreter's
-        # exit ends the run (closes the channels within one webhook timeout, says what was not delivered).
+        # The Trainer has no event for a train() that raises: its train() is wrapped for that (_guard); a
+        # callback added after the Trainer was built guards the next train() only, and this one ends at the
+        # next train() or the interpreter's exit (channels closed within one webhook timeout).
+        self._guard(trainer)
         atexit.register(self._end, "at interpreter exit (train() did not finish)")
 
     def _add_batch(self, inputs: Any, epoch: int, index: int | None) -> None:

@@ -11,10 +11,10 @@ this is the whole switch::
 
 The wrapper computes what sdpa computes, except that a query row whose mask hides every key gets
 zeros (sdpa gives NaN). Calls it can serve go to :func:`stable_attn.attention`:
-4D ``[B, H, N, D]`` float16/bfloat16/float32 tensors with ``D <= 256`` and equal head dims, no mask, a
+4D ``[B, H, N, D]`` float16/bfloat16/float32 tensors with ``D, Dv <= 512`` (v's head dim may differ), no mask, a
 boolean mask (True = attend) or an additive float mask, ``is_causal`` (sdpa aligns it top-left when
 ``Nq != Nk``; that case is served with an explicit mask), ``enable_gqa``, ``dropout_p`` and ``scale``.
-Every other call (other ranks or dtypes, nested tensors, a value head dim different from the query's,
+Every other call (other ranks or dtypes, nested tensors, a key head dim different from the query's,
 batch broadcasting, a scale outside what options.scale_problem accepts, invalid argument combinations that
 sdpa itself rejects) goes to the function that was installed before the patch, with a one-time
 ``RuntimeWarning`` naming the reason. The rules are :func:`stable_attn._checks.sdpa_problem` (here

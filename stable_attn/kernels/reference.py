@@ -7,9 +7,12 @@ bounded: one score tile ``[B, Hq, chunk, block_n]`` (about ``TILE_ELEMENTS`` fp3
 same-sized temporaries, on top of the fp32 output accumulator (forward) or the fp32 gradient
 accumulators (backward).
 
-Layouts: q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nk, D]``. Internally q is viewed as
+Layouts: q ``[B, Hq, Nq, D]``, k ``[B, Hkv, Nk, D]``, v ``[B, Hkv, Nk, Dv]`` (``Dv`` may differ from ``D``:
+multi-head latent attention; nothing is padded). Learned sinks (``sinks``, one logit per query head, gpt-oss)
+are the row's first key, in a block of its own before the first key block (:func:`sink_state`; docs/ALGORITHM.md,
+"Learned sinks"). Internally q is viewed as
 ``[B, Hkv, G, Nq, D]`` (``G = Hq // Hkv``) so grouped-query attention never repeats k or v.
-Scores live in base-2 units (``s2 = s * log2(e)``, see rules.py); ``lse`` is saved in base 2. The forward
+Scores live in base-2 units (``s2 = s * log2(e)``, see stable_attn/rules.py); ``lse`` is saved in base 2. The forward
 rounds ``P-bar = exp2(x * qk_scale2 - r)`` once, as the kernel's ``tl.fma`` does: :func:`fma_f32`
 (docs/ALGORITHM.md, "Rounding points").
 """
@@ -20,24 +23,26 @@ import math
 
 import torch
 
+from .. import rules
+from .._checks import output_like
 from ..options import Options
-from ..stats import STATS_ENTROPY, RowStats
-from . import rules
-from .philox import keep_mask
 
-# the rule's functions live in rules.py; called by these names below, so that tests can record the calls by
-# patching reference.block_offset
-from .rules import block_offset, row_top2
+# the rule's functions live in stable_attn/rules.py; called by these names below, so that tests can record
+# the calls by patching reference.block_offset
+from ..rules import block_offset, row_top2
+from ..stats import STATS_ENTROPY, RowStats
+from .philox import keep_mask
 
 TILE_ELEMENTS = 1 << 17  # fp32 elements in one score tile (512 KiB)
 _DEFAULT_OPTIONS = Options()
 
 
-class _Problem:
+class Problem:
     """Shapes and masks of one call, and the tile geometry derived from them."""
 
-    def __init__(self, q, k, key_padding_mask, attn_mask, opts: Options):
+    def __init__(self, q, k, v, key_padding_mask, attn_mask, opts: Options):
         self.B, self.Hq, self.Nq, self.D = q.shape
+        self.Dv = v.shape[-1]
         self.Hkv, self.Nk = k.shape[1], k.shape[2]
         self.G = self.Hq // self.Hkv
         self.dtype = q.dtype
@@ -191,27 +196,51 @@ def _fma_f32_round_to_odd(a: torch.Tensor, b64: torch.Tensor, c: torch.Tensor) -
     return s.float()
 
 
-def _grouped(x: torch.Tensor, p: _Problem) -> torch.Tensor:
+def grouped(x: torch.Tensor, p: Problem) -> torch.Tensor:
     return x.view(p.B, p.Hkv, p.G, p.Nq, x.shape[-1])
 
 
+def sink_logits2(sinks: torch.Tensor | None, p: Problem) -> torch.Tensor | None:
+    """The learned sinks in base-2 units, ``[1, Hkv, G, 1]`` fp32 (``fl(sink * LOG2E)``, as the kernels form
+    them), or None."""
+    if sinks is None:
+        return None
+    return (sinks.float() * rules.LOG2E).view(1, p.Hkv, p.G, 1)
+
+
+def sink_state(sink2: torch.Tensor | None, row: tuple[int, ...], device) -> tuple[torch.Tensor, ...]:
+    """The row state ``(m, r, l)`` a walk starts from: the initial state (``m = -inf``, ``r = -FP32_MAX``,
+    ``l = 0``), or, with a sink, the state after the sink's own one-key block: the rule sees one entry there, so
+    no tie can fire and every mode sets the offset ``r = sink2`` and ``l = exp2(0) = 1`` (a ``-inf`` sink leaves
+    ``r`` at ``-FP32_MAX`` and adds 0: the state without a sink, bit for bit). ``m`` stays the keys' running max
+    (``-inf``): the sink multiplies no value, so it is no key of the statistics nor of the "sees a key" test,
+    and the accumulator starts at 0 either way (docs/ALGORITHM.md, "Learned sinks")."""
+    m = torch.full(row, -math.inf, device=device)
+    if sink2 is None:
+        return m, torch.full(row, -rules.FP32_MAX, device=device), torch.zeros(row, device=device)
+    r = sink2.expand(row).clamp(min=-rules.FP32_MAX)
+    return m, r, torch.exp2(sink2 - r)
+
+
 class Walk:
-    """The row state after an online-softmax walk over some key blocks (:func:`walk_blocks`): true running max
-    ``m``, offset ``r``, row sum ``l``, fp32 accumulator ``acc`` ``[B, Hkv, G * cq, D]`` and the statistics'
-    state (None without statistics)."""
+    """The row state after an online-softmax walk over some key blocks (:func:`walk_blocks`): the keys' running
+    max ``m``, offset ``r`` (at least the sink's logit), row sum ``l`` (the sink's weight included), fp32
+    accumulator ``acc`` ``[B, Hkv, G * cq, Dv]`` and the statistics' state (None without statistics)."""
 
     def __init__(self, **state):
         self.__dict__.update(state)
 
 
-def walk_blocks(p: _Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: int = False) -> Walk:
+def walk_blocks(p: Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: int = False,
+                sink2: torch.Tensor | None = None) -> Walk:
     """The online softmax with the rule (docs/ALGORITHM.md, forward steps 1-8) of the query rows ``[q0, q1)``
     (``q_c``: their fp32 ``[B, Hkv, G * cq, D]``) over the key ``blocks`` (``(j0, j1)`` in increasing order,
-    aligned on the partition), from the initial state (``m = -inf``, ``r = -FP32_MAX``, ``l = 0``). The training
+    aligned on the partition), from the initial state (``m = -inf``, ``r = -FP32_MAX``, ``l = 0``), or with
+    ``sink2`` (:func:`sink_logits2`) from the state after the sink's block (:func:`sink_state`). The training
     forward walks every visible block of the partition once; the decode mirror (reference_decode.py) walks
-    each split's blocks from the initial state."""
+    each split's blocks from the initial state (the sink joins the first split only)."""
     opts = p.opts
-    B, Hkv, G, D = p.B, p.Hkv, p.G, p.D
+    B, Hkv, G = p.B, p.Hkv, p.G
     dtype = p.dtype
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
     neg_inf = -math.inf
@@ -219,17 +248,16 @@ def walk_blocks(p: _Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: in
     entropy_on = with_stats == STATS_ENTROPY
     cq = q1 - q0
     row = (B, Hkv, G, cq)
-    m = torch.full(row, neg_inf, device=q_c.device)  # true running max
-    # the offset subtracted before exp2; -FP32_MAX before the row's first key (below every finite score),
-    # so no inf - inf arises below (the kernel's fwd_program starts there too)
-    r = torch.full(row, -rules.FP32_MAX, device=q_c.device)
-    l = torch.zeros(row, device=q_c.device)
-    acc = torch.zeros(B, Hkv, G * cq, D, device=q_c.device)
+    # m: the true running max; r: the offset subtracted before exp2, -FP32_MAX before the row's first key
+    # (below every finite score), so no inf - inf arises below (the kernel's fwd_program starts there too)
+    m, r, l = sink_state(sink2, row, q_c.device)
+    acc = torch.zeros(B, Hkv, G * cq, p.Dv, device=q_c.device)
     fixed = torch.zeros(row, dtype=torch.int32, device=q_c.device) if with_stats else None
     m2 = torch.full(row, neg_inf, device=q_c.device) if with_stats else None  # running second-largest score
     # sums of P-bar_j * (s2_j - r) and of P-bar_j over the keys seen (entropy, ALGORITHM.md "Statistics")
+    # (the sink, t = 0 against its own offset, adds 0 to the first and its P-bar, l, to the second)
     ent = torch.zeros(row, device=q_c.device) if entropy_on else None
-    ent_l = torch.zeros(row, device=q_c.device) if entropy_on else None
+    ent_l = l.clone() if entropy_on else None
     s_first = torch.full(row, neg_inf, device=q_c.device)
 
     for j0, j1 in blocks:
@@ -248,7 +276,7 @@ def walk_blocks(p: _Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: in
                                    opts.mode)
 
         if with_stats:
-            # the row's running second-largest score, merged with the block's top two: two keys lie
+            # the keys' running second-largest score, merged with the block's top two: two keys lie
             # within the tie tolerance of the true max iff it does (ALGORITHM.md, "Statistics")
             m2 = torch.maximum(torch.minimum(m, m_blk), torch.maximum(m2, m2_blk))
             fixed += fire.to(torch.int32)
@@ -281,18 +309,21 @@ def walk_blocks(p: _Problem, q_c, k, v, q0: int, q1: int, blocks, with_stats: in
 
 
 def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Options = _DEFAULT_OPTIONS,
-                      with_stats: int = False):
+                      with_stats: int = False, sinks: torch.Tensor | None = None):
     """Forward pass. Returns ``(out, lse2, row_stats)``; ``row_stats`` is None unless requested
-    (``with_stats``: a ``stats.STATS_*`` level; True collects the row statistics without the entropy)."""
-    p = _Problem(q, k, key_padding_mask, attn_mask, opts)
+    (``with_stats``: a ``stats.STATS_*`` level; True collects the row statistics without the entropy).
+    ``sinks``: ``[Hq]`` learned sink logits (natural units, like the scaled scores) or None; ``lse2`` then
+    counts the sink."""
+    p = Problem(q, k, v, key_padding_mask, attn_mask, opts)
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     dtype = q.dtype
     sat_tol2 = rules.sat_tolerance2(dtype)
     neg_inf = -math.inf
+    sink2 = sink_logits2(sinks, p)
 
-    qg = _grouped(q, p)
-    out = torch.empty_like(q)
-    outg = _grouped(out, p)
+    qg = grouped(q, p)
+    out = output_like(q, v)
+    outg = grouped(out, p)
     lse2 = torch.empty(B, Hkv, G, Nq, dtype=torch.float32, device=q.device)
     entropy_on = with_stats == STATS_ENTROPY  # with_stats: a stats.STATS_* level (True: without the entropy)
     if with_stats:
@@ -302,20 +333,24 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
         q1 = min(q0 + p.chunk, Nq)
         cq = q1 - q0
         q_c = qg[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
-        w = walk_blocks(p, q_c, k, v, q0, q1, p.key_blocks(q0, q1), with_stats)
+        w = walk_blocks(p, q_c, k, v, q0, q1, p.key_blocks(q0, q1), with_stats, sink2)
         m, r, l, acc, fixed, m2, ent, ent_l = w.m, w.r, w.l, w.acc, w.fixed, w.m2, w.ent, w.ent_l
 
         # not ``m > -inf``: a NaN score (NaN in q or in a key the row sees) makes m NaN, and the row must
-        # come out NaN, as on the kernel and in SDPA, not as a row that sees no key (zeros, lse = +inf)
+        # come out NaN, as on the kernel and in SDPA, not as a row that sees no key (zeros, lse = +inf); a
+        # row that sees only its sink is a row that sees no key (m is the keys' max)
         seen = m != neg_inf
-        o = acc.view(B, Hkv, G, cq, D) / (l[..., None] * (1.0 - opts.dropout_p))
+        o = acc.view(B, Hkv, G, cq, p.Dv) / (l[..., None] * (1.0 - opts.dropout_p))
         # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor)
         o = torch.where(seen[..., None], o, torch.zeros_like(o))
         outg[:, :, :, q0:q1] = o.to(dtype)
         lse = r + torch.log2(l)
         lse2[..., q0:q1] = torch.where(seen, lse, torch.full_like(lse, math.inf))
         if with_stats:
-            st.saturated[..., q0:q1] = (m2 >= m - sat_tol2) & seen  # -inf >= -inf must not count
+            # against the row max with the sink: two keys within the tolerance of a sink above them do not round
+            # to 1.0
+            top = m if sink2 is None else torch.maximum(m, sink2)
+            st.saturated[..., q0:q1] = (m2 >= top - sat_tol2) & seen  # -inf >= -inf must not count
             st.fixed_blocks[..., q0:q1] = fixed
             st.max_logit[..., q0:q1] = m / rules.LOG2E
             st.sink_mass[..., q0:q1] = torch.exp2(w.s_first - lse2[..., q0:q1])
@@ -333,21 +368,25 @@ def attention_forward(q, k, v, key_padding_mask=None, attn_mask=None, opts: Opti
 def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=None,
                        opts: Options = _DEFAULT_OPTIONS):
     """FlashAttention-2 backward: recompute ``P`` per tile as the forward formed ``P-bar``, with ``lse2``
-    for the offset: ``exp2(fma_f32(x, qk_scale2, -lse2))``, rounded once, where :attr:`_Problem.fused_scale`,
+    for the offset: ``exp2(fma_f32(x, qk_scale2, -lse2))``, rounded once, where :attr:`Problem.fused_scale`,
     else ``exp2(s2 - lse2)``; returns dq, dk, dv. (With ``fl(x * qk_scale2)`` each key's exponent would
     move by up to half an ulp of a huge score against the forward's ``P-bar``.)
+
+    With learned sinks nothing changes here: ``lse2`` counted the sink, so ``P`` is already the keys' share
+    of the softmax with the sink, and ``delta = sum_j P_j dP_j`` has no sink term (its value, hence its
+    ``dP``, is 0). The sinks' own gradient is :func:`sink_gradient`, on both backends.
 
     ``delta = rowsum(dO * O)`` replaces the softmax Jacobian's row term. ``P`` (for dV) and ``dS``
     (for dQ and dK) are cast to the input dtype before their products, as FA2 does; accumulation is
     fp32. The stabilization does not appear here: it changed only the offset, not ``O`` or ``lse``.
     """
-    p = _Problem(q, k, key_padding_mask, attn_mask, opts)
+    p = Problem(q, k, v, key_padding_mask, attn_mask, opts)
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     dtype = q.dtype
     keep_scale = opts.keep_scale
     fused, c = p.fused_scale, opts.qk_scale2
 
-    qg, dog, og = _grouped(q, p), _grouped(do, p), _grouped(out, p)
+    qg, dog, og = grouped(q, p), grouped(do, p), grouped(out, p)
     lse2g = lse2.view(B, Hkv, G, Nq)
     # key blocks outside, query chunks inside: dK and dV need only a block-sized fp32 accumulator;
     # dQ is the one full-size fp32 accumulator (the memory budget in ALGORITHM.md)
@@ -364,14 +403,14 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
         bn = j1 - j0
         k_b, v_b = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
         dk_b = torch.zeros(B, Hkv, bn, D, device=q.device)
-        dv_b = torch.zeros(B, Hkv, bn, D, device=q.device)
+        dv_b = torch.zeros(B, Hkv, bn, p.Dv, device=q.device)
         for q0, q1 in chunks:
             lo, hi = p.key_range(q0, q1)
             if j1 <= lo or j0 >= hi:
                 continue  # the chunk sees no key of this block
             cq = q1 - q0
             q_c = qg[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
-            do_c = dog[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, D)
+            do_c = dog[:, :, :, q0:q1].float().reshape(B, Hkv, G * cq, p.Dv)
             s, t = p.scores(q_c, k_b, q0, q1, j0, j1, scaled=not fused)  # fused: s holds x = q.k
             lse_c = lse2g[..., q0:q1, None]
             prob = torch.exp2(fma_f32(s, c, -lse_c) if fused else s - lse_c)  # [B, Hkv, G, cq, bn]
@@ -395,3 +434,24 @@ def attention_backward(do, q, k, v, out, lse2, key_padding_mask=None, attn_mask=
     dq_out = torch.empty_like(q)  # q's strides: what the op's fake implementation promises
     dq_out.copy_(dq.view(q.shape))
     return dq_out, dk, dv
+
+
+def row_delta(do: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``rowsum(dO * O)`` over the last dim in fp32, by chunks of rows (no full fp32 copy of ``dO`` or ``O``)."""
+    rows = out.shape[:-1]
+    do2, o2 = do.reshape(-1, do.shape[-1]), out.reshape(-1, out.shape[-1])
+    delta = torch.empty(do2.shape[0], dtype=torch.float32, device=do.device)
+    step = max(1, TILE_ELEMENTS // max(do2.shape[1], 1))
+    for i in range(0, do2.shape[0], step):
+        delta[i:i + step] = (do2[i:i + step].float() * o2[i:i + step].float()).sum(-1)
+    return delta.view(rows)
+
+
+def sink_gradient(sinks: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``d sinks`` ``[Hq]`` in ``sinks``' dtype, for both backends: the sink is a key whose value is 0, so its
+    ``dP`` is 0 and its score gradient ``P_sink * (0 - delta)``, summed over the batch and the rows of its head,
+    with ``P_sink = exp2(sink2 - lse2)``. ``lse2`` and ``delta`` (:func:`row_delta`) are ``[..., Hq, N]`` fp32; a
+    row that sees no key has ``lse2 = +inf`` and gives its sink nothing (its output is 0, and so its delta)."""
+    sink2 = (sinks.float() * rules.LOG2E).view(-1, 1)
+    p_sink = torch.exp2(sink2 - lse2)
+    return -(p_sink * delta).reshape(-1, *lse2.shape[-2:]).sum(dim=(0, 2)).to(sinks.dtype)

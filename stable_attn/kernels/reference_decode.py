@@ -18,25 +18,28 @@ import torch
 
 from ..options import Options
 from . import decode_plan
-from .reference import _grouped, _Problem, walk_blocks
+from .reference import Problem, grouped, sink_logits2, walk_blocks
 
 
-def partials(q, k, v, key_padding_mask, opts: Options, split: int):
-    """The splits' partials ``(acc [B, Hq, Nq, S, D], l, r, m [B, Hq, Nq, S])``, fp32, for splits of ``split``
-    keys: what the decode kernel writes before its merge (the same ``r`` and ``m`` bits: the decisions)."""
+def partials(q, k, v, key_padding_mask, opts: Options, split: int, sinks=None):
+    """The splits' partials ``(acc [B, Hq, Nq, S, Dv], l, r, m [B, Hq, Nq, S])``, fp32, for splits of ``split``
+    keys: what the decode kernel writes before its merge (the same ``r`` and ``m`` bits: the decisions).
+    Learned ``sinks`` join the first split's walk as its first key (counted once in the merged row sum);
+    ``m`` is the keys' own max, so a row that sees only its sink is a row that sees no key."""
     decode_plan.check_split(split, opts.key_block)
-    p = _Problem(q, k, key_padding_mask, None, opts)
+    p = Problem(q, k, v, key_padding_mask, None, opts)
     B, Hkv, G, Nq, D = p.B, p.Hkv, p.G, p.Nq, p.D
     S = decode_plan.num_splits(p.Nk, split)
-    q_c = _grouped(q, p).float().reshape(B, Hkv, G * Nq, D)
+    q_c = grouped(q, p).float().reshape(B, Hkv, G * Nq, D)
     blocks = list(p.key_blocks(0, Nq))  # the visible blocks of the partition, in key order
-    acc = torch.empty(B, p.Hq, Nq, S, D, device=q.device)
+    acc = torch.empty(B, p.Hq, Nq, S, p.Dv, device=q.device)
     l, r, m = (torch.empty(B, p.Hq, Nq, S, device=q.device) for _ in range(3))
+    sink2 = sink_logits2(sinks, p)
     for s in range(S):
         mine = [(j0, j1) for j0, j1 in blocks if s * split <= j0 < (s + 1) * split]
-        w = walk_blocks(p, q_c, k, v, 0, Nq, mine)
-        acc[:, :, :, s] = w.acc.view(B, p.Hq, Nq, D)
-        l[..., s], r[..., s], m[..., s] = (x.reshape(B, p.Hq, Nq) for x in (w.l, w.r, w.m))
+        w = walk_blocks(p, q_c, k, v, 0, Nq, mine, sink2=sink2 if s == 0 else None)
+        acc[:, :, :, s] = w.acc.view(B, p.Hq, Nq, p.Dv)
+        l[..., s], r[..., s], m[..., s] = (x.expand(B, Hkv, G, Nq).reshape(B, p.Hq, Nq) for x in (w.l, w.r, w.m))
     return acc, l, r, m
 
 
@@ -53,12 +56,12 @@ def combine(acc, l, r, m, dtype: torch.dtype):
     return out, lse2
 
 
-def attention_forward(q, k, v, key_padding_mask, opts: Options, split: int | None = None):
+def attention_forward(q, k, v, key_padding_mask, opts: Options, split: int | None = None, sinks=None):
     """The decode forward: ``(out, lse2, None)`` as ``reference.attention_forward`` returns them (no statistics:
     ``decode_plan.takes_decode`` sends calls with statistics to the training path). ``split`` defaults to
     ``decode_plan.split_keys`` of the shapes."""
     if split is None:
         split = decode_plan.split_keys(q.shape[0], k.shape[1], k.shape[2], opts.key_block)
-    out, lse2 = combine(*partials(q, k, v, key_padding_mask, opts, split), q.dtype)
+    out, lse2 = combine(*partials(q, k, v, key_padding_mask, opts, split, sinks), q.dtype)
     return out, lse2, None
 

@@ -4,7 +4,7 @@
 (Triton IR -> PTX -> cubin with ptxas) on the CPU, so compile errors, shared-memory overflow and
 register spills of every variant are caught on a machine without a GPU (the compile test and
 benchmarks/kernel_resources.py use this module). It builds the same signature and compile-time
-constants the launchers in ``triton_attention.py`` pass at run time, with the pointer and stride
+constants the launchers (``triton_launch.launch_constants``) pass at run time, with the pointer and stride
 alignment hints Triton derives for contiguous tensors whose head dim is a multiple of 16.
 
 Static speed model (:func:`describe`). The SASS of the cubin (Triton's bundled ``cuobjdump -sass``)
@@ -33,9 +33,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from .. import rules
 from ..options import BLOCK_N, MODE_NAMES
-from . import rules
-from .triton_attention import head_block, launch_constants
 from .triton_backward import (
     attn_bwd_dkdv_kernel,
     attn_bwd_dkdv_varlen_kernel,
@@ -45,18 +44,22 @@ from .triton_backward import (
     attn_bwd_preprocess_varlen,
 )
 from .triton_backward_fused import attn_bwd_fused_kernel, attn_bwd_fused_varlen_kernel, fused_constants
+from .triton_decode import attn_decode_kernel, decode_constants
 from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
-
-# Shared memory one block may use (bytes): A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
-SHARED_LIMIT = {80: 166912, 90: 232448}
+from .triton_launch import SHARED_LIMIT, head_block, launch_constants
 
 _PTR = {"KPM": "*u8", "Lse": "*fp32", "Delta": "*fp32", "StSat": "*i8", "StFixed": "*i32", "StMax": "*fp32",
-        "StSink": "*fp32", "StEnt": "*fp32", "CuQ": "*i32", "CuK": "*i32", "DQP": "*fp32"}
-_INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q", "b_first", "n_rows"}
+        "StSink": "*fp32", "StEnt": "*fp32", "Sinks": "*fp32", "CuQ": "*i32", "CuK": "*i32", "DQP": "*fp32",
+        "Acc": "*fp32", "Lsum": "*fp32", "Roff": "*fp32", "Mmax": "*fp32"}
+_INTS = {"Hq", "G", "Nq", "Nk", "window", "total_q", "b_first", "n_rows", "split", "n_splits"}
 # bwd_fused / bwd_fused_atomic: the fused backward prototype (triton_backward_fused.py)
-KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic")
+# decode: the generation step's split-key kernel (triton_decode.py; dense only), compiled for one new token of
+# DECODE_GROUPS query heads per KV head (GQA 4, as benchmarks/decode_resources.py)
+DECODE_GROUPS = 4
+KINDS = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic", "decode")
 _KERNELS = {"fwd": attn_fwd_kernel, "bwd_pre": attn_bwd_preprocess, "bwd_dkdv": attn_bwd_dkdv_kernel,
-            "bwd_dq": attn_bwd_dq_kernel, "bwd_fused": attn_bwd_fused_kernel, "bwd_fused_atomic": attn_bwd_fused_kernel}
+            "bwd_dq": attn_bwd_dq_kernel, "bwd_fused": attn_bwd_fused_kernel, "bwd_fused_atomic": attn_bwd_fused_kernel,
+            "decode": attn_decode_kernel}
 _VARLEN_KERNELS = {"fwd": attn_fwd_varlen_kernel, "bwd_pre": attn_bwd_preprocess_varlen,
                    "bwd_dkdv": attn_bwd_dkdv_varlen_kernel, "bwd_dq": attn_bwd_dq_varlen_kernel,
                    "bwd_fused": attn_bwd_fused_varlen_kernel, "bwd_fused_atomic": attn_bwd_fused_varlen_kernel}
@@ -88,6 +91,8 @@ class Variant:
         parts = [self.kind, dt, f"D{self.head_dim}", "causal" if self.causal else "full"]
         if self.kind == "fwd":
             parts += [mode, {0: "nostats", 1: "stats", 2: "stats+entropy"}[int(self.stats)]]
+        if self.kind == "decode":
+            parts += [mode, f"G{DECODE_GROUPS}"]
         if self.features:
             parts.append("window-softcap-dropout" if self.varlen else "window-softcap-kpm-dropout")
         if self.varlen:
@@ -139,10 +144,15 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
 
 def _constants(v: Variant) -> tuple[dict, dict]:
     """The compile-time constants and compile options of a variant: the launchers' own
-    (``triton_attention.launch_constants``), for TMA-compatible strides on a GPU (no interpreter)."""
+    (``triton_launch.launch_constants``), for TMA-compatible strides on a GPU (no interpreter)."""
     if v.kind == "bwd_pre":
         return dict(HEAD_D=v.head_dim, BLOCK_D=head_block(v.head_dim), BLOCK_M=64), dict(num_warps=4, num_stages=1)
     f = v.features
+    if v.kind == "decode":  # one new token of G query heads per KV head, the key padding mask transformers passes
+        if v.varlen:
+            raise ValueError("the decode kernel takes no packed sequences (varlen=False)")
+        return decode_constants(v.head_dim, v.dtype, v.cc, groups=DECODE_GROUPS, nq=1, causal=v.causal, window=f,
+                                softcap=f, kpm=True, mode=v.mode, block_n=v.block_n)
     if v.kind in ("bwd_fused", "bwd_fused_atomic"):
         return fused_constants(v.head_dim, v.dtype, v.cc, atomic=v.kind == "bwd_fused_atomic", causal=v.causal,
                                window=f, softcap=f, dropout=f, kpm=None if v.varlen else f)
@@ -163,8 +173,8 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 # Dense 16-bit tensor-core FLOP per clock per SM (H100/H200) and warp-instructions issued per clock.
 TENSOR_FLOP_PER_CLK = 4096
 ISSUE_PER_CLK = 4
-# SASS opcodes of the matrix units: mma.sync (sm_80+) and wgmma (sm_90)
-_MMA_OPS = ("HMMA", "HGMMA")
+# SASS opcodes of the matrix units: mma.sync (sm_80+, and sm_120), wgmma (sm_90) and tcgen05.mma (sm_100: UTCHMMA)
+_MMA_OPS = ("HMMA", "HGMMA", "UTCHMMA")
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.+?)\s*;")
 _BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:[^;]*?,\s*)?(0x[0-9a-f]+)$")
 
@@ -253,11 +263,11 @@ def steady_loop(instrs: list[tuple[int, str]]) -> Loop:
 def iteration_flops(kind: str, block_m: int, block_n: int, block_d: int) -> int:
     """Tensor FLOPs of one loop iteration over a ``block_m x block_n`` score tile at padded head dim.
 
-    fwd: ``S = Q K^T`` and ``P V``; dK/dV: ``S^T``, ``dP^T = V dO^T``, ``dV += P^T dO``, ``dK += dS^T Q``;
+    fwd and decode: ``S = Q K^T`` and ``P V``; dK/dV: ``S^T``, ``dP^T = V dO^T``, ``dV += P^T dO``, ``dK += dS^T Q``;
     dQ: ``S``, ``dP = dO V^T``, ``dQ += dS K``; fused (dK/dV's four and ``dQ_j = dS K``): 5. Each product
     is ``2 * m * n * d``.
     """
-    gemms = {"fwd": 2, "bwd_dkdv": 4, "bwd_dq": 3, "bwd_fused": 5, "bwd_fused_atomic": 5}[kind]
+    gemms = {"fwd": 2, "decode": 2, "bwd_dkdv": 4, "bwd_dq": 3, "bwd_fused": 5, "bwd_fused_atomic": 5}[kind]
     return gemms * 2 * block_m * block_n * block_d
 
 
@@ -287,13 +297,13 @@ def describe(v: Variant, cubin_dir: str | None = None) -> dict:
     fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump))
     block_m, block_n, warps = tiling(v)
     row = dict(variant=v.name, kernel=v.kind, d=v.head_dim, dtype=_encode(v)["dtype"], causal=v.causal,
-               mode=v.mode_name if v.kind == "fwd" else None, stats=v.stats, cc=v.cc, block_m=block_m,
+               mode=v.mode_name if v.kind in ("fwd", "decode") else None, stats=v.stats, cc=v.cc, block_m=block_m,
                block_n=block_n, warps=warps, shared=kernel.metadata.shared, limit=SHARED_LIMIT[v.cc],
                regs=int(fields["REG"]), stack=int(fields["STACK"]), local=int(fields["LOCAL"]),
                spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]), wgmma="wgmma" in kernel.asm["ptx"],
                cubin_bytes=len(cubin), cubin=os.path.abspath(path) if cubin_dir else None, compile_s=seconds,
                loop_sass=None, loop_mma=None, mma_clk=None, issue_clk=None, R=None)
-    looped = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic")
+    looped = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic", "decode")
     if v.kind in looped and v.dtype != torch.float32:  # fp32 runs no tensor cores
         loop = steady_loop(parse_sass(sass_of(cubin)))
         mma_clk = iteration_flops(v.kind, block_m, block_n, head_block(v.head_dim)) / TENSOR_FLOP_PER_CLK

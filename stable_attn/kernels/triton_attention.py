@@ -4,44 +4,21 @@
 (``forward_varlen`` / ``backward_varlen``: ``stable_attn.attention_varlen``, packed sequences); they
 take ``options.Options`` and return exactly what ``reference.attention_forward`` /
 ``attention_backward`` return, computed by the kernels in ``triton_forward.py`` and
-``triton_backward.py`` (no autograd anywhere on this path).
-
-Block sizes. The forward's key block ``BLOCK_N`` *is* the partition the stabilization rule sees, so
-it is never tuned: ``opts.key_block`` (``opts.block_n`` or ``options.BLOCK_N``, 128), except where no rule sees it
-(stabilize off without statistics, :func:`fwd_config`'s ``unseen``); with a 64-key partition a K tile may
-hold two of its blocks (``FwdConfig.tile_n``), the rule still deciding per block. Everything else (query block,
-warps, pipeline stages, and all backward tiles, which make no per-block decision) comes from the
-small table in :func:`fwd_config` / :func:`bwd_config`, chosen by head dim and GPU generation so the
-kernels fit in shared memory and do not spill (see benchmarks/kernel_resources.py). Every compile-time
-constant of a launch comes from :func:`launch_constants`, which ``triton_aot`` (and so
-benchmarks/kernel_resources.py) compiles with too.
-
-Grid limits. CUDA allows at most 65535 programs in a grid's second and third dimensions (the heads
-and the batch or the sequences). A dense batch beyond that runs in several launches whose programs
-compute batch ``b_first + program_id(2)`` (:func:`_batches`): same addresses, same dropout counters,
-the same bits as one launch. More heads, or more packed sequences than that, raise a ValueError.
-
-fp32 inputs run the same kernels with IEEE-exact fp32 dots (``input_precision="ieee"``, no TF32):
-correct and memory-efficient, but without tensor cores, so slower than the 16-bit paths.
-
-Under ``TRITON_INTERPRET=1`` (CPU tensors, the tests) the kernels get ``UPCAST=True``: the
-interpreter cannot do bf16 arithmetic or bf16 ``tl.dot``, so operands are widened to fp32 after
-loading while every rounding point stays an explicit cast to the input dtype.
+``triton_backward.py`` (no autograd anywhere on this path). Tiles, compile-time constants, grid
+limits and the tensors' preparation come from ``triton_launch.py``; every kernel argument is passed
+by name.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 import triton
-import triton.language as tl
 
+from .. import rules
 from .._checks import interpreting
 from ..options import BLOCK_N, Options
 from ..stats import STATS_ENTROPY, RowStats
-from . import rules
+from . import triton_launch as launch
 from .triton_backward import (
     attn_bwd_dkdv_kernel,
     attn_bwd_dkdv_varlen_kernel,
@@ -52,353 +29,27 @@ from .triton_backward import (
 )
 from .triton_backward_fused import backward_fused, backward_mode
 from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
+from .triton_launch import BwdConfig, FwdConfig, Packed
 
-# No implicit multiply-add contraction in the forward: P-bar's single rounding is the kernel's explicit
-# ``tl.fma(x, qk_scale2, -r)`` (reference.fma_f32 on the PyTorch path), and nothing else may be fused
-# behind the reference's back, whatever the compiler's default (Triton 3.9 contracts, 3.10 does not):
-# with it, e.g. stabilize off's row-sum update ``l * alpha + sum(P-bar)`` would round once on the GPU
-# and twice in reference.py (tests/kernels/test_rule_functions.py counts the loop's FFMAs).
-FWD_COMPILE_OPTIONS = {"enable_fp_fusion": False}
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # One K tile plus one V tile must fit in shared memory with room for the query tile (A100: 163 KiB).
 _MAX_KV_TILE_BYTES = 128 * 1024
-_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the batch or the sequences)
-_MAX_GRID_Y = 65535  # and on its second (the heads)
-
-
-@dataclass(frozen=True)
-class FwdConfig:
-    """Forward tiling: ``block_m`` query rows per program. ``block_n``: the key tile where no rule sees
-    the partition (stabilize off, no statistics); ``None`` means the partition's (``opts.block_n``).
-    ``tile_n``: two blocks of the partition per key tile (``2 * opts.block_n``; K comes as one tile,
-    the rule still decides block by block: ``triton_forward.fwd_tile``); ``None``: one block.
-    ``tma``: K and V come through tensor descriptors (sm_90, strides TMA accepts)."""
-
-    block_m: int
-    num_warps: int
-    num_stages: int
-    block_n: int | None = None
-    tma: bool = False
-    tile_n: int | None = None
-
-
-@dataclass(frozen=True)
-class BwdConfig:
-    """Backward tiling: dK/dV programs hold ``n1`` keys and step over ``m1`` queries (``warps1``,
-    ``stages1``); dQ programs hold ``m2`` queries and step over ``n2`` keys (``warps2``, ``stages2``).
-    ``tma``: the streamed tiles (Q, dO for dK/dV; K, V for dQ) come through tensor descriptors
-    (sm_90 only; the launcher falls back to pointers where the strides do not allow it)."""
-
-    m1: int
-    n1: int
-    warps1: int
-    stages1: int
-    m2: int
-    n2: int
-    warps2: int
-    stages2: int
-    tma: bool = False
-
-
-def head_block(d: int) -> int:
-    """Head dim padded to a power of two >= 16 (tl.dot's minimum); the padding is masked on load."""
-    return max(16, triton.next_power_of_2(d))
-
-
-def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode: int = rules.MODE_EXACT,
-               stats: bool = False, plain: bool = False, forced_block_n: bool = False,
-               tma: bool = True, causal: bool = True) -> FwdConfig:
-    """Forward tiling by padded head dim, key partition ``block_n`` and compute capability (major*10+minor).
-
-    The query tile and the fp32 accumulator live in registers; K and V tiles are pipelined through
-    shared memory (``num_stages`` copies). Chosen so that no plain D <= 128 variant spills registers on
-    sm_80 or sm_90 (benchmarks/kernel_resources.py) except stabilize off with statistics at D = 64 on
-    sm_90 (8 / 32 bytes causal / not on the 128 x 128 tile, which runs at half the static R of the
-    64 x 128 tile that does not spill; docs/BENCHMARKS.md, "Issue 24").
-
-    On sm_90, 16-bit, D <= 128, plain variants (``plain``: no window, softcap, padding mask or dropout),
-    a 128-key partition (the default, ``options.BLOCK_N``, or ``block_n=128`` set by the user) takes
-    FlashAttention's 128 x 128 tile, 8 warps, 2 stages, whatever the mode: one score product, K load,
-    decision and pipeline step per 128 keys. At D = 128 it needs K and V through tensor descriptors
-    (``tma``: the launcher found the strides TMA-compatible): with pointers the kernels spill; at D = 64
-    pointer loads (descriptors lengthen the loop). Where no rule sees the key partition (``mode`` off,
-    no ``stats``, ``block_n`` not ``forced_block_n`` by the user: ``unseen``) the plain variants take that
-    tile whatever the partition.
-
-    A 64-key partition set by the user (``block_n=64``) keeps its own tiles where a rule decides: at
-    D = 128 two 64-key blocks per tile, the rule still per block (``tile_n``); at D = 64 one warpgroup
-    (4 warps) over 128 query rows and one 64-key block per iteration, 3 stages (docs/BENCHMARKS.md). The launchers and ``triton_aot`` both reach all of this
-    through :func:`launch_constants`, so they cannot disagree.
-
-    Elsewhere (sm_80, fp32, the variants with optional features, other partitions) :func:`_table_config`;
-    where no rule sees the partition there (``unseen``) it keeps 64-key tiles.
-    """
-    unseen = mode == rules.MODE_OFF and not stats and not forced_block_n
-    wide = cc >= 90 and dtype != torch.float32 and (block_d <= 64 or block_d <= 128 and tma) and plain
-    if wide and (unseen or block_n == 128):
-        return FwdConfig(128, 8, 2, block_n=128 if unseen else None, tma=block_d > 64)
-    if wide and mode != rules.MODE_OFF and block_n == 64:
-        return FwdConfig(128, 4, 3) if block_d <= 64 else FwdConfig(128, 8, 2, tma=True, tile_n=128)
-    if unseen:
-        return dataclasses.replace(_table_config(block_d, 64, dtype, cc, plain=plain), block_n=64)
-    return _table_config(block_d, block_n, dtype, cc, plain=plain, causal=causal, mode=mode, stats=stats)
-
-
-def _table_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, plain: bool = False,
-                  causal: bool = True, mode: int = rules.MODE_EXACT, stats: int = False) -> FwdConfig:
-    """:func:`fwd_config` off its sm_90 wide tiles: by padded head dim, key partition and GPU generation.
-
-    sm_80, 16-bit, plain, 128-key partition: the tiles measured best without spills
-    (benchmarks/kernel_resources.py, docs/BENCHMARKS.md): at D = 128 64 x 128, 8 warps, 2 stages; at
-    D = 64 128 x 128 with 8 warps, 2 stages, causal without statistics or in exact mode (``wide80``),
-    else 32 x 128 with 4 warps (128 x 128 spills there: 112 bytes non-causal, 32 / 8 bytes causal off /
-    paper with statistics; 64 x 128 spills 88 bytes non-causal). Otherwise fp32 inputs and partitions
-    wider than 64 halve the query tile and the pipeline depth.
-    """
-    if cc < 90 and dtype != torch.float32 and block_n == 128 and plain and block_d in (64, 128):
-        if block_d == 128:
-            return FwdConfig(64, 8, 2)
-        wide80 = causal and (not stats or mode == rules.MODE_EXACT)
-        return FwdConfig(128, 8, 2) if wide80 else FwdConfig(32, 4, 2)
-    if block_d <= 64:
-        cfg = FwdConfig(128, 8, 3)
-    elif block_d <= 128:
-        cfg = FwdConfig(128, 8, 3) if cc >= 90 else FwdConfig(64, 8, 2)
-    else:
-        cfg = FwdConfig(64, 8, 2) if cc >= 90 else FwdConfig(32, 4, 2)
-    if dtype == torch.float32 or block_n > 64:
-        cfg = FwdConfig(max(32, cfg.block_m // 2), cfg.num_warps, max(1, cfg.num_stages - 1))
-    return cfg
-
-
-def row_sum_parts(cc: int, dtype: torch.dtype, block_n: int) -> int:
-    """Accumulators of the exact mode's tensor-core row sum ``P-bar @ 1`` (``triton_forward.tc_row_sum_add``):
-    2 on sm_90 with 16-bit inputs, one product per half of each ``block_n``-key block (its halves at least 16
-    keys, ``tl.dot``'s smallest K), else 1. sm_90 (wgmma, benchmarks/kernel_resources.py): every exact
-    variant's loop shorter, D = 64 560 -> 551 loop SASS causal, 570 -> 559 not, D = 128 631 -> 619; sm_80
-    (mma.sync): longer (D = 64 675 -> 683) and D = 128 exact + stats spilled (8 / 48 bytes); the decode
-    kernel keeps one (its own launch constants)."""
-    return 2 if cc >= 90 and dtype != torch.float32 and block_n >= 32 else 1
-
-
-def bwd_config(block_d: int, dtype: torch.dtype, cc: int, tma: bool = True, heavy: bool = False) -> BwdConfig:
-    """Backward tiling by padded head dim and compute capability (no partition constraint here).
-
-    sm_90, 16-bit, D <= 128 (``tma``: the launcher found the strides TMA-compatible): the streamed
-    tiles come through tensor descriptors, so no per-element addresses occupy registers, and the
-    tiles are wide enough for wgmma and pipelined in 2 stages. dK/dV keeps a 128-key tile (two
-    fp32 ``[128, D]`` accumulators, K and V in shared memory) and steps over 64 queries at D=64, 32 at
-    D=128, the widest steps without spills; dQ holds 64 (D=64) or 128 (D=128) queries and steps over
-    128 or 64 keys. ``heavy`` (dropout or softcap: Philox counters or the tanh tile stay live) takes
-    narrower steps (16 queries for dK/dV; dQ 128 x 64 at D=64, 128 x 32 at D=128), again the widest
-    without spills. Chosen by benchmarks/kernel_resources.py (R, registers, spills; docs/BENCHMARKS.md).
-    Elsewhere (sm_80, fp32, D=256, strides TMA cannot take) pointer loads with the smaller tiles
-    below, where the dK/dV kernel runs unpipelined (``stages1 = 1``): pipelined ones spilled.
-    """
-    if tma and cc >= 90 and dtype != torch.float32 and block_d <= 128:
-        if heavy:
-            return BwdConfig(16, 128, 8, 2, 128, 64 if block_d <= 64 else 32, 8, 2, tma=True)
-        if block_d <= 64:
-            return BwdConfig(64, 128, 8, 2, 64, 128, 4, 2, tma=True)
-        return BwdConfig(32, 128, 8, 2, 128, 64, 8, 2, tma=True)
-    if block_d <= 64:
-        cfg = BwdConfig(32, 64, 4, 1, 64, 64, 4, 3)
-    elif block_d <= 128:
-        dkdv = (32, 32, 4, 1) if cc >= 90 else (32, 64, 8, 1)
-        cfg = BwdConfig(*dkdv, 64, 32, 4, 3 if cc >= 90 else 2)
-    else:
-        cfg = BwdConfig(16, 32, 8, 1, 32, 16, 4, 2 if cc >= 90 else 1)
-    if dtype == torch.float32:
-        cfg = BwdConfig(max(16, cfg.m1 // 2), cfg.n1, cfg.warps1, 1, cfg.m2, max(16, cfg.n2 // 2), cfg.warps2,
-                        max(1, cfg.stages2 - 1))
-    return cfg
-
-
-def tma_compatible(*xs: torch.Tensor) -> bool:
-    """Whether TMA can address these ``[B, H, N, D]`` tensors: 16-byte aligned base and outer strides."""
-    return all(x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
-               for x in xs)
-
-
-def _descriptor(x: torch.Tensor, rows: int, block_d: int):
-    """A TMA descriptor over ``[B, H, N, D]`` loading ``rows x block_d`` tiles of one (batch, head)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, block_d])
-
-
-def _packed_descriptor(x: torch.Tensor, rows: int, block_d: int):
-    """A TMA descriptor over packed ``[total, H, D]`` loading ``rows x block_d`` tiles of one head."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, 1, block_d])
-
-
-def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Output allocation, one place (the tests replace it to poison outputs with NaN)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _empty_like(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _capability(device: torch.device) -> int:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return major * 10 + minor
-    return 90  # interpreter: tile like Hopper so the tests exercise the GPU tiling
-
-
-def _check_device(q: torch.Tensor) -> None:
-    if q.device.type != "cuda" and not interpreting():
-        raise ValueError(f"the Triton kernels need CUDA tensors (got device={q.device}) or TRITON_INTERPRET=1 "
-                         "set before triton is imported; use backend='torch' for the CPU path")
-
-
-def _dense_last(x: torch.Tensor) -> torch.Tensor:
-    """The kernels index the head dim with stride 1; other strides may be anything."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _precision(dtype: torch.dtype, upcast: bool) -> str:
-    # fp32 operands (fp32 inputs, or 16-bit inputs widened for the interpreter) must not go through
-    # TF32; 16-bit operands ignore the setting.
-    return "ieee" if upcast or dtype == torch.float32 else "tf32"
-
-
-def _scalars(opts: Options, dtype: torch.dtype) -> dict:
-    """Kernel scalars: the values ``Options`` derives, which reference.py uses too (same fp32 values)."""
-    return dict(
-        window=opts.window if opts.window is not None else 0,
-        qk_scale2=opts.qk_scale2,
-        cap_scale=opts.cap_scale,
-        cap_log2e=opts.cap_log2e,
-        seed=opts.seed,
-        drop_p=opts.dropout_p,
-        keep_scale=opts.keep_scale,
-    )
-
-
-def _features(opts: Options) -> dict:
-    """The optional features of ``opts`` as :func:`launch_constants` takes them."""
-    return dict(causal=opts.causal, window=opts.window is not None, softcap=opts.softcap is not None,
-                dropout=opts.dropout_p > 0)
-
-
-def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, causal: bool, window: bool,
-                     softcap: bool, dropout: bool, kpm: bool | None, mode: int = rules.MODE_EXACT,
-                     stats: int = False, block_n: int = BLOCK_N, forced_block_n: bool = False, tma: bool = True,
-                     upcast: bool = False, config: FwdConfig | BwdConfig | None = None) -> tuple[dict, dict]:
-    """``(constexprs, compile options)`` of the kernel ``kind`` (``"fwd"``, ``"bwd_dkdv"`` or ``"bwd_dq"``, dense
-    or varlen): what the launchers below pass and what ``triton_aot`` compiles (benchmarks/kernel_resources.py
-    measures it), derived in this one place so that the two cannot disagree.
-
-    ``window``, ``softcap``, ``dropout``: whether each feature is on; ``kpm``: whether a key padding mask
-    is (dense kernels), ``None`` for the varlen kernels, which take none. ``block_n``: the key partition
-    (``Options.key_block``), ``forced_block_n`` when the user set it; ``tma``: the strides TMA accepts;
-    ``upcast``: the interpreter's fp32 operands. ``config`` overrides the tiling (tests); the forward's
-    is checked here (its ``tile_n``: one or two blocks of the partition).
-    """
-    block_d = head_block(head_dim)
-    consts = dict(CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, DROPOUT=dropout, HEAD_D=head_dim, BLOCK_D=block_d,
-                  DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast))
-    if kpm is not None:
-        consts["HAS_KPM"] = kpm
-    if kind == "fwd":
-        plain = not (window or softcap or dropout or kpm)
-        cfg = config or fwd_config(block_d, block_n, dtype, cc, mode=mode, stats=stats, plain=plain,
-                                   forced_block_n=forced_block_n, tma=tma, causal=causal)
-        block_n = cfg.block_n or block_n
-        tile_n = cfg.tile_n or block_n
-        if tile_n not in (block_n, 2 * block_n):
-            raise ValueError(f"config.tile_n={cfg.tile_n} with key blocks of {block_n}: accepted are None, {block_n} "
-                             f"and {2 * block_n} (one or two blocks of the partition per key tile)")
-        consts.update(MODE=mode, STATS=int(stats), BLOCK_M=cfg.block_m, BLOCK_N=block_n, TILE_N=tile_n, TMA=cfg.tma,
-                      ROW_SUM_PARTS=row_sum_parts(cc, dtype, block_n))
-        return consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FWD_COMPILE_OPTIONS)
-    if kind not in ("bwd_dkdv", "bwd_dq"):
-        raise ValueError(f"kind={kind!r}: one of 'fwd', 'bwd_dkdv', 'bwd_dq'")
-    c = config or bwd_config(block_d, dtype, cc, tma, heavy=dropout or softcap)
-    m, n, warps, stages = (c.m1, c.n1, c.warps1, c.stages1) if kind == "bwd_dkdv" else (c.m2, c.n2, c.warps2,
-                                                                                         c.stages2)
-    consts.update(BLOCK_M=m, BLOCK_N=n, TMA=c.tma)
-    return consts, dict(num_warps=warps, num_stages=stages)
-
-
-@dataclass(frozen=True)
-class _Packed:
-    """A varlen launch: ``[total, H, D]`` tensors, sequence ``b`` at rows ``cu_q[b]:cu_q[b+1]`` of q and
-    ``cu_k[b]:cu_k[b+1]`` of k/v; ``max_q``/``max_k`` size the grid (at least every sequence's length)."""
-
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-
-    @property
-    def batch(self) -> int:
-        return self.cu_q.numel() - 1
-
-
-def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> _Packed:
-    """Check what the kernels rely on (the op checks the rest) and describe the launch."""
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1 or cu.device != q.device:
-            raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1] on {q.device} (got dtype={cu.dtype}, "
-                             f"shape={tuple(cu.shape)}, device={cu.device})")
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (got {cu_seqlens_q.numel()} and "
-                         f"{cu_seqlens_k.numel()})")
-    if cu_seqlens_q.numel() - 1 > _MAX_GRID_Z:  # the sequences are the grid's third dimension
-        raise ValueError(f"at most {_MAX_GRID_Z} sequences per call on the Triton backend (got "
-                         f"{cu_seqlens_q.numel() - 1}); split the batch")
-    # offsets inside one sequence are int32 (as inside one batch element of the dense path); the
-    # sequences' first rows are int64
-    for name, x, n in (("q", q, max_seqlen_q), ("k", k, max_seqlen_k), ("v", v, max_seqlen_k)):
-        span = n * x.stride(0) + x.shape[1] * x.stride(1)
-        if span >= 2**31:
-            raise ValueError(f"{name}: one sequence spans {span} elements (max_seqlen={n}, strides {x.stride()}), "
-                             f"more than the int32 offsets of the kernels address (< 2**31)")
-    return _Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q), int(max_seqlen_k))
-
-
-def _check_heads(Hq: int) -> None:
-    """The heads are the grid's second dimension; no launch splits them (the batch is split, see _batches)."""
-    if Hq > _MAX_GRID_Y:
-        raise ValueError(f"Hq={Hq} query heads: the Triton kernels launch one grid row per head and CUDA allows at "
-                         f"most {_MAX_GRID_Y}; split the heads over several calls")
-
-
-def _batches(B: int) -> list[tuple[int, int]]:
-    """``(b_first, count)`` of each dense launch: the batch is the grid's third dimension, at most ``_MAX_GRID_Z``.
-
-    A launch's programs compute batch ``b_first + program_id(2)`` over the whole tensors (no views, no
-    copies), so every address and every dropout counter is the one a single launch would use.
-    """
-    return [(b0, min(_MAX_GRID_Z, B - b0)) for b0 in range(0, B, _MAX_GRID_Z)]
-
-
-def _hn_strides(*xs: torch.Tensor) -> tuple[int, ...]:
-    """(head, row) strides of packed ``[total, H, D]`` tensors, in the varlen kernels' argument order."""
-    return tuple(st for x in xs for st in (x.stride(1), x.stride(0)))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-            opts: Options, with_stats: bool, *, config: FwdConfig | None = None
+            opts: Options, with_stats: bool, *, config: FwdConfig | None = None, sinks: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     """Attention forward on the GPU (or the interpreter): ``(out, lse2, row_stats)`` like the reference.
 
-    ``lse2`` is the base-2 log-sum-exp ``[B, Hq, Nq]`` (fp32, ``+inf`` for rows that see no key).
+    ``lse2`` is the base-2 log-sum-exp ``[B, Hq, Nq]`` (fp32, ``+inf`` for rows that see no key; with learned
+    ``sinks`` ``[Hq]`` it counts the sink, as ``reference.attention_forward``'s).
     ``config`` overrides the tiling (tests use it to exercise several query-block sizes).
     """
-    return _forward(q, k, v, key_padding_mask, opts, with_stats, config, None)
+    return _forward(q, k, v, key_padding_mask, opts, with_stats, config, None, sinks)
 
 
 def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, opts: Options,
-                   with_stats: bool, *, config: FwdConfig | None = None
+                   with_stats: bool, *, config: FwdConfig | None = None, sinks: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
     """Forward over packed sequences (FlashAttention's varlen layout), one launch for all of them.
 
@@ -410,13 +61,13 @@ def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     blocks from its first key, causal/window aligned bottom-right per sequence), with dropout seeded
     ``opts.seed + b`` for sequence ``b``.
     """
-    packed = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return _forward(q, k, v, None, opts, with_stats, config, packed)
+    packed = launch.packed_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _forward(q, k, v, None, opts, with_stats, config, packed, sinks)
 
 
-def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packed | None):
-    _check_device(q)
-    q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
+def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed | None, sinks=None):
+    launch.check_device(q)
+    q, k, v = launch.dense_last(q), launch.dense_last(k), launch.dense_last(v)
     if packed is None:
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
@@ -426,54 +77,54 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: _Packe
         Hkv = k.shape[1]
         B, Nq = packed.batch, packed.max_q
         rows = (Hq, q.shape[0])
-    _check_heads(Hq)
+    launch.check_heads(Hq)
     dtype = q.dtype
-    upcast = interpreting()
     block_n = opts.key_block
-    block_d = head_block(D)
+    block_d = launch.head_block(D)
     if 2 * block_n * block_d * q.element_size() > _MAX_KV_TILE_BYTES:
         raise ValueError(f"block_n={block_n} with head dim {D} ({dtype}) needs K and V tiles of "
                          f"{2 * block_n * block_d * q.element_size()} bytes, more than the {_MAX_KV_TILE_BYTES} "
                          f"bytes of shared memory the kernel may use; use a smaller block_n (the default is {BLOCK_N})")
     with_stats = int(with_stats)  # a stats.STATS_* level (True: the row statistics without the entropy)
-    consts, compile_opts = launch_constants(
-        "fwd", D, dtype, _capability(q.device), **_features(opts),
+    consts, compile_opts = launch.launch_constants(
+        "fwd", D, dtype, launch.capability(q.device), **launch.feature_flags(opts),
         kpm=(key_padding_mask is not None) if packed is None else None, mode=opts.mode, stats=with_stats,
-        block_n=block_n, forced_block_n=opts.key_block_given, tma=tma_compatible(k, v), upcast=upcast, config=config)
+        block_n=block_n, forced_block_n=opts.key_block_given, tma=launch.tma_compatible(k, v),
+        upcast=interpreting(), config=config, sinks=sinks is not None)
     block_n, tile_n = consts["BLOCK_N"], consts["TILE_N"]
 
-    out = _empty_like(q)
-    lse2 = _empty(rows, torch.float32, q.device)
+    out = launch.empty_like(q)
+    lse2 = launch.empty(rows, torch.float32, q.device)
     if with_stats:
-        st = RowStats.empty(rows, q.device, alloc=_empty, entropy=with_stats == STATS_ENTROPY)
+        st = RowStats.empty(rows, q.device, alloc=launch.empty, entropy=with_stats == STATS_ENTROPY)
         sat, fixed, max_logit, sink, entropy = st.saturated.view(torch.int8), *st.tensors()[1:]
         if not st.has_entropy:
             entropy = lse2  # never touched: STATS is a compile-time 1
     else:
         sat = fixed = max_logit = sink = entropy = lse2  # never touched: STATS is a compile-time False
+    # the learned sinks as the kernels read them: fp32, one per query head (never touched without HAS_SINKS)
+    sinks_in = lse2 if sinks is None else sinks.to(torch.float32).contiguous()
     tie2, min_shift2, max_shift2 = rules.rule_constants(dtype, opts.mode)
-    sc = _scalars(opts, dtype)
-    scalars = (sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, rules.sat_tolerance2(dtype), min_shift2,
-               max_shift2, opts.beta, sc["seed"], sc["drop_p"], 1.0 - opts.dropout_p)
+    sc = launch.kernel_scalars(opts, dtype)
+    args = dict(Out=out, Lse=lse2, StSat=sat, StFixed=fixed, StMax=max_logit, StSink=sink, StEnt=entropy, Sinks=sinks_in,
+                **launch.strides("q", q), **launch.strides("k", k), **launch.strides("v", v),
+                **launch.strides("o", out), Hq=Hq, G=Hq // Hkv, window=sc["window"], qk_scale2=sc["qk_scale2"],
+                cap_scale=sc["cap_scale"], cap_log2e=sc["cap_log2e"], tie2=tie2,
+                sat2=rules.sat_tolerance2(dtype), min_shift2=min_shift2, max_shift2=max_shift2, beta=opts.beta,
+                seed=sc["seed"], drop_p=sc["drop_p"], keep_frac=1.0 - opts.dropout_p, **consts, **compile_opts)
     n_m = triton.cdiv(Nq, consts["BLOCK_M"])
     # with TMA K and V go in as descriptors (the kernels read the pointers otherwise)
-    describe = _descriptor if packed is None else _packed_descriptor
+    describe = launch.descriptor if packed is None else launch.packed_descriptor
     k_in, v_in = (describe(k, tile_n, block_d), describe(v, block_n, block_d)) if consts["TMA"] else (k, v)
     if packed is None:
         kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
         kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
-        for b_first, nb in _batches(B):
-            attn_fwd_kernel[(n_m, Hq, nb)](
-                q, k_in, v_in, kpm, out, lse2, sat, fixed, max_logit, sink, entropy,
-                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), kpm_stride,
-                Hq, Hq // Hkv, Nq, Nk, sc["window"], b_first, *scalars, **consts, **compile_opts,
-            )
+        for b_first, nb in launch.batches(B):
+            attn_fwd_kernel[(n_m, Hq, nb)](Q=q, K=k_in, V=v_in, KPM=kpm, stride_kpmb=kpm_stride, Nq=Nq, Nk=Nk,
+                                           b_first=b_first, **args)
     elif min(n_m, Hq, B) > 0:
-        attn_fwd_varlen_kernel[(n_m, Hq, B)](
-            q, k_in, v_in, out, lse2, sat, fixed, max_logit, sink, entropy, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, out),
-            Hq, Hq // Hkv, sc["window"], q.shape[0], *scalars, **consts, **compile_opts,
-        )
+        attn_fwd_varlen_kernel[(n_m, Hq, B)](Q=q, K=k_in, V=v_in, CuQ=packed.cu_q, CuK=packed.cu_k,
+                                             total_q=q.shape[0], **args)
         rows = (1, *rows)  # the statistics as one batch element: what AttentionStats.update reads
     row_stats = st.view(rows) if with_stats else None
     return out, lse2, row_stats
@@ -507,7 +158,7 @@ def backward_varlen(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     the dK/dV kernel the query rows add exact zeros for finite inputs (an inf or NaN in the next
     sequence's q or dO would reach this sequence's dK/dV, as it reaches the loss anyway).
     """
-    packed = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    packed = launch.packed_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mode = backward_mode()  # STABLE_ATTN_BACKWARD, as in backward()
     if mode != "two-kernel":
         return backward_fused(do, q, k, v, out, lse2, None, opts, atomic=mode == "fused-atomic", config=config,
@@ -515,9 +166,9 @@ def backward_varlen(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return _backward(do, q, k, v, out, lse2, None, opts, config, packed)
 
 
-def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: _Packed | None):
-    _check_device(q)
-    q, k, v, out, do = (_dense_last(x) for x in (q, k, v, out, do))
+def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: Packed | None):
+    launch.check_device(q)
+    q, k, v, out, do = (launch.dense_last(x) for x in (q, k, v, out, do))
     lse2 = lse2.contiguous()
     if packed is None:
         B, Hq, Nq, D = q.shape
@@ -526,76 +177,56 @@ def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: _P
         _, Hq, D = q.shape
         Hkv = k.shape[1]
         B, Nq, Nk = packed.batch, packed.max_q, packed.max_k
-    _check_heads(Hq)
-    G = Hq // Hkv
+    launch.check_heads(Hq)
     dtype = q.dtype
-    upcast = interpreting()
-    block_d = head_block(D)
-    kernel = dict(head_dim=D, dtype=dtype, cc=_capability(q.device), **_features(opts),
-                  kpm=(key_padding_mask is not None) if packed is None else None, tma=tma_compatible(q, k, v, do),
-                  upcast=upcast, config=config)
+    block_d = launch.head_block(D)
+    kernel = dict(head_dim=D, dtype=dtype, cc=launch.capability(q.device), **launch.feature_flags(opts),
+                  kpm=(key_padding_mask is not None) if packed is None else None,
+                  tma=launch.tma_compatible(q, k, v, do), upcast=interpreting(), config=config)
     # each gradient kernel's constexprs and compile options, in one dict (one BwdConfig for both)
-    dkdv_args, dq_args = ({**c, **o} for c, o in (launch_constants(kind, **kernel) for kind in ("bwd_dkdv", "bwd_dq")))
+    dkdv_consts, dq_consts = ({**c, **o} for c, o in (launch.launch_constants(kind, **kernel)
+                                                      for kind in ("bwd_dkdv", "bwd_dq")))
 
-    delta = _empty(lse2.shape, torch.float32, q.device)
-    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
-    sc = _scalars(opts, dtype)
-    scalars = (sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], opts.scale, sc["seed"], sc["drop_p"],
-               sc["keep_scale"])
+    delta = launch.empty(lse2.shape, torch.float32, q.device)
+    dq, dk, dv = launch.empty_like(q), launch.empty_like(k), launch.empty_like(v)
+    sc = launch.kernel_scalars(opts, dtype)
+    # what the dK/dV and dQ kernels share: the tensors read, their strides, the scalars
+    shared = dict(K=k, V=v, Q=q, DO=do, Lse=lse2, Delta=delta, **launch.strides("q", q), **launch.strides("k", k),
+                  **launch.strides("v", v), **launch.strides("do", do), Hq=Hq, G=Hq // Hkv, window=sc["window"],
+                  qk_scale2=sc["qk_scale2"], cap_scale=sc["cap_scale"], cap_log2e=sc["cap_log2e"], scale=opts.scale,
+                  seed=sc["seed"], drop_p=sc["drop_p"], keep_scale=sc["keep_scale"])
+    dkdv = dict(shared, DK=dk, DV=dv, **launch.strides("dk", dk), **launch.strides("dv", dv), **dkdv_consts)
+    dqk = dict(shared, DQ=dq, **launch.strides("dq", dq), **dq_consts)
+    # with TMA the streamed operands go in as descriptors (the kernels read the pointers otherwise): Q and dO
+    # of the dK/dV kernel, K and V of the dQ kernel
+    describe = launch.descriptor if packed is None else launch.packed_descriptor
+    m1, n2 = dkdv_consts["BLOCK_M"], dq_consts["BLOCK_N"]
+    if dkdv_consts["TMA"]:
+        dkdv.update(Q=describe(q, m1, block_d), DO=describe(do, m1, block_d))
+    if dq_consts["TMA"]:
+        dqk.update(K=describe(k, n2, block_d), V=describe(v, n2, block_d))
+    pre = dict(Out=out, DO=do, Delta=delta, **launch.strides("o", out), **launch.strides("do", do), Hq=Hq, HEAD_D=D,
+               BLOCK_D=block_d, BLOCK_M=64)
     if packed is not None:
-        return _backward_varlen(do, q, k, v, out, lse2, delta, dq, dk, dv, packed, Hq, G, sc["window"], scalars,
-                                block_d, dkdv_args, dq_args)
+        _backward_varlen(packed, Hq, Hkv, q.shape[0], pre, dkdv, dqk)
+        return dq, dk, dv
 
-    for b_first, nb in _batches(B):
-        attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, nb)](
-            out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            Hq, Nq, b_first, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=64,
-        )
     kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
-    kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
-    lengths = (kpm_stride, Hq, G, Nq, Nk, sc["window"])  # then b_first
-    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-    # with TMA the streamed operands go in as descriptors (the kernels read the pointers otherwise)
-    m1, n2 = dkdv_args["BLOCK_M"], dq_args["BLOCK_N"]
-    q_in, do_in = (_descriptor(q, m1, block_d), _descriptor(do, m1, block_d)) if dkdv_args["TMA"] else (q, do)
-    k_in, v_in = (_descriptor(k, n2, block_d), _descriptor(v, n2, block_d)) if dq_args["TMA"] else (k, v)
-    for b_first, nb in _batches(B):
-        attn_bwd_dkdv_kernel[(triton.cdiv(Nk, dkdv_args["BLOCK_N"]), Hkv, nb)](
-            q_in, k, v, kpm, do_in, lse2, delta, dk, dv, *qkv_strides,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *lengths, b_first,
-            *scalars, **dkdv_args,
-        )
-        attn_bwd_dq_kernel[(triton.cdiv(Nq, dq_args["BLOCK_M"]), Hq, nb)](
-            q, k_in, v_in, kpm, do, lse2, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2),
-            *lengths, b_first, *scalars, **dq_args,
-        )
+    lengths = dict(KPM=kpm, stride_kpmb=kpm.stride(0) if key_padding_mask is not None else 0, Nq=Nq, Nk=Nk)
+    for b_first, nb in launch.batches(B):
+        attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, nb)](Nq=Nq, b_first=b_first, **pre)
+        attn_bwd_dkdv_kernel[(triton.cdiv(Nk, dkdv_consts["BLOCK_N"]), Hkv, nb)](b_first=b_first, **lengths, **dkdv)
+        attn_bwd_dq_kernel[(triton.cdiv(Nq, dq_consts["BLOCK_M"]), Hq, nb)](b_first=b_first, **lengths, **dqk)
     return dq, dk, dv
 
-
-def _backward_varlen(do, q, k, v, out, lse2, delta, dq, dk, dv, packed: _Packed, Hq, G, window, scalars, block_d,
-                     dkdv_args, dq_args):
-    """The three varlen launches, each over (block of the longest sequence, head, sequence); ``dkdv_args`` and
-    ``dq_args``: the gradient kernels' :func:`launch_constants`, constexprs and compile options in one dict."""
-    B, total_q = packed.batch, q.shape[0]
+def _backward_varlen(packed: Packed, Hq: int, Hkv: int, total_q: int, pre: dict, dkdv: dict, dq: dict) -> None:
+    """The three varlen launches, each over (block of the longest sequence, head, sequence); ``pre``, ``dkdv``
+    and ``dq``: the preprocess', the dK/dV and the dQ kernel's named arguments but the sequences' bounds."""
+    B = packed.batch
     if min(B, Hq, packed.max_q) > 0:
-        attn_bwd_preprocess_varlen[(triton.cdiv(packed.max_q, 64), Hq, B)](
-            out, do, delta, packed.cu_q, *_hn_strides(out, do), Hq, total_q, HEAD_D=dkdv_args["HEAD_D"],
-            BLOCK_D=block_d, BLOCK_M=64,
-        )
-    rest = (Hq, G, window, total_q, *scalars)
-    m1, n2 = dkdv_args["BLOCK_M"], dq_args["BLOCK_N"]
-    # with TMA the streamed operands go in as descriptors over the packed tensors
-    q_in, do_in = (_packed_descriptor(q, m1, block_d), _packed_descriptor(do, m1, block_d)) if dkdv_args["TMA"] else (q, do)
-    k_in, v_in = (_packed_descriptor(k, n2, block_d), _packed_descriptor(v, n2, block_d)) if dq_args["TMA"] else (k, v)
+        attn_bwd_preprocess_varlen[(triton.cdiv(packed.max_q, 64), Hq, B)](CuQ=packed.cu_q, total_q=total_q, **pre)
+    bounds = dict(CuQ=packed.cu_q, CuK=packed.cu_k, total_q=total_q)
     if min(B, packed.max_k) > 0:  # keys no query sees get zeros here
-        attn_bwd_dkdv_varlen_kernel[(triton.cdiv(packed.max_k, dkdv_args["BLOCK_N"]), k.shape[1], B)](
-            q_in, k, v, do_in, lse2, delta, dk, dv, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, do, dk, dv),
-            *rest, **dkdv_args,
-        )
+        attn_bwd_dkdv_varlen_kernel[(triton.cdiv(packed.max_k, dkdv["BLOCK_N"]), Hkv, B)](**bounds, **dkdv)
     if min(B, Hq, packed.max_q) > 0:
-        attn_bwd_dq_varlen_kernel[(triton.cdiv(packed.max_q, dq_args["BLOCK_M"]), Hq, B)](
-            q, k_in, v_in, do, lse2, delta, dq, packed.cu_q, packed.cu_k, *_hn_strides(q, k, v, do, dq), *rest,
-            **dq_args,
-        )
-    return dq, dk, dv
+        attn_bwd_dq_varlen_kernel[(triton.cdiv(packed.max_q, dq["BLOCK_M"]), Hq, B)](**bounds, **dq)

@@ -36,7 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_backward import attn_bwd_preprocess, dkdv_step, query_range
+from .._checks import interpreting
+from . import triton_launch as launch
+from .triton_backward import attn_bwd_preprocess, attn_bwd_preprocess_varlen, dkdv_step, query_range
+from .triton_launch import Packed
 from .triton_tiles import TMA_PACKED, round_to, varlen_bounds
 
 BACKWARD_ENV = "STABLE_ATTN_BACKWARD"  # which backward the Triton launcher runs (see backward_mode)
@@ -264,27 +267,23 @@ def attn_bwd_dq_sum_varlen_kernel(DQP, DQ, CuQ, CuK, stride_dqh, stride_dqn, Hq,
 def fused_constants(head_dim: int, dtype: torch.dtype, cc: int, *, atomic: bool = False,
                     **features) -> tuple[dict, dict]:
     """``(constexprs, compile options)`` of the fused kernel: the dK/dV kernel's tiling and constants
-    (``triton_attention.launch_constants("bwd_dkdv", ...)``, the one place they are chosen) plus ``ATOMIC``.
+    (``triton_launch.launch_constants("bwd_dkdv", ...)``, the one place they are chosen) plus ``ATOMIC``.
     ``features``: the other keyword arguments of ``launch_constants`` (causal, window, ...)."""
-    from .triton_attention import launch_constants
-
-    consts, opts = launch_constants("bwd_dkdv", head_dim, dtype, cc, **features)
+    consts, opts = launch.launch_constants("bwd_dkdv", head_dim, dtype, cc, **features)
     return dict(consts, ATOMIC=atomic), opts
 
 
 def backward_fused(do, q, k, v, out, lse2, key_padding_mask, opts, *, atomic: bool = False, config=None,
-                   packed=None):
+                   packed: Packed | None = None):
     """The fused backward: ``(dq, dk, dv)`` like ``triton_attention.backward`` (dense ``[B, H, N, D]``), or
-    with ``packed`` (``triton_attention._Packed``) like ``backward_varlen`` (``[total, H, D]``, ``lse2``
+    with ``packed`` (``triton_launch.Packed``) like ``backward_varlen`` (``[total, H, D]``, ``lse2``
     ``[Hq, total_q]``).
 
     ``atomic``: dQ through ``tl.atomic_add`` (not deterministic, see the module docstring); default the
     ordered scratch-buffer sum. ``config``: a ``BwdConfig`` whose dK/dV fields tile the fused kernel.
     """
-    from . import triton_attention as ta
-
-    ta._check_device(q)
-    q, k, v, out, do = (ta._dense_last(x) for x in (q, k, v, out, do))
+    launch.check_device(q)
+    q, k, v, out, do = (launch.dense_last(x) for x in (q, k, v, out, do))
     lse2 = lse2.contiguous()
     if packed is None:
         B, Hq, Nq, D = q.shape
@@ -295,73 +294,57 @@ def backward_fused(do, q, k, v, out, lse2, key_padding_mask, opts, *, atomic: bo
         Hkv = k.shape[1]
         B, Nq, Nk = packed.batch, packed.max_q, packed.max_k
         n_rows = Hq * q.shape[0]
-    ta._check_heads(Hq)
-    G = Hq // Hkv
+    launch.check_heads(Hq)
     dtype = q.dtype
-    block_d = ta.head_block(D)
+    block_d = launch.head_block(D)
     consts, compile_opts = fused_constants(
-        D, dtype, ta._capability(q.device), atomic=atomic, **ta._features(opts),
-        kpm=(key_padding_mask is not None) if packed is None else None, tma=ta.tma_compatible(q, k, v, do),
-        upcast=ta.interpreting(), config=config)
+        D, dtype, launch.capability(q.device), atomic=atomic, **launch.feature_flags(opts),
+        kpm=(key_padding_mask is not None) if packed is None else None, tma=launch.tma_compatible(q, k, v, do),
+        upcast=interpreting(), config=config)
     m, n = consts["BLOCK_M"], consts["BLOCK_N"]
     n_kt = triton.cdiv(Nk, n)
 
-    delta = ta._empty(lse2.shape, torch.float32, q.device)
-    dk, dv = ta._empty_like(k), ta._empty_like(v)
+    delta = launch.empty(lse2.shape, torch.float32, q.device)
+    dk, dv = launch.empty_like(k), launch.empty_like(v)
     # the partials, rows indexed like lse2; ordered: only the (key block, query block) pairs query_range
     # names are written, and only those read
     dqp = (torch.zeros((n_rows, D), dtype=torch.float32, device=q.device) if atomic
-           else ta._empty((n_kt, n_rows, D), torch.float32, q.device))
-    sc = ta._scalars(opts, dtype)
-    scalars = (sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], opts.scale, sc["seed"], sc["drop_p"],
-               sc["keep_scale"])
-    sum_consts = dict(CAUSAL=consts["CAUSAL"], WINDOW=consts["WINDOW"], HEAD_D=D, BLOCK_D=block_d, BLOCK_M=m,
-                      BLOCK_N=n, DTYPE=consts["DTYPE"], UPCAST=consts["UPCAST"], num_warps=4)
+           else launch.empty((n_kt, n_rows, D), torch.float32, q.device))
+    sc = launch.kernel_scalars(opts, dtype)
+    describe = launch.descriptor if packed is None else launch.packed_descriptor
+    q_in, do_in = (describe(q, m, block_d), describe(do, m, block_d)) if consts["TMA"] else (q, do)
+    pre = dict(Out=out, DO=do, Delta=delta, **launch.strides("o", out), **launch.strides("do", do), Hq=Hq, HEAD_D=D,
+               BLOCK_D=block_d, BLOCK_M=64)
+    fused = dict(Q=q_in, K=k, V=v, DO=do_in, Lse=lse2, Delta=delta, DK=dk, DV=dv, DQP=dqp, **launch.strides("q", q),
+                 **launch.strides("k", k), **launch.strides("v", v), **launch.strides("do", do),
+                 **launch.strides("dk", dk), **launch.strides("dv", dv), Hq=Hq, G=Hq // Hkv, window=sc["window"],
+                 n_rows=n_rows, qk_scale2=sc["qk_scale2"], cap_scale=sc["cap_scale"], cap_log2e=sc["cap_log2e"],
+                 scale=opts.scale, seed=sc["seed"], drop_p=sc["drop_p"], keep_scale=sc["keep_scale"], **consts,
+                 **compile_opts)
+    dq = None if atomic else launch.empty_like(q)
+    dq_sum = None if atomic else dict(
+        DQP=dqp, DQ=dq, **launch.strides("dq", dq), Hq=Hq, window=sc["window"], n_rows=n_rows, CAUSAL=consts["CAUSAL"],
+        WINDOW=consts["WINDOW"], HEAD_D=D, BLOCK_D=block_d, BLOCK_M=m, BLOCK_N=n, DTYPE=consts["DTYPE"],
+        UPCAST=consts["UPCAST"], num_warps=4)
     if packed is not None:
         total_q = q.shape[0]
-        describe = ta._packed_descriptor
-        q_in, do_in = (describe(q, m, block_d), describe(do, m, block_d)) if consts["TMA"] else (q, do)
+        bounds = dict(CuQ=packed.cu_q, CuK=packed.cu_k, total_q=total_q)
         if min(B, Hq, Nq) > 0:
-            ta.attn_bwd_preprocess_varlen[(triton.cdiv(Nq, 64), Hq, B)](
-                out, do, delta, packed.cu_q, *ta._hn_strides(out, do), Hq, total_q, HEAD_D=D, BLOCK_D=block_d,
-                BLOCK_M=64,
-            )
+            attn_bwd_preprocess_varlen[(triton.cdiv(Nq, 64), Hq, B)](CuQ=packed.cu_q, total_q=total_q, **pre)
         if min(B, Nk) > 0:
-            attn_bwd_fused_varlen_kernel[(n_kt, Hkv, B)](
-                q_in, k, v, do_in, lse2, delta, dk, dv, dqp, packed.cu_q, packed.cu_k,
-                *ta._hn_strides(q, k, v, do, dk, dv), Hq, G, sc["window"], total_q, n_rows, *scalars, **consts,
-                **compile_opts,
-            )
+            attn_bwd_fused_varlen_kernel[(n_kt, Hkv, B)](**bounds, **fused)
         if atomic:
             return dqp.view(Hq, total_q, D).transpose(0, 1).to(dtype).contiguous(), dk, dv
-        dq = ta._empty_like(q)
         if min(B, Hq, Nq) > 0:
-            attn_bwd_dq_sum_varlen_kernel[(triton.cdiv(Nq, m), Hq, B)](
-                dqp, dq, packed.cu_q, packed.cu_k, dq.stride(1), dq.stride(0), Hq, sc["window"], total_q, n_rows,
-                **sum_consts,
-            )
+            attn_bwd_dq_sum_varlen_kernel[(triton.cdiv(Nq, m), Hq, B)](**bounds, **dq_sum)
         return dq, dk, dv
     kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
     kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
-    q_in, do_in = (ta._descriptor(q, m, block_d), ta._descriptor(do, m, block_d)) if consts["TMA"] else (q, do)
-    for b_first, nb in ta._batches(B):
-        attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, nb)](
-            out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            Hq, Nq, b_first, HEAD_D=D, BLOCK_D=block_d, BLOCK_M=64,
-        )
-        attn_bwd_fused_kernel[(n_kt, Hkv, nb)](
-            q_in, k, v, kpm, do_in, lse2, delta, dk, dv, dqp,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            kpm_stride, Hq, G, Nq, Nk, sc["window"], b_first, n_rows, *scalars, **consts, **compile_opts,
-        )
+    for b_first, nb in launch.batches(B):
+        attn_bwd_preprocess[(triton.cdiv(Nq, 64), Hq, nb)](Nq=Nq, b_first=b_first, **pre)
+        attn_bwd_fused_kernel[(n_kt, Hkv, nb)](KPM=kpm, stride_kpmb=kpm_stride, Nq=Nq, Nk=Nk, b_first=b_first, **fused)
     if atomic:
         return dqp.view(B, Hq, Nq, D).to(dtype), dk, dv
-    dq = ta._empty_like(q)
-    for b_first, nb in ta._batches(B):
-        attn_bwd_dq_sum_kernel[(triton.cdiv(Nq, m), Hq, nb)](
-            dqp, dq, dq.stride(0), dq.stride(1), dq.stride(2), Hq, Nq, Nk, sc["window"], b_first, n_rows,
-            **sum_consts,
-        )
+    for b_first, nb in launch.batches(B):
+        attn_bwd_dq_sum_kernel[(triton.cdiv(Nq, m), Hq, nb)](Nq=Nq, Nk=Nk, b_first=b_first, **dq_sum)
     return dq, dk, dv

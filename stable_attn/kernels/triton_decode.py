@@ -31,41 +31,41 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import rules
 from .._checks import interpreting
 from ..options import Options
-from . import decode_plan, rules
-from .triton_attention import (
-    _MAX_GRID_Y,
-    _TL_DTYPE,
-    FWD_COMPILE_OPTIONS,
-    _batches,
-    _capability,
-    _check_device,
-    _dense_last,
-    _empty,
-    _precision,
-    _scalars,
-    head_block,
+from . import decode_plan
+from . import triton_launch as launch
+from .triton_forward import (
+    FP32_MAX,
+    MODE_EXACT,
+    fwd_blocks,
+    sink_start,
+    tc_row_sum_total,
+    tc_row_sum_zeros,
+    tensor_core_row_sum,
 )
-from .triton_forward import FP32_MAX, MODE_EXACT, fwd_blocks, tc_row_sum_total, tc_row_sum_zeros, tensor_core_row_sum
 from .triton_tiles import key_range, round_to
 
 MAX_QUERIES = tl.constexpr(decode_plan.MAX_QUERIES)
+# Shared memory the decode kernel takes beside its pipelined K/V tiles (12 KiB measured at D = 256, sm_90)
+_DECODE_SHARED_EXTRA = 16 * 1024
 MAX_ROWS = 64  # packed rows per program: more (G * Nq > 64) take several row blocks, each reading its split
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "split", "n_splits", "b_first"])
 def attn_decode_kernel(
-    Q, K, V, KPM, Acc, Lsum, Roff, Mmax,
+    Q, K, V, KPM, Acc, Lsum, Roff, Mmax, Sinks,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_kpmb,
     Hq, G, Nq, Nk, window, split, n_splits, b_first,
     qk_scale2, cap_scale, cap_log2e, tie2, min_shift2, max_shift2, beta,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, MODE: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Program ``(split * row blocks + row block, KV head, batch - b_first)``: the partial of one split for
-    ``BLOCK_M`` packed rows (query head ``hkv * G + g``, query ``i``) of ``[B, H, N, D]`` tensors."""
+    ``BLOCK_M`` packed rows (query head ``hkv * G + g``, query ``i``) of ``[B, H, N, D]`` tensors. ``HAS_SINKS``:
+    the first split starts from the learned sink's state (``reference_decode.partials``), the others do not."""
     n_rb = tl.cdiv(G * Nq, BLOCK_M)
     split_id = tl.program_id(0) // n_rb
     rb = tl.program_id(0) % n_rb
@@ -96,7 +96,7 @@ def attn_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     r_i = tl.full([BLOCK_M], -FP32_MAX, tl.float32)  # the initial offset: every split starts here
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, False):
-        # one accumulator (triton_attention.row_sum_parts: measured on the training forward's tiles only)
+        # one accumulator (triton_launch.row_sum_parts: measured on the training forward's tiles only)
         l_i = tc_row_sum_zeros(BLOCK_M, 1)
     else:
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -105,6 +105,10 @@ def attn_decode_kernel(
     fixed = tl.zeros([BLOCK_M], tl.int32)
     ent_i = tl.zeros([BLOCK_M], tl.float32)
     ent_l = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        first = (split_id + tl.zeros([BLOCK_M], tl.int32)) == 0  # only the first split counts the sink
+        _, r_i, l_i, ent_l = sink_start(Sinks, h, row_ok & first, r_i, l_i, ent_l, 1,
+                                        (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, False))
 
     # the visible blocks of all Nq queries (MAX_QUERIES rows: at worst one more block in the masked
     # stretches, the same bits), cut to this split's keys [s0, s1)
@@ -160,7 +164,9 @@ def attn_decode_combine_kernel(
     w = tl.exp2(r - r_max)
     l_sum = tl.sum(w * l_s, 0)
     o = tl.sum(w[:, None] * acc, 0) / l_sum
-    seen = tl.max(m, 0) != float("-inf")  # a row that sees no key outputs zeros and lse +inf
+    # a row that sees no key outputs zeros and lse +inf; a NaN query (NaN scores, which the max passes over)
+    # has l NaN: NaN out, as SDPA
+    seen = (tl.max(m, 0) != float("-inf")) | (l_sum != l_sum)
     o = tl.where(seen, o, 0.0)
     tl.store(Out + b * stride_ob + h * stride_oh + i * stride_on + offs_d, round_to(o, DTYPE, UPCAST).to(DTYPE),
              mask=offs_d < HEAD_D)
@@ -173,33 +179,40 @@ def block_rows(groups: int, nq: int) -> int:
 
 
 def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int, nq: int, causal: bool,
-                     window: bool, softcap: bool, kpm: bool, mode: int, block_n: int, upcast: bool = False
-                     ) -> tuple[dict, dict]:
+                     window: bool, softcap: bool, kpm: bool, mode: int, block_n: int, upcast: bool = False,
+                     sinks: bool = False) -> tuple[dict, dict]:
     """``(constexprs, compile options)`` of :func:`attn_decode_kernel`: what :func:`forward` launches and what
     ``triton_aot`` compiles (benchmarks/kernel_resources.py ``--kernels decode``). ``block_n``: the rule's key
     block (``Options.key_block``), never retiled here: the decode kernel walks the partition block by block."""
     consts = dict(CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, HAS_KPM=kpm, MODE=mode, HEAD_D=head_dim,
-                  BLOCK_D=head_block(head_dim), BLOCK_M=block_rows(groups, nq), BLOCK_N=block_n,
-                  DTYPE=_TL_DTYPE[dtype], UPCAST=upcast, PREC=_precision(dtype, upcast))
+                  BLOCK_D=launch.head_block(head_dim), BLOCK_M=block_rows(groups, nq), BLOCK_N=block_n,
+                  DTYPE=launch.TL_DTYPE[dtype], UPCAST=upcast, PREC=launch.precision(dtype, upcast), HAS_SINKS=sinks)
     # 8 warps where a K tile is 128 x 128 or more: with 4, the 128-key blocks at D = 128 took 255 registers and
     # spilled (stabilize off, sm_90: benchmarks/decode_resources.py)
     warps = 8 if block_n * consts["BLOCK_D"] >= 128 * 128 else 4
-    return consts, dict(num_warps=warps, num_stages=3 if cc >= 90 else 2, **FWD_COMPILE_OPTIONS)
+    # the pipeline holds num_stages - 1 K/V tile pairs in shared memory: fewer stages where they would not fit
+    # (D = 256: 3 stages took 268 KiB on sm_90, 2 stages 140 KiB on sm_120; benchmarks/kernel_resources.py)
+    kv_bytes = 2 * block_n * consts["BLOCK_D"] * torch.finfo(dtype).bits // 8
+    limit = launch.SHARED_LIMIT.get(cc, launch.SHARED_LIMIT[120])
+    stages = 3 if launch.tile_generation(cc) == 90 else 2
+    while stages > 1 and (stages - 1) * kv_bytes + _DECODE_SHARED_EXTRA > limit:
+        stages -= 1
+    return consts, dict(num_warps=warps, num_stages=stages, **launch.FWD_COMPILE_OPTIONS)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None, opts: Options,
-            split: int | None = None, return_partials: bool = False):
+            split: int | None = None, return_partials: bool = False, sinks: torch.Tensor | None = None):
     """The decode forward on the GPU (or the interpreter): ``(out, lse2, None)`` as
     ``triton_attention.forward`` returns them; ``return_partials``: also the splits' ``(acc, l, r, m)``, shaped
     as ``reference_decode.partials`` returns them. ``split`` defaults to ``decode_plan.split_keys``."""
-    _check_device(q)
-    q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
+    launch.check_device(q)
+    q, k, v = launch.dense_last(q), launch.dense_last(k), launch.dense_last(v)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    if Hkv > _MAX_GRID_Y:
+    if Hkv > launch.MAX_GRID_Y:
         raise ValueError(f"Hkv={Hkv} KV heads: the decode kernel launches one grid row per KV head and CUDA allows "
-                         f"at most {_MAX_GRID_Y}")
+                         f"at most {launch.MAX_GRID_Y}")
     block_n = opts.key_block
     if split is None:
         split = decode_plan.split_keys(B, Hkv, Nk, block_n)
@@ -207,32 +220,32 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     S = decode_plan.num_splits(Nk, split)
     upcast = interpreting()
     consts, compile_opts = decode_constants(
-        D, q.dtype, _capability(q.device), groups=G, nq=Nq, causal=opts.causal, window=opts.window is not None,
+        D, q.dtype, launch.capability(q.device), groups=G, nq=Nq, causal=opts.causal, window=opts.window is not None,
         softcap=opts.softcap is not None, kpm=key_padding_mask is not None, mode=opts.mode, block_n=block_n,
-        upcast=upcast)
-    acc = _empty((B, Hq, Nq, S, D), torch.float32, q.device)
-    l_s, r_s, m_s = (_empty((B, Hq, Nq, S), torch.float32, q.device) for _ in range(3))
-    out = _empty((B, Hq, Nq, D), q.dtype, q.device)
-    lse2 = _empty((B, Hq, Nq), torch.float32, q.device)
+        upcast=upcast, sinks=sinks is not None)
+    acc = launch.empty((B, Hq, Nq, S, D), torch.float32, q.device)
+    l_s, r_s, m_s = (launch.empty((B, Hq, Nq, S), torch.float32, q.device) for _ in range(3))
+    out = launch.empty((B, Hq, Nq, D), q.dtype, q.device)
+    lse2 = launch.empty((B, Hq, Nq), torch.float32, q.device)
     tie2, min_shift2, max_shift2 = rules.rule_constants(q.dtype, opts.mode)
-    sc = _scalars(opts, q.dtype)
+    sc = launch.kernel_scalars(opts, q.dtype)
     kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
     kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
     n_rb = triton.cdiv(G * Nq, consts["BLOCK_M"])
-    for b_first, nb in _batches(B):
+    for b_first, nb in launch.batches(B):
         attn_decode_kernel[(S * n_rb, Hkv, nb)](
-            q, k, v, kpm, acc, l_s, r_s, m_s,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), kpm_stride,
-            Hq, G, Nq, Nk, sc["window"], split, S, b_first,
-            sc["qk_scale2"], sc["cap_scale"], sc["cap_log2e"], tie2, min_shift2, max_shift2, opts.beta,
-            **consts, **compile_opts,
+            Q=q, K=k, V=v, KPM=kpm, Acc=acc, Lsum=l_s, Roff=r_s, Mmax=m_s,
+            Sinks=lse2 if sinks is None else sinks.to(torch.float32).contiguous(), **launch.strides("q", q),
+            **launch.strides("k", k), **launch.strides("v", v), stride_kpmb=kpm_stride, Hq=Hq, G=G, Nq=Nq, Nk=Nk,
+            window=sc["window"], split=split, n_splits=S, b_first=b_first, qk_scale2=sc["qk_scale2"],
+            cap_scale=sc["cap_scale"], cap_log2e=sc["cap_log2e"], tie2=tie2, min_shift2=min_shift2,
+            max_shift2=max_shift2, beta=opts.beta, **consts, **compile_opts,
         )
     if B * Hq * Nq > 0:
         attn_decode_combine_kernel[(B * Hq * Nq,)](
-            acc, l_s, r_s, m_s, out, lse2, out.stride(0), out.stride(1), out.stride(2), Hq, Nq, S,
-            HEAD_D=D, BLOCK_D=consts["BLOCK_D"], BLOCK_S=triton.next_power_of_2(S), DTYPE=consts["DTYPE"],
-            UPCAST=upcast, num_warps=4, **FWD_COMPILE_OPTIONS,  # no contraction: the mirror rounds each step
+            Acc=acc, Lsum=l_s, Roff=r_s, Mmax=m_s, Out=out, Lse=lse2, **launch.strides("o", out), Hq=Hq, Nq=Nq,
+            n_splits=S, HEAD_D=D, BLOCK_D=consts["BLOCK_D"], BLOCK_S=triton.next_power_of_2(S), DTYPE=consts["DTYPE"],
+            UPCAST=upcast, num_warps=4, **launch.FWD_COMPILE_OPTIONS,  # no contraction: the mirror rounds each step
         )
     if return_partials:
         return out, lse2, None, (acc, l_s, r_s, m_s)

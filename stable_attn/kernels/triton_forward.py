@@ -7,14 +7,14 @@ offset ``r`` subtracted before ``exp2``) is the reference's, line for line. The 
 stretches: blocks cut by the sliding window's left edge (masked), blocks every row sees in full
 (no structural mask), blocks cut by the causal diagonal or the end of the keys (masked). They are
 visited in increasing key order, so the running state sees the same sequence as the reference.
-With ``TILE_N = 2 * BLOCK_N`` (``triton_attention.fwd_config``: the rule's modes on sm_90 at D = 128) one K tile
+With ``TILE_N = 2 * BLOCK_N`` (``triton_launch.fwd_config``: the rule's modes on sm_90 at D = 128) one K tile
 holds two blocks: one score product for both, then the rule, ``P-bar`` and ``P-bar V`` block by block
 (``fwd_tile``), the same operations on the same values as one block per tile.
 
 Compile-time flags select every variant (mode, causal, window, softcap, dropout, padding mask,
 statistics), so a variant pays only for what it uses. ``TMA``: K and V arrive through tensor
 descriptors (``triton_tiles.load_tile``, shared with the backward); the launcher takes them for the 128-key tile
-of stabilize off on sm_90, where no rule sees the partition (``triton_attention.fwd_config``).
+of stabilize off on sm_90, where no rule sees the partition (``triton_launch.fwd_config``).
 ``UPCAST`` is set only under ``TRITON_INTERPRET=1``: the interpreter cannot do bf16 arithmetic or
 bf16 ``tl.dot``, so operands are widened to fp32 right after loading, and every rounding point stays
 an explicit cast to ``DTYPE`` (bf16 x bf16 products are exact in fp32, so CPU and GPU round ``P-bar``
@@ -39,8 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import rules
 from .. import stats as _stats
-from . import rules
 from .triton_tiles import TMA_PACKED, key_range, load_tile, round_to, scores_tile, varlen_bounds
 
 # A jit function reads only globals that are tl.constexpr instances.
@@ -511,8 +511,27 @@ def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k
 
 
 @triton.jit
+def sink_start(Sinks, h, row_ok, r_i, l_i, ent_l, ROW_SUM_PARTS: tl.constexpr, TC_ROW_SUM: tl.constexpr):
+    """The row state after the learned sink's own one-entry block (``reference.sink_state``): the offset ``r``
+    from the sink's logit ``sink2 = fl(sink * log2(e))`` (a ``-inf`` sink leaves ``-FP32_MAX``), its weight
+    ``exp2(sink2 - r)`` (1, or 0) in the row sum and in the entropy's ``ent_l``; the keys' max ``m`` stays
+    ``-inf``. ``h``: each row's query head. Returns ``(sink2, r_i, l_i, ent_l)``."""
+    sink2 = tl.load(Sinks + h, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
+    r_i = tl.maximum(r_i, sink2)
+    l0 = tl.exp2(sink2 - r_i)
+    if TC_ROW_SUM:  # every column of the (first) accumulator holds the row sum
+        if ROW_SUM_PARTS == 2:
+            l_i = (l_i[0] + l0[:, None], l_i[1])
+        else:
+            l_i = (l_i[0] + l0[:, None],)
+    else:
+        l_i = l_i + l0
+    return sink2, r_i, l_i, ent_l + l0
+
+
+@triton.jit
 def fwd_program(
-    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink, StEnt,
+    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink, StEnt, Sinks,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
     Hq, G, Nq, Nk, window, q_start, k_start, total_q, b_first,
@@ -522,9 +541,10 @@ def fwd_program(
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-    ROW_SUM_PARTS: tl.constexpr,
+    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """The program of both forward kernels: ``BLOCK_M`` query rows of one (batch or sequence, head).
+    ``HAS_SINKS``: ``Sinks`` holds one fp32 learned-sink logit per query head (:func:`sink_start`).
 
     Dense: batch ``b`` of ``[B, H, N, D]`` tensors, rows ``(b, h, i)`` of ``[B, Hq, Nq]``. ``VARLEN``:
     sequence ``b`` of packed ``[total, H, D]`` tensors, its rows from ``q_start`` and keys from
@@ -578,6 +598,11 @@ def fwd_program(
     fixed = tl.zeros([BLOCK_M], tl.int32)
     ent_i = tl.zeros([BLOCK_M], tl.float32)  # the entropy's running sums (statistics, fwd_weights)
     ent_l = tl.zeros([BLOCK_M], tl.float32)
+    sink2 = m_i  # placeholder, only read when HAS_SINKS
+    if HAS_SINKS:
+        sink2, r_i, l_i, ent_l = sink_start(Sinks, h + tl.zeros([BLOCK_M], tl.int32), row_ok, r_i, l_i, ent_l,
+                                            ROW_SUM_PARTS,
+                                            (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT))
 
     lo, mid_lo, mid_hi, hi_al = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     if TILE_N > BLOCK_N:  # two blocks of the partition per key tile: K and the padding mask span the tile
@@ -626,20 +651,24 @@ def fwd_program(
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         l_i = tc_row_sum_total(l_i)
     seen = m_i > float("-inf")
-    # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor)
+    # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor). A NaN query
+    # makes every visible score NaN, which the row max passes over: l is NaN then, and out and lse stay NaN.
+    written = seen | (l_i != l_i)
     if DROPOUT:
         o = acc / (l_i * keep_frac)[:, None]
     else:
         o = acc / l_i[:, None]
-    o = tl.where(seen[:, None], o, 0.0)
+    o = tl.where(written[:, None], o, 0.0)
     o_ptrs = (Out + (q_start * stride_on if VARLEN else b64 * stride_ob) + h * stride_oh
               + offs_m[:, None] * stride_on + offs_d[None, :])
     tl.store(o_ptrs, round_to(o, DTYPE, UPCAST).to(DTYPE), mask=q_mask)
-    lse = tl.where(seen, r_i + tl.log2(l_i), float("inf"))
+    lse = tl.where(written, r_i + tl.log2(l_i), float("inf"))
     row_ptr = (h.to(tl.int64) * total_q + q_start + offs_m) if VARLEN else (b64 * Hq + h) * Nq + offs_m
     tl.store(Lse + row_ptr, lse, mask=row_ok)
     if STATS:
-        tl.store(StSat + row_ptr, ((m2_i >= m_i - sat2) & seen).to(tl.int8), mask=row_ok)
+        # saturation against the row max with the sink (two keys within sat2 of a sink above them stay < 1.0)
+        top = tl.maximum(m_i, sink2) if HAS_SINKS else m_i
+        tl.store(StSat + row_ptr, ((m2_i >= top - sat2) & seen).to(tl.int8), mask=row_ok)
         tl.store(StFixed + row_ptr, fixed, mask=row_ok)
         tl.store(StMax + row_ptr, m_i / LOG2E, mask=row_ok)
         # H = ln 2 * (log2 L - ent / L) nats with L = ent_l; 0 where no key is seen, and where every P-bar
@@ -675,7 +704,7 @@ def fwd_program(
 
 @triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "b_first", "seed"])
 def attn_fwd_kernel(
-    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink, StEnt,
+    Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink, StEnt, Sinks,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_kpmb,
     Hq, G, Nq, Nk, window, b_first,
@@ -685,21 +714,21 @@ def attn_fwd_kernel(
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-    ROW_SUM_PARTS: tl.constexpr,
+    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V``
     are descriptors (blocks ``[1, 1, TILE_N, BLOCK_D]`` and ``[1, 1, BLOCK_N, BLOCK_D]``)."""
-    fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink, StEnt,
+    fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink, StEnt, Sinks,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
                 CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
-                TILE_N, DTYPE, UPCAST, PREC, TMA, ROW_SUM_PARTS)
+                TILE_N, DTYPE, UPCAST, PREC, TMA, ROW_SUM_PARTS, HAS_SINKS)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
 def attn_fwd_varlen_kernel(
-    Q, K, V, Out, Lse, StSat, StFixed, StMax, StSink, StEnt, CuQ, CuK,
+    Q, K, V, Out, Lse, StSat, StFixed, StMax, StSink, StEnt, Sinks, CuQ, CuK,
     stride_qh, stride_qn, stride_kh, stride_kn, stride_vh, stride_vn, stride_oh, stride_on,
     Hq, G, window, total_q,
     qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta,
@@ -708,7 +737,7 @@ def attn_fwd_varlen_kernel(
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-    ROW_SUM_PARTS: tl.constexpr,
+    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Program ``(query block, head, sequence)`` of packed ``[total, H, D]`` tensors (FlashAttention's
     varlen layout); the grid covers the longest sequence and the other programs end here at once.
@@ -721,9 +750,9 @@ def attn_fwd_varlen_kernel(
     q_start, k_start, Nq, Nk = varlen_bounds(CuQ, CuK, b)
     if tl.program_id(0) * BLOCK_M >= Nq:
         return
-    fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StSink, StEnt,
+    fwd_program(Q, K, V, Q, Out, Lse, StSat, StFixed, StMax, StSink, StEnt, Sinks,
                 0, stride_qh, stride_qn, 0, stride_kh, stride_kn, 0, stride_vh, stride_vn,
                 0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q, 0,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,
                 keep_frac, CAUSAL, WINDOW, SOFTCAP, False, MODE, STATS, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M,
-                BLOCK_N, TILE_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False, ROW_SUM_PARTS)
+                BLOCK_N, TILE_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False, ROW_SUM_PARTS, HAS_SINKS)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import rules
+from .. import rules
 
 # A jit function reads only globals that are tl.constexpr instances.
 TWO_LOG2E = tl.constexpr(2.0 * rules.LOG2E)

@@ -9,9 +9,13 @@
 Pure Python (no torch): they work in any training loop. :class:`stable_attn.monitor.engine.MonitorEngine`
 (torch; imported on its own, not from here) builds on them for any training loop, and the Lightning and
 transformers.Trainer callbacks (:mod:`stable_attn.callbacks`) are thin adapters over it.
+
+The folders: ``detectors/`` (these detectors), ``alerts/`` (alerts, their schema, evidence and delivery) and
+``actions/`` (what a spike does, each action with its state; torch). Code inside this package imports from the
+defining modules, not from here.
 """
 
-from .alerts import (
+from .alerts.alert import (
     ALERT_KINDS,
     DELIVERY_COUNTS,
     Alert,
@@ -21,11 +25,11 @@ from .alerts import (
     JsonlChannel,
     LoggingChannel,
 )
-from .collapse import EntropyCollapseDetector
-from .events import SpikeEvent
-from .spikes import SpikeDetector
-from .surge import SurgeDetector
-from .webhook import WebhookChannel
+from .alerts.webhook import WebhookChannel
+from .detectors.collapse import EntropyCollapseDetector
+from .detectors.events import SpikeEvent
+from .detectors.spikes import SpikeDetector
+from .detectors.surge import SurgeDetector
 
 __all__ = [
     "ALERT_KINDS",

@@ -18,13 +18,15 @@ import inspect
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
-from . import alerting, names
-from .alerts import Alert
-from .spikes import SpikeDetector
+from . import names
+from .alerts import channels as alerting
+from .alerts.alert import Alert
+from .detectors.spikes import SpikeDetector
 
-__all__ = ["ACTIONS", "ACTION_WORDS", "CONFIRMED_ACTIONS", "MonitorConfig", "SpikeAction"]
+__all__ = ["ACTIONS", "ACTION_WORDS", "CONFIRMED_ACTIONS", "MonitorConfig", "MonitorOptions", "SpikeAction",
+           "check_coverage"]
 
 SpikeAction = Literal["warn", "skip", "rollback", "stop", "recover"]
 #: What ``on_spike`` accepts, in the order the docs give them.
@@ -110,7 +112,7 @@ class MonitorConfig:
         ``log_every_n_steps=50`` that is 2,500 optimizer steps.""")
     rollback_every: int = _arg(100, """optimizer steps between snapshots for ``on_spike="rollback"``; with
         ``"recover"`` the snapshots are ``min(rollback_every, rollback_steps)`` steps apart.""")
-    # on_spike="recover" (issue 26): monitor/recovery.py, docs/RECOVERY.md
+    # on_spike="recover": monitor/actions/recovery.py, docs/RECOVERY.md
     rollback_steps: int = _arg(100, """with ``on_spike="recover"``: roll back to the newest snapshot taken at
         least this many optimizer steps before the spike (a ring of ``ceil(rollback_steps / spacing) + 1``
         snapshots in host memory).""")
@@ -158,24 +160,26 @@ class MonitorConfig:
         optimizer steps in a row a loss or gradient-norm spike must last before that action is taken; the
         spike's earlier updates are dropped as under ``"skip"`` (so the weights a later rollback or stop keeps
         are the same). A drift (a sustained rise by construction) and a NaN or inf act at once. 1: act on the
-        spike's first step (before 0.3).""")
+        spike's first step.""")
     diagnose_spikes: bool = _arg(False, """on a loss or gradient-norm spike, re-run the step's forward and backward
         on its batches and pre-step weights with the fix off, with our fix and with ``P-bar V`` in fp32
-        (:mod:`stable_attn.monitor.replay`; one extra forward and backward per variant, on spike steps only, not
+        (:mod:`stable_attn.monitor.actions.replay`; one extra forward and backward per variant, on spike steps only, not
         under DDP); the spike alert's ``diagnosis`` holds each variant's loss and gradient norm and the verdict
         (numerical or data), and the first three spikes are kept under ``{log_dir}/replay/step-N`` for
         ``stable-attn replay`` (one copy of the model on disk each).""")
-    # QK-Clip (issue 25): monitor/qk_clip.py
+    # QK-Clip: monitor/actions/qk_clip.py
     qk_clip: float | None = _arg(None, """QK-Clip's ``tau``: after each applied optimizer step, every attention
         head (key-value group) whose max scaled logit over the step's training forwards (all micro-batches and
         ranks) exceeds ``tau`` has its query and key weights scaled so that it is ``tau`` (Kimi K2: 100.0);
         statistics are then collected every step (without the entropy off monitored steps). None: off.
-        Layouts: :mod:`stable_attn.monitor.qk_clip`; one it cannot edit raises at setup.""")
+        Layouts: :mod:`stable_attn.monitor.actions.qk_clip`; one it cannot edit raises at setup.""")
     qk_clip_alpha: float = _arg(0.5, """the queries' share of QK-Clip's scale ``eta = tau / S_h``: queries by
         ``eta ** alpha``, keys by ``eta ** (1 - alpha)``; in [0, 1].""")
 
     # The arguments as the engine keeps them (see checked()); not an argument itself.
     _checked: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
+    # The names of the arguments given (from_options); not an argument itself.
+    given: frozenset[str] = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
         if self.on_spike not in ACTIONS:
@@ -223,7 +227,9 @@ class MonitorConfig:
         for key in options:
             if key not in known:
                 raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
-        return cls(**options)
+        config = cls(**options)
+        object.__setattr__(config, "given", frozenset(options))  # a named feature must cover something (coverage.py)
+        return config
 
     # ------------------------------------------------------------ reading one
     @classmethod
@@ -280,7 +286,7 @@ class MonitorConfig:
 
     @property
     def recovers(self) -> bool:
-        """``on_spike="recover"``: the engine keeps a ring of snapshots and skip windows (monitor/recovery.py)."""
+        """``on_spike="recover"``: a ring of snapshots and skip windows (monitor/actions/recovery.py)."""
         return self.on_spike == "recover"
 
     # ------------------------------------------------------ signatures and docs
@@ -318,3 +324,74 @@ class MonitorConfig:
 
 MonitorConfig.document(MonitorConfig, log_every="the training loop's own logging interval",
                        log_dir="the run's log directory")
+
+
+# The arguments as a TypedDict, for static type checkers and IDEs: the engine and both callbacks take them as
+# ``**options: Unpack[MonitorOptions]`` (PEP 692), because pyright, mypy and PyCharm read annotations, not the
+# ``__signature__`` that ``help()`` shows. Defaults and checks stay in MonitorConfig alone;
+# tests/monitor/test_config.py holds these names and annotations to its fields.
+class MonitorOptions(TypedDict, total=False):
+    """Every keyword of ``StableAttentionCallback``, ``StableAttentionTrainerCallback`` and ``MonitorEngine``."""
+
+    on_spike: SpikeAction
+    log_every_n_steps: int | None
+    swap: bool
+    patch_sdpa: bool
+    loss_detector: SpikeDetector | None
+    grad_norm_detector: SpikeDetector | None
+    monitor_grad_norm: bool
+    attention_stats: bool
+    early_warnings: bool
+    early_warning_warmup: int | None
+    rollback_every: int
+    rollback_steps: int
+    snapshot_memory_limit: int | None
+    skip_batches: int
+    lr_factor: float
+    lr_steps: int
+    max_recoveries: int
+    cooldown_steps: int
+    on_alert: Callable[[Alert], Any] | Iterable[Callable[[Alert], Any]] | None
+    webhook_url: str | None
+    webhook_timeout: float
+    webhook_headers: Mapping[str, str] | None
+    alerts_file: str | None
+    layer_window: int
+    not_training_after: int
+    not_training_stop_after: int | None
+    spike_action_cap: int | None
+    spike_action_cooldown: int
+    spike_confirm_steps: int
+    diagnose_spikes: bool
+    qk_clip: float | None
+    qk_clip_alpha: float
+
+
+# A requested feature that would cover no attention layer is refused rather than run a whole training without
+# it: QK-Clip edits the q/k weights of transformers models' attention layers; statistics, the early warnings and the
+# swap need those layers too. patch_sdpa reroutes F.scaled_dot_product_attention calls, which carry no layer. A
+# feature is requested when its argument was given (swap=True), or, for qk_clip, is not None; a default that covers
+# nothing is only logged by the engine (a plain model still gets loss and gradient-norm monitoring).
+def check_coverage(config: MonitorConfig, root: str, *, models: int, layers: int, qk_layers: int) -> None:
+    """Raise ValueError naming the first requested feature of ``config`` (a MonitorConfig) that covers nothing:
+    ``models`` transformers models and ``layers`` attention layers with statistics were found under ``root``
+    (the module's class name), ``qk_layers`` of them editable by QK-Clip."""
+    given = getattr(config, "given", frozenset())
+    if models == 0:
+        where = f"{root} holds no transformers PreTrainedModel"
+    else:
+        where = f"the {models} transformers model(s) in {root} have no attention layer stable_attn can watch"
+    if config.patch_sdpa:
+        where += " (patch_sdpa=True reroutes scaled_dot_product_attention calls, which carry no layer)"
+    requested = [("qk_clip", config.qk_clip is not None, qk_layers, "would clip the query and key weights of 0 "
+                  "attention layers"),
+                 ("swap", "swap" in given and config.swap, models, "would switch 0 transformers models"),
+                 ("attention_stats", "attention_stats" in given and config.attention_stats, layers,
+                  "would collect statistics of 0 attention layers"),
+                 ("early_warnings", "early_warnings" in given and config.early_warnings and config.attention_stats,
+                  layers, "would watch the saturation, max logit and entropy of 0 attention layers")]
+    for name, wanted, covered, what in requested:
+        if wanted and covered == 0:
+            raise ValueError(f"{name}={getattr(config, name)!r} {what}: {where}; give the callback a module that "
+                             f"holds a transformers model (attn_implementation 'stable_attn' or one it can swap), "
+                             f"or leave {name} out")

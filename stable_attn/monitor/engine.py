@@ -1,20 +1,14 @@
 """MonitorEngine: the stabilized attention, monitoring, alerts and spike handling of a training run,
 independent of the training loop.
 
-A training-loop adapter (the Lightning callback in ``callbacks/lightning.py``, the transformers ``Trainer``
-callback in ``callbacks/trainer.py``) turns its framework's hooks into these calls, on every rank, in this order:
-
-1. :meth:`MonitorEngine.setup` with the root module and a :class:`World` (rank, world size, device,
-   the all-gather): the transformers models inside are switched to ``"stable_attn"`` and get
-   per-layer statistics; again whenever models may have appeared.
-2. :meth:`~MonitorEngine.start` with the run's log directory: the alert channels open (rank zero).
-3. :meth:`~MonitorEngine.train_start` with the :class:`Trainables` once any checkpoint is restored:
-   the first rollback snapshot.
-4. Every optimizer step: :meth:`~MonitorEngine.begin_step` (each micro-batch),
-   :meth:`~MonitorEngine.add_loss` (each micro-batch's loss), :meth:`~MonitorEngine.before_optimizer_step`
-   once the gradients are complete and unscaled, then :meth:`~MonitorEngine.end_step` after the
-   optimizer and LR-scheduler step.
-5. :meth:`~MonitorEngine.end_run` when training ends or raises.
+A training-loop adapter (``callbacks/lightning.py``, ``callbacks/trainer.py``) turns its framework's hooks into
+these calls, on every rank, in this order (docs/ARCHITECTURE.md has the table of hooks): :meth:`~MonitorEngine.setup`
+(swap the models under the root module, attach statistics; again whenever models may have appeared),
+:meth:`~MonitorEngine.start` (the alert channels open on rank zero), :meth:`~MonitorEngine.train_start` once any
+checkpoint is restored (the action's first snapshot), then every optimizer step :meth:`~MonitorEngine.begin_step`,
+:meth:`~MonitorEngine.add_batch` and :meth:`~MonitorEngine.add_loss` (each micro-batch),
+:meth:`~MonitorEngine.before_optimizer_step` (gradients complete and unscaled) and :meth:`~MonitorEngine.end_step`
+(after the optimizer and LR-scheduler step); :meth:`~MonitorEngine.end_run` when training ends or raises.
 
 What happens inside one step. ``before_optimizer_step``: one all-gather shares every rank's loss,
 gradient norm and non-finite-gradient flag; every rank runs every rank's detectors over them
@@ -24,13 +18,12 @@ and ``"stop"``, the gradients are dropped (``set_to_none``), so the optimizer st
 changes neither the weights nor the optimizer state (torch optimizers skip parameters without
 gradients: no moment update, no step count, no weight decay). The verdict is read on the host before
 every update (one small device-to-host copy per step): deciding later would let a NaN update through.
-``end_step``: layer statistics are reduced across ranks, the early-warning detectors see them, a
-rollback restores the snapshot, a stop names the checkpoint the adapter writes, and a snapshot is
-taken every ``rollback_every`` steps.
-
-Rank zero's alerts carry the evidence of their step (:mod:`.evidence`: the data position, every rank's
-readings, the learning rates, the loss window, the attention statistics, the largest gradient norms, what the
-action did), gathered from what the step already holds; docs/ALERTS.md has the line format.
+``end_step``: layer statistics are reduced across ranks, the early-warning detectors see them, the run's
+:class:`~stable_attn.monitor.actions.base.Action` (``on_spike``, owning its state; the judge asked it to decide)
+restores or snapshots, and a stop names the checkpoint the adapter writes. Rank zero's
+alerts go to the :class:`~stable_attn.monitor.alerts.desk.AlertDesk`, with the evidence of their step
+(:mod:`.alerts.evidence`) filled from what the step already holds and a
+:class:`~stable_attn.monitor.alerts.evidence.StepFacts` the engine builds; docs/ALERTS.md has the line format.
 
 Every rank issues the same collectives in the same order on every step (one all-gather per step, one
 more on monitored steps), whatever it observed, so a spike seen by one rank cannot deadlock the
@@ -40,102 +33,44 @@ the adapter's (``StepEnd.metrics``).
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import math
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import ALERT_KINDS, Alert, AlertDispatcher, SpikeDetector, SpikeEvent, SurgeDetector, alerting, names
-from .config import ACTIONS, MonitorConfig, SpikeAction  # noqa: F401 - SpikeAction: imported from here before
-from .data_position import data_position as _data_position
-from .evidence import Evidence
+from . import names
+from .actions.base import Action, RunContext, Skip, Stop, Warn
+from .actions.qk_clip import QKClip
+from .actions.recovery import Recover, Recovery
+from .actions.replay import diagnose
+from .actions.rollback import Rollback
+from .actions.snapshots import Trainables
+from .alerts.alert import Alert
+from .alerts.desk import AlertDesk
+from .alerts.evidence import StepFacts
+from .config import ACTIONS, MonitorConfig, check_coverage
+from .detectors.spikes import SpikeDetector
+from .detectors.surge import SurgeDetector
 from .grad_norm import nonfinite_grads, total_grad_norm
 from .layer_stats import LayerStats
 from .layer_watch import LayerWatch
-from .qk_clip import QKClip
-from .recovery import RING_DIR, Recovery
+from .loop import Decision, StepEnd, World
+from .loop import data_position as _data_position
 from .resume_checks import check_resumed_state
-from .rollback import (
-    Snapshot,
-    Trainables,
-    check_snapshot,
-    restore_snapshot,
-    snapshot_from_state,
-    snapshot_state,
-    take_snapshot,
-)
-from .verdict import FIELDS, ActionCap, NotTrainingStreak, PhaseNotes, StepJudge, Verdict
+from .verdict import ActionCap, NotTrainingStreak, PhaseNotes, RankReading, StepJudge
+
+if TYPE_CHECKING:  # PEP 692: names and types of **options for pyright, mypy, PyCharm
+    from typing_extensions import Unpack
+
+    from .config import MonitorOptions
 
 __all__ = ["ACTIONS", "Decision", "MonitorEngine", "StepEnd", "Trainables", "World"]
 
 log = logging.getLogger("stable_attn")
-
-
-
-@dataclass(frozen=True)
-class World:
-    """Where the engine runs: this process's rank, the number of ranks, the device of the model, and
-    the collective it may use.
-
-    Attributes:
-        all_gather: required when ``size > 1``; called on every rank with a tensor of the same shape,
-            returns every rank's tensor stacked (``[size, *shape]``) or concatenated along dim 0, in
-            rank order (Lightning's ``strategy.all_gather`` and accelerate's ``gather`` both do).
-        grad_norm: the global 2-norm of the gradients of the parameters it is given (a 0-d tensor, or
-            None without gradients); None uses :func:`~stable_attn.monitor.grad_norm.total_grad_norm`,
-            right for one process and DDP.
-    """
-
-    rank: int = 0
-    size: int = 1
-    device: torch.device = torch.device("cpu")
-    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-    grad_norm: Callable[[Iterable[torch.nn.Parameter]], torch.Tensor | None] | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"World(size={self.size!r}) is not supported; use an int >= 1")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
-            raise ValueError(f"World(rank={self.rank!r}) is not supported with size={self.size}; use an int in "
-                             f"[0, {self.size})")
-        if self.size > 1 and self.all_gather is None:
-            raise ValueError(f"World(size={self.size}) needs all_gather: every rank must see every rank's values")
-
-    @property
-    def is_zero(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def backend(self) -> str:
-        return "triton (CUDA)" if self.device.type == "cuda" else "torch (CPU)"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What :meth:`MonitorEngine.before_optimizer_step` decided for the step (the same on every rank)."""
-
-    step: int
-    drop: bool  # the update is dropped: the engine has already set the gradients to None
-    action: str  # what the step's alerts say is done: "warn", "skip", "rollback" or "stop"
-    rollback: bool  # end_step restores the last snapshot
-    stop: bool  # end_step returns the checkpoint path to save before stopping
-
-
-@dataclass(frozen=True)
-class StepEnd:
-    """What :meth:`MonitorEngine.end_step` leaves to the adapter."""
-
-    step: int
-    metrics: dict[str, float] | None = None  # on monitored steps: what to log at ``step``
-    stop_checkpoint: str | None = None  # save a checkpoint there (every rank), then stop training
-    rolled_back: bool = False
-    alert_count_changed: bool = False  # an alert was raised during this step (since its begin_step)
 
 
 class MonitorEngine:
@@ -147,59 +82,49 @@ class MonitorEngine:
     line. :meth:`from_config` builds an engine from a MonitorConfig.
     """
 
-    def __init__(self, *, name: str = "StableAttentionCallback", **options: Any) -> None:
-        self._configure(MonitorConfig.from_options(options, owner="MonitorEngine"), name)
-
-    __init__.__signature__ = MonitorConfig.signature(  # type: ignore[attr-defined]
-        inspect.Parameter("name", inspect.Parameter.KEYWORD_ONLY, default="StableAttentionCallback", annotation="str"))
-
-    @classmethod
-    def from_config(cls, config: MonitorConfig, *, name: str = "StableAttentionCallback") -> MonitorEngine:
-        """The engine of ``config`` (already checked); ``name`` starts every log line."""
-        engine = cls.__new__(cls)
-        engine._configure(config, name)
-        return engine
-
-    def _configure(self, config: MonitorConfig, name: str) -> None:
-        self.config = config
-        self.name = name
-        # One attribute per argument, as the engine keeps it (on_alert a list, webhook_timeout a float, ...).
-        for key, value in config.checked().items():
-            setattr(self, key, value)
-        detector = config.loss_detector
-        self.loss_detector = detector if detector is not None else SpikeDetector.loss()
-        detector = config.grad_norm_detector
-        self.grad_norm_detector = detector if detector is not None else SpikeDetector.grad_norm()
+    def __init__(self, config: MonitorConfig | None = None, /, *, name: str = "StableAttentionCallback",
+                 **options: Unpack[MonitorOptions]) -> None:
+        if config is not None and options:
+            raise TypeError(f"MonitorEngine takes a MonitorConfig or its arguments, not both (got {sorted(options)})")
+        config = config if config is not None else MonitorConfig.from_options(options, owner="MonitorEngine")
+        self.config, self.name = config, name
+        self.loss_detector = config.loss_detector or SpikeDetector.loss()
+        self.grad_norm_detector = config.grad_norm_detector or SpikeDetector.grad_norm()
         self._watch = LayerWatch(config.layer_window, config.early_warnings and config.attention_stats,
                                  config.early_warning_warmup)
-
         self.world = World()
+        self.desk = AlertDesk()  # rank zero's channels, evidence, deferred alerts and delivery counts
         self.alert_count = 0
-        self.alert_kinds: dict[str, int] = dict.fromkeys(ALERT_KINDS, 0)
+        self.alert_kinds: dict[str, int] = dict.fromkeys(names.ALERT_KINDS, 0)
         self.skipped_steps: list[int] = []
         self.rollbacks: list[tuple[int, int]] = []  # (spiking step, snapshot step)
         self.unconfirmed_grad_norm_jumps = 0  # gradient-norm jumps without a loss rise: counted, not alerted
         self.stop_checkpoint: str | None = None
-        self.dispatcher: AlertDispatcher | None = None
-        # per channel: delivered, failed, dropped, abandoned (closed channels and earlier runs of a resume)
-        self.alert_delivery: dict[str, dict[str, int]] = {}
         self.log_dir: str | None = None
         self.last: dict[str, float] = {}  # the last step's loss, gradient norm and learning rate
-        # The batches the latest recovery skips ((first, last) or None; set by _recover): the alerts' evidence
-        # reads it with data_position below (monitor/evidence.py).
-        # The step's micro-batches are step_batches below (add_batch); diagnose_spikes replays them (monitor/replay.py).
-        self._diagnosis: dict[str, Any] | None = None
+        self._diagnosis: dict[str, Any] | None = None  # diagnose_spikes: the replay of this step's spike
         self._root: torch.nn.Module | None = None
         self.replay_bundles: list[str] = []
-        self.skipping_batches: tuple[int, int] | None = None
-        self._evidence = Evidence()
-
+        #: What the actions read of the run (monitor/actions/base.py), kept current here.
+        self._run = RunContext(name=name, position=lambda: self.data_position)
+        # on_spike="recover": the ring, skip window, LR factor and cap live in the Recovery (adapters read it)
+        self.recovery = Recovery(rollback_steps=config.rollback_steps, rollback_every=config.rollback_every,
+                                 skip_batches=config.skip_batches, lr_factor=config.lr_factor,
+                                 lr_steps=config.lr_steps, max_recoveries=config.max_recoveries,
+                                 cooldown_steps=config.cooldown_steps,
+                                 memory_limit=config.snapshot_memory_limit) if config.recovers else None
+        self.action: Action  # what on_spike does, with its state (monitor/actions/)
+        if config.rolls_back:
+            self.action = Rollback(self._run, config.rollback_every)
+        elif self.recovery is not None:
+            self.action = Recover(self._run, self.recovery)
+        else:
+            self.action = {"warn": Warn, "skip": Skip, "stop": Stop}[config.on_spike](self._run)
         self._cap = ActionCap(config.spike_action_cap, config.spike_action_cooldown)
         self._judge = StepJudge(config.on_spike, self.loss_detector, self.grad_norm_detector, self._cap,
-                                confirm=config.spike_confirm_steps)
+                                confirm=config.spike_confirm_steps, action=self.action)
         self._streak = NotTrainingStreak(config.not_training_after, config.not_training_stop_after)
         self._phases = PhaseNotes()
-        self._stop_path: Callable[[int], str] = self._default_stop_path
         self._swapped: dict[int, torch.nn.Module] = {}  # the models prepared so far, by id
         self._checkpointing_undo: list[Any] = []  # config.use_cache and the dynamo switch, put back by end_run
         self.sdpa_patch: Any = None  # the patch_sdpa() handle while F.scaled_dot_product_attention is patched
@@ -210,40 +135,29 @@ class MonitorEngine:
         self._loss: torch.Tensor | None = None
         self._stepped = False
         self._spiked = False
-        # Alerts judged before a monitored step's attention statistics are reduced (spikes, in
-        # before_optimizer_step) wait for them: written by end_step (or end_run), with that step's statistics.
-        self._defer_attention = False
-        self._deferred: list[Alert] = []
-        self._acted = False
-        self._pending_rollback = False
-        self._pending_stop = False
-        self._snapshot: Snapshot | None = None
-        self._snapshot_in_checkpoint = False
-        self._loaded_snapshot: Snapshot | None = None
-        self._snapshot_detectors: dict[str, list[dict[str, Any]]] | None = None
-        self._loaded_detectors: dict[str, list[dict[str, Any]]] | None = None
-        self._resumed = False
+        self._acted = False  # this step's update was dropped
+        self._stopping = False  # this step stops the run (the action's or the not-training streak's)
         # QK-Clip (qk_clip=): the weight edits live in qk_clip.py; the engine feeds it each step's max logits
         self._qk = QKClip(config.qk_clip, config.qk_clip_alpha) if config.qk_clip is not None else None
         self._qk_modules: dict[str, torch.nn.Module] = {}
-        # on_spike="recover" (issue 26): the ring, skip window, LR factor and cap live in recovery.py
-        self.recovery = Recovery(rollback_steps=config.rollback_steps, rollback_every=config.rollback_every,
-                                 skip_batches=config.skip_batches, lr_factor=config.lr_factor,
-                                 lr_steps=config.lr_steps, max_recoveries=config.max_recoveries,
-                                 cooldown_steps=config.cooldown_steps,
-                                 memory_limit=config.snapshot_memory_limit) if config.recovers else None
-        self._recover_decision: str | None = None
-        self._pending_recover = False
         #: Batches the adapter's data stream has already drawn past the current one when a recovery starts
         #: (Lightning prefetches one): the skip window starts after them.
         self.skip_lag = 0
-        #: Where the step's last micro-batch sits in the data: epoch, batch_index, fingerprint (add_batch).
-        # (set by add_batch as (batch, epoch, index); the fingerprint, a host copy of the token ids, is taken only
-        # when data_position is read: an alert, a recovery, not every step)
+        # Where the step's last micro-batch sits in the data (add_batch) as (batch, epoch, index); the fingerprint,
+        # a host copy of the token ids, is taken only when data_position is read: an alert, a recovery.
         self._position: tuple[Any, int | None, int | None] | None = None
         self._position_read: dict[str, Any] | None = None
         #: The step's micro-batches, as given to add_batch (references, no copies; cleared by begin_step).
         self.step_batches: list[Any] = []
+
+    # help() and IDEs show the arguments (a checked MonitorConfig may come first instead: from_config)
+    __init__.__signature__ = MonitorConfig.signature(  # type: ignore[attr-defined]
+        inspect.Parameter("name", inspect.Parameter.KEYWORD_ONLY, default="StableAttentionCallback", annotation="str"))
+
+    @classmethod
+    def from_config(cls, config: MonitorConfig, *, name: str = "StableAttentionCallback") -> MonitorEngine:
+        """The engine of ``config`` (already checked); ``name`` starts every log line."""
+        return cls(config, name=name)
 
     @property
     def layers(self) -> LayerStats | None:
@@ -260,15 +174,21 @@ class MonitorEngine:
         """Optimizer steps in a row without an applied update (or with a non-finite loss)."""
         return self._streak.streak
 
+    @property
+    def dispatcher(self) -> Any:
+        """The alert channels while the run is open on rank zero (the desk's), else None."""
+        return self.desk.dispatcher
+
     # ------------------------------------------------------------------ setup
     def setup(self, root: torch.nn.Module, world: World, stage: str = "fit") -> None:
         """Swap the transformers models under ``root`` and attach layer statistics (new models only),
         and patch ``F.scaled_dot_product_attention`` once if ``patch_sdpa``; ``stage`` names the run."""
         self.world = world
+        self._run.rank, self._run.size = world.rank, world.size
         self._root = root
-        self._evidence.watch(root)
+        self.desk.evidence.watch(root)
         self._swap_models(root)
-        if self.patch_sdpa and self.sdpa_patch is None:
+        if self.config.patch_sdpa and self.sdpa_patch is None:
             from ..integrations.sdpa import patch_sdpa
 
             self.sdpa_patch = patch_sdpa()
@@ -309,60 +229,27 @@ class MonitorEngine:
         ``log_every_n_steps`` applies when the constructor's is None (0: no step is monitored);
         ``stop_path(step)`` names the checkpoint a stop writes (default
         ``<log_dir>/stable_attn-stop-step=<step>.ckpt``)."""
-        self.log_dir = log_dir
-        self._every = self.log_every_n_steps or log_every_n_steps
-        self._stop_path = stop_path or self._default_stop_path
+        check_coverage(self.config, type(self._root).__name__, models=len(self._swapped),
+                       layers=len(self.layers.stats) if self.layers is not None else 0, qk_layers=len(self._qk_modules))
+        self.log_dir = self._run.log_dir = log_dir
+        self._every = self.config.log_every_n_steps or log_every_n_steps
+        self._run.stop_path = stop_path
         self._step = -1
-        self.dispatcher = alerting.build_dispatcher(
-            log_dir or ".", self.alerts_file, self.on_alert, self.webhook_url, self.webhook_timeout,
-            self.webhook_headers) if self.world.is_zero else None
+        if self.world.is_zero:
+            checked = self.config.checked()
+            self.desk.open(log_dir or ".", self.config.alerts_file, checked["on_alert"], self.config.webhook_url,
+                           checked["webhook_timeout"], checked["webhook_headers"])
 
     def train_start(self, state: Trainables) -> None:
-        """Training begins with ``state`` (any checkpoint restored): the first rollback snapshot."""
-        loaded, self._loaded_snapshot = self._loaded_snapshot, None
-        resumed, self._resumed = self._resumed, False
-        if loaded is not None and self.config.rolls_back:
-            check_snapshot(loaded, state)  # shapes and finiteness against this run, before any of it is used
-        # A snapshot of one process is the whole state; several ranks (DDP, FSDP) each hold their own, and a
-        # checkpoint keeps rank zero's only.
-        self._snapshot_in_checkpoint = self.world.size == 1
-        if self.recovery is not None:
-            ring = self.recovery.ring
-            ring.clear()
-            ring.directory, ring.rank = os.path.join(self.log_dir or ".", RING_DIR), self.world.rank
-            ring.take(state, self._judge.detector_states())  # the oldest state a recovery can go back to
-            if self.world.is_zero:
-                log.info("%s: recovery snapshot ring of %d x %.1f MB %s", self.name, ring.length,
-                         (ring.snapshot_bytes or 0) / 1e6, f"on disk in {ring.directory} (over snapshot_memory_limit="
-                         f"{ring.memory_limit})" if ring.on_disk else "in host memory")
-            if resumed and self.world.is_zero:
-                log.warning("%s: recovery snapshot ring starts afresh at global_step %d (the ring is not saved "
-                            "in checkpoints); recoveries used: %d of %d", self.name, state.step,
-                            self.recovery.used, self.recovery.max_recoveries)
-            return
-        if not self.config.rolls_back:
-            return
-        if loaded is not None:
-            self._snapshot = loaded
-            self._snapshot_detectors, self._loaded_detectors = self._loaded_detectors, None
-            if self.world.is_zero:
-                log.info("%s: rollback snapshot of global_step %d restored from the checkpoint", self.name, loaded.step)
-            return
-        self._take_snapshot(state)
-        if resumed and self.world.is_zero:
-            log.warning("%s: rollback history starts afresh at global_step %d: the checkpoint holds no rollback "
-                        "snapshot (one is saved only by single-process runs with on_spike='rollback'), so a spike "
-                        "rolls back to no earlier state than this one", self.name, state.step)
+        """Training begins with ``state`` (any checkpoint restored): the action's first snapshot."""
+        self.action.start(state, self._judge)
 
     # ------------------------------------------------------------- end of run
     def end_run(self, when: str) -> None:
         """Close the alert channels (within one webhook timeout in all), say what they did not deliver,
         put back ``F.scaled_dot_product_attention`` and switch statistics off. Idempotent."""
-        self._flush_deferred()  # a step that raised after its spike was judged: the alerts without its statistics
-        dispatcher, self.dispatcher = self.dispatcher, None
-        if dispatcher is not None:
-            delivered = alerting.close_dispatcher(dispatcher, self.webhook_timeout, when)
-            self.alert_delivery = alerting.add_counts(self.alert_delivery, delivered)
+        self.desk.flush(self._facts())  # a step that raised after its spike was judged: without its statistics
+        self.desk.close(self.config.checked()["webhook_timeout"], when)
         patch, self.sdpa_patch = self.sdpa_patch, None
         if patch is not None:
             try:
@@ -400,8 +287,8 @@ class MonitorEngine:
                      "(not alerted)")
         if self.stop_checkpoint is not None:
             line += f"; stopped, checkpoint {self.stop_checkpoint}"
-        if self.alerts_file is not None and self.alert_count and self.log_dir is not None:
-            line += f"; alerts in {os.path.join(self.log_dir, self.alerts_file)}"
+        if self.config.alerts_file is not None and self.alert_count and self.log_dir is not None:
+            line += f"; alerts in {os.path.join(self.log_dir, self.config.alerts_file)}"
         return line
 
     # ------------------------------------------------------------ each step
@@ -416,15 +303,14 @@ class MonitorEngine:
             return self._monitor_now
         self._step = step
         self._loss = None
-        self._acted = False
+        self._acted = self._stopping = False
         self.step_batches = []
         self._diagnosis = None
-        self.skipping_batches = None  # the window a recovery of this step opens (its alerts' outcome)
         self._alerts_at_start = self.alert_count
         self._monitor_now = monitor if monitor is not None else self._every > 0 and (step + 1) % self._every == 0
         self._watch.enable(self._monitor_now)
         if self._qk is not None:  # QK-Clip reads the max logits of every step; the entropy only when monitored
-            for s in self._layer_stats().values():
+            for s in (self.layers.stats if self.layers is not None else {}).values():
                 s.enabled, s.with_entropy = True, self._monitor_now
         return self._monitor_now
 
@@ -473,286 +359,116 @@ class MonitorEngine:
         params = list(parameters)
         step, device = self._step, self.world.device
         grad_norm = None
-        if self.monitor_grad_norm:
+        if self.config.monitor_grad_norm:
             grad_norm = (self.world.grad_norm or total_grad_norm)(params)
         # The norm is non-finite exactly when a gradient is (or its sum of squares overflows): no second
         # pass then; without it, a max-abs pass over the local gradients.
         bad_grads = (~torch.isfinite(grad_norm)).float() if grad_norm is not None else nonfinite_grads(params)
-        nan = torch.full((), math.nan, device=device)
-        mine = torch.stack([
-            self._loss.to(device) if self._loss is not None else nan,
-            grad_norm.float().to(device) if grad_norm is not None else nan,
-            torch.full((), float(self._loss is not None), device=device),
-            bad_grads.to(device) if bad_grads is not None else torch.zeros((), device=device),
-        ]).double()
+        mine = RankReading.to_tensor(self._loss, grad_norm, bad_grads, device)
         # Every rank shares its raw values (one collective per step, issued whatever the values are) and
         # every rank runs the same detectors over all of them, so all ranks reach the same verdict.
-        table = self.world.all_gather(mine).reshape(-1, FIELDS) if self.world.size > 1 else mine[None]
+        rows = RankReading.from_table(self.world.all_gather(mine) if self.world.size > 1 else mine)
         if lr is None:
             lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else math.nan
-        rows = table.cpu().tolist()
-        judged = self._judge.judge(step, rows, has_norm=grad_norm is not None, scaler=scaler,
-                                   lr=lr, note=lambda verdict: self._action_note(step, verdict))
-        self._evidence.record(step, rows, judged, optimizer, params)
+        judged = self._judge.judge(step, rows, has_norm=grad_norm is not None, scaler=scaler, lr=lr)
+        verdict = judged.verdict
+        self.desk.evidence.record(step, rows, judged, optimizer, params)
         self.last = judged.last
+        self._run.lr = self.last.get(names.LR)
         self.unconfirmed_grad_norm_jumps += judged.unconfirmed
         self._spiked = judged.spiked
-        watched = [self.loss_detector] + ([self.grad_norm_detector] if self.monitor_grad_norm else [])
+        watched = [self.loss_detector] + ([self.grad_norm_detector] if self.config.monitor_grad_norm else [])
         for line in self._phases.update(step, watched):
             if self.world.is_zero:
                 log.warning("%s: %s", self.name, line)
-        stop_path = self._stop_path(step) if judged.verdict.stop else None
         if self.config.diagnose_spikes and judged.spikes:
-            self._diagnosis = self._diagnose(step, judged.spikes[0][0])
-        self._defer_attention = self._monitor_now and self._watch.layers is not None and len(self._watch.layers) > 0
+            event = judged.spikes[0][0]
+            self._diagnosis = diagnose(self._root, self.step_batches, step=step, metric_name=event.metric,
+                                       threshold=event.threshold, world_size=self.world.size,
+                                       is_zero=self.world.is_zero, log_dir=self.log_dir, bundles=self.replay_bundles,
+                                       name=self.name)
+        stop_path = self._run.stop_checkpoint(step) if verdict.stop else None
+        self.desk.defer = self._monitor_now and self.layers is not None and len(self.layers) > 0
         for event, message in judged.spikes:
-            self._alert(event, judged.verdict.action, message, stop_path)
+            self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=self._watch.most_changed(),
+                                        action=verdict.action, message=message.lstrip("; "), checkpoint=stop_path,
+                                        diagnosis=self._diagnosis if event.step == step and event.kind == "spike"
+                                        else None))
         for alert in judged.alerts:
             self._emit(alert)
-        self._defer_attention = False
-        verdict = judged.verdict
-        decision, self._recover_decision = self._recover_decision, None
-        if verdict.recover:
-            verdict = self._recover_verdict(step, decision or "recover")
+        self.desk.defer = False
         if verdict.drop:
             # No gradients, no update: torch optimizers skip parameters whose .grad is None.
             optimizer.zero_grad(set_to_none=True)
             self._acted = True
             if verdict.skip:
                 self.skipped_steps.append(step)
-            elif verdict.rollback:
-                self._pending_rollback = True
-            elif verdict.stop:
-                self._pending_stop = True
-            elif verdict.recover:
-                self._pending_recover = True
+            self._stopping = verdict.stop
         escalate = self._streak.update(verdict.not_training)
         if escalate is not None:
-            if self._streak.stops:
-                self._pending_stop = True
-            self._emit(self._streak.alert(step, escalate, self.last.get(names.LR), self._stop_path(step)))
+            self._stopping = self._stopping or self._streak.stops
+            self._emit(self._streak.alert(step, escalate, self.last.get(names.LR), self._run.stop_checkpoint(step)))
         self._stepped = True
-        return Decision(step=step, drop=verdict.drop, action=verdict.action, rollback=self._pending_rollback,
-                        stop=self._pending_stop)
-
-    def _recover_verdict(self, step: int, decision: str) -> Verdict:
-        """What ``on_spike="recover"`` does at this spike: recover, skip (cool-down) or stop (all used)."""
-        if decision == "recover":
-            return Verdict(action="recover", recover=True, not_training=True)
-        if decision == "skip":
-            return Verdict(action="skip", skip=True, not_training=True)
-        assert self.recovery is not None
-        r = self.recovery
-        self._emit(Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used, threshold=r.max_recoveries,
-                         lr=self.last.get(names.LR), action="stop", checkpoint=self._stop_path(step),
-                         message=f"the run spiked again after all {r.max_recoveries} recoveries (max_recoveries): "
-                                 "rolling back and skipping data did not keep it stable, so it stops with a "
-                                 "checkpoint; look at the data around the spikes and at the learning rate"))
-        return Verdict(action="stop", stop=True, not_training=True)
-
-    def _diagnose(self, step: int, event: SpikeEvent) -> dict[str, Any]:
-        """``diagnose_spikes``: replay the step three ways on its batches (the weights are still the pre-step
-        ones here) and say whether the spike is numerical or the data. Never raises: a replay that cannot run
-        says why in the result."""
-        from . import replay
-
-        metric = {names.LOSS: "loss", names.GRAD_NORM: "grad_norm"}.get(event.metric)
-        if metric is None:
-            return {"skipped": f"no replay for the metric {event.metric!r}"}
-        if self.world.size > 1:
-            return {"skipped": "not replayed under DDP (a backward outside DDP's forward would confuse its reducer)"}
-        if not self.step_batches or self._root is None:
-            return {"skipped": "the training loop passed no batches for this step (MonitorEngine.add_batch)"}
-        try:
-            run_variant = replay.run_variant_of(self._root)
-            result = replay.replay_step(self._root, self.step_batches, run_variant=run_variant,
-                                        variants=replay.variants_with(run_variant))
-            found = replay.verdict(result, metric, event.threshold)
-        except Exception as exc:  # a diagnosis is a courtesy: it never costs the alert or the run
-            log.warning("%s: the spike at step %d was not replayed: %s: %s", self.name, step, type(exc).__name__, exc)
-            return {"error": f"{type(exc).__name__}: {exc}"}
-        diagnosis = {"metric": metric, "threshold": event.threshold, **result.as_dict(), "verdict": found}
-        if self.world.is_zero and self.log_dir and len(self.replay_bundles) < replay.MAX_BUNDLES:
-            try:
-                path = os.path.join(self.log_dir, replay.BUNDLES_DIR, f"step-{step}")
-                self.replay_bundles.append(replay.write_replay_bundle(
-                    path, self._root, self.step_batches, step=step, metric=metric, threshold=event.threshold,
-                    run_variant=run_variant))
-                diagnosis["bundle"] = os.path.basename(path)
-            except Exception as exc:
-                log.warning("%s: no replay bundle for step %d: %s: %s", self.name, step, type(exc).__name__, exc)
-        return diagnosis
-
-    def _action_note(self, step: int, verdict: Verdict) -> str:
-        if verdict.recover:
-            assert self.recovery is not None
-            self._recover_decision = decision = self.recovery.decide(step)
-            return {"recover": "; recovering (on_spike='recover')",
-                    "skip": f"; update skipped (within cooldown_steps={self.recovery.cooldown_steps} of the last "
-                            "recovery)",
-                    "stop": f"; stopping (max_recoveries={self.recovery.max_recoveries} used)"}[decision]
-        if verdict.skip:
-            return "; update skipped"
-        if verdict.rollback:
-            at = self._snapshot.step if self._snapshot is not None else "?"
-            return f"; rolling back to the state at global_step {at}"
-        if verdict.stop:
-            return "; stopping"
-        return ""
-
-    def _default_stop_path(self, step: int) -> str:
-        return os.path.join(self.log_dir or ".", names.stop_checkpoint(step))
+        return Decision(step=step, drop=verdict.drop, action=verdict.action, rollback=verdict.rollback,
+                        stop=self._stopping)
 
     def end_step(self, state: Trainables) -> StepEnd:
         """After the optimizer and LR-scheduler step (``state.step`` counts it): layer statistics and early
-        warnings on monitored steps, a rollback or a stop the step decided, the periodic snapshot.
+        warnings on monitored steps, QK-Clip, the action's restore or snapshot, a stop the step decided.
 
         Call it on every rank. Between the micro-batches of one optimizer step it does nothing."""
         step = self._step
         if not self._stepped:
             return StepEnd(step=step)  # accumulating gradients: the optimizer step has not happened yet
         self._stepped = False
-        clipped = self._qk_clip(step) if self._qk is not None else None
-        metrics = self._monitor(step) if self._monitor_now else None
-        self._flush_deferred()
+        metrics, clipped = None, {}
+        if self._qk is not None:
+            clipped, alert = self._qk.after_step(step, self.layers.stats if self.layers is not None else {},
+                                                 self.world, self._monitor_now, self._acted, self.last.get(names.LR))
+            if alert is not None:
+                self._emit(alert)
+        if self._monitor_now:
+            hidden = () if self.config.monitor_grad_norm else (names.GRAD_NORM,)
+            metrics = {k: v for k, v in self.last.items() if k not in hidden}
+            gather = self.world.all_gather if self.world.size > 1 else None
+            # A spiking step's attention statistics are its batch's: logged, not judged by the early warnings.
+            layer_metrics, events = self._watch.observe(step, gather, self.world.device, self.last.get(names.LOSS),
+                                                        judge=not self._spiked)
+            metrics.update(layer_metrics)
+            for event in events:
+                self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=self._watch.most_changed(),
+                                            action="warn", message=""))
+            metrics[names.ALERT_COUNT] = float(self.alert_count)
+        self.desk.flush(self._facts())
         if clipped:
             metrics = {**(metrics or {}), **clipped}
-
-        rolled_back = False
-        if self._pending_rollback:
-            self._pending_rollback = False
-            assert self._snapshot is not None
-            restore_snapshot(state, self._snapshot)
-            if self._snapshot_detectors is not None:
-                # The detectors go back with the weights: judged against the level the run had reached after
-                # the restored weights' step, the first losses after a rollback looked like a spike again.
-                self._judge.load_detector_states(self._snapshot_detectors)
-            self.rollbacks.append((step, self._snapshot.step))
-            rolled_back = True
-            if self.world.is_zero:
-                log.warning("%s: rolled back to the state at global_step %d; the batches of steps %d..%d are dropped",
-                            self.name, self._snapshot.step, self._snapshot.step, step)
-        elif self.config.rolls_back and not self._acted and state.step % self.rollback_every == 0:
-            self._take_snapshot(state)
-        if self._pending_recover:
-            self._pending_recover = False
-            self._recover(step, state)
-            rolled_back = True
-        elif self.recovery is not None and not self._acted and self.recovery.ring.due(state.step):
-            self.recovery.ring.take(state, self._judge.detector_states())
-        if self.recovery is not None:
-            # for the next optimizer.step() only: installed now, after this step's optimizer and scheduler
-            # steps (Lightning runs the step's closure, and so before_optimizer_step, inside optimizer.step())
-            self.recovery.scale_lr(step + 1, state.optimizers)
-
+        self._run.skip_lag = self.skip_lag
+        done = self.action.after_step(step, state, self._acted)
+        if done.rolled_back_to is not None:
+            self.rollbacks.append((step, done.rolled_back_to))
+        for alert in done.alerts:
+            self._emit(alert)
         stop = None
-        if self._pending_stop:
-            self._pending_stop = False
-            stop = self.stop_checkpoint = self._stop_path(step)
+        if self._stopping:
+            self._stopping = False
+            stop = self.stop_checkpoint = self._run.stop_checkpoint(step)
             if self.world.is_zero:
                 log.warning("%s: stopped training at step %d; checkpoint %s", self.name, step, stop)
         self._watch.enable(False)
-        return StepEnd(step=step, metrics=metrics, stop_checkpoint=stop, rolled_back=rolled_back,
+        return StepEnd(step=step, metrics=metrics, stop_checkpoint=stop, rolled_back=done.rolled_back_to is not None,
                        alert_count_changed=self.alert_count != self._alerts_at_start)
 
-    def _recover(self, step: int, state: Trainables) -> None:
-        """Roll back to the ring's snapshot ``rollback_steps`` back, open the skip window, alert."""
-        r = self.recovery
-        assert r is not None
-        entry = r.ring.target(step, r.rollback_steps)
-        assert entry is not None  # train_start put the first snapshot in the ring
-        restore_snapshot(state, entry.load())
-        if entry.detectors is not None:
-            self._judge.load_detector_states(entry.detectors)
-        self.rollbacks.append((step, entry.step))
-        position = self.data_position or {}
-        epoch, index = position.get("epoch"), position.get("batch_index")
-        begun = r.begin(step, entry.step, epoch, index + 1 + self.skip_lag if index is not None else None)
-        where = f" (after batch {index} of epoch {epoch}, fingerprint {position.get('fingerprint')})" \
-            if index is not None else ""
-        window = r.window
-        self.skipping_batches = (window.start, window.stop - 1) if window is not None else None
-        outcome = {"taken": "recover", "update_applied": False, "rolled_back_to": int(entry.step),
-                   "skipping_batches": list(self.skipping_batches) if self.skipping_batches is not None else None,
-                   "stopped": False, "checkpoint": None}
-        self._emit(Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used,
-                         threshold=r.max_recoveries, lr=self.last.get(names.LR), action="recover",
-                         message=f"spike at step {step}{where}: {r.message(begun)}", outcome=outcome))
-
-    # ---------------------------------------------------------------- QK-Clip
-    def _layer_stats(self) -> dict[str, Any]:
-        return self._watch.layers.stats if self._watch.layers is not None else {}
-
-    def _qk_clip(self, step: int) -> dict[str, float]:
-        """QK-Clip after the optimizer step, on every rank: the step's per-head max logits MAX-reduced over ranks
-        (one collective, whatever the step did), then the edit, unless the update was dropped (a skipped,
-        rolled-back or stopped step is not clipped). Returns the step's ``qk_clip/`` metrics (empty: no clip)."""
-        assert self._qk is not None
-        stats = self._layer_stats()
-        gather = self.world.all_gather if self.world.size > 1 else None
-        max_logits = self._qk.reduce(stats, gather, self.world.device)
-        if not self._monitor_now:  # a monitored step's statistics are collected, then reset, by _monitor
-            for s in stats.values():
-                s.reset()
-        if self._acted:
-            return {}
-        record = self._qk.apply(max_logits)
-        if not record.heads:
-            return {}
-        metrics = {names.QK_CLIP_HEADS: float(record.clipped_heads)}
-        metrics.update({names.qk_clip_metric(layer): record.max_logit[layer] for layer in record.heads})
-        if self._qk.alert_due():
-            worst = max(record.heads, key=lambda layer: record.max_logit[layer])
-            detail = "; ".join(f"{layer} heads {record.heads[layer]} S_h {record.max_logit[layer]:.4g} eta "
-                               f"{min(record.eta[layer]):.4g}" for layer in record.heads)
-            self._emit(Alert(step=step, kind="qk_clip", metric=names.qk_clip_metric(worst),
-                             value=record.max_logit[worst], threshold=self._qk.tau, lr=self.last.get(names.LR),
-                             message=f"QK-Clip #{self._qk.clip_steps} clipped {record.clipped_heads} query head(s): "
-                                     f"{detail}"))
-        return metrics
-
-    def _take_snapshot(self, state: Trainables) -> None:
-        """The rollback snapshot of ``state``, with the loss and gradient-norm detectors as they are now."""
-        self._snapshot = take_snapshot(state)
-        self._snapshot_detectors = self._judge.detector_states()
-
-    def _monitor(self, step: int) -> dict[str, float]:
-        metrics = {k: v for k, v in self.last.items() if not (k == names.GRAD_NORM and not self.monitor_grad_norm)}
-        gather = self.world.all_gather if self.world.size > 1 else None
-        # A spiking step's attention statistics are its batch's: logged, not judged by the early warnings.
-        layer_metrics, events = self._watch.observe(step, gather, self.world.device, self.last.get(names.LOSS),
-                                                    judge=not self._spiked)
-        metrics.update(layer_metrics)
-        for event in events:
-            self._alert(event, "warn", "")
-        metrics[names.ALERT_COUNT] = float(self.alert_count)
-        return metrics
-
-    def _alert(self, event: SpikeEvent, action: str, message: str, checkpoint: str | None = None) -> None:
-        """An alert from a detector's event, with the step's learning rate and the layers that moved."""
-        diagnosis = self._diagnosis if event.step == self._step and event.kind == "spike" else None
-        self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=self._watch.most_changed(),
-                                    action=action, message=message.lstrip("; "), checkpoint=checkpoint,
-                                    diagnosis=diagnosis))
+    def _facts(self) -> StepFacts:
+        """What the alerts' evidence needs to know of the step now (read only when rank zero delivers)."""
+        return StepFacts(data_position=self.data_position if self.desk.is_open else None, world_size=self.world.size,
+                         layers=self.layers, restores_to=self.action.restores_to, stopping=self._stopping)
 
     def _emit(self, alert: Alert) -> None:
-        """Count the alert on every rank (the count is shown and logged), deliver it on rank zero; one judged
-        before its monitored step's attention statistics are reduced gets every other field of its evidence now
-        (the gradients are gone after the step) and is delivered with the statistics by :meth:`end_step`."""
+        """Count the alert on every rank (the count is shown and logged); rank zero's desk delivers it."""
         self.alert_count += 1
         self.alert_kinds[alert.kind] = self.alert_kinds.get(alert.kind, 0) + 1
-        if self.dispatcher is None:
-            return
-        if self._defer_attention:
-            self._deferred.append(self._evidence.fill(alert, self, leave=("attention",)))
-        else:
-            self.dispatcher.emit(self._evidence.fill(alert, self))
-
-    def _flush_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        if self.dispatcher is not None:
-            for alert in deferred:
-                self.dispatcher.emit(self._evidence.fill(alert, self))
+        if self.desk.is_open:
+            self.desk.deliver(alert, self._facts())
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
@@ -774,18 +490,10 @@ class MonitorEngine:
             "unconfirmed_grad_norm_jumps": self.unconfirmed_grad_norm_jumps,
             "stop_checkpoint": self.stop_checkpoint,
             "layers": watch["layers"],
-            "alert_delivery": self._delivery(),
+            "alert_delivery": self.desk.delivery(),
             **({"qk_clip": self._qk.state_dict()} if self._qk is not None else {}),
-            **({"recovery": self.recovery.state_dict()} if self.recovery is not None else {}),
-            **({"rollback_snapshot": snapshot_state(self._snapshot),
-                "rollback_detectors": copy.deepcopy(self._snapshot_detectors)} if self._snapshot is not None
-               and self._snapshot_in_checkpoint and self.config.rolls_back else {}),
+            **self.action.state_dict(),
         }
-
-    def _delivery(self) -> dict[str, dict[str, int]]:
-        """Per-channel delivery counts so far: closed channels, earlier runs, and the open channels."""
-        live = self.dispatcher.delivery() if self.dispatcher is not None else {}
-        return alerting.add_counts(self.alert_delivery, {k: v for k, v in live.items() if any(v.values())})
 
     def load_state_dict(self, state_dict: dict[str, Any], where: str = "monitor state") -> None:
         """Restore :meth:`state_dict`'s output (a resume). Every field is checked first
@@ -793,20 +501,15 @@ class MonitorEngine:
         value and what is accepted, and nothing is loaded); the rollback snapshot in it is checked against
         the run's own state at :meth:`train_start`. ``where`` names the state in those errors."""
         check_resumed_state(self, state_dict, where)
-        if self.recovery is not None:  # checks its own fields (ValueError) before the rest is loaded
-            self.recovery.load_state_dict(state_dict.get("recovery", {}))
-        self._resumed = True
-        self.alert_delivery = alerting.add_counts({}, state_dict.get("alert_delivery", {}))
-        snapshot = state_dict.get("rollback_snapshot")
-        self._loaded_snapshot = snapshot_from_state(snapshot) if snapshot is not None else None
-        self._loaded_detectors = state_dict.get("rollback_detectors") if snapshot is not None else None
+        self.action.load_state_dict(state_dict)  # checks its own fields (ValueError) before the rest is loaded
+        self.desk.load(state_dict.get("alert_delivery", {}))
         self.loss_detector.load_state_dict(state_dict["loss_detector"])
         self.grad_norm_detector.load_state_dict(state_dict["grad_norm_detector"])
         ranks = self._judge.ranks
         ranks[names.LOSS].load_other_states(state_dict.get("other_rank_loss_detectors", []))
         ranks[names.GRAD_NORM].load_other_states(state_dict.get("other_rank_grad_norm_detectors", []))
         self.alert_count = int(state_dict.get("alert_count", 0))
-        self.alert_kinds = dict.fromkeys(ALERT_KINDS, 0) | dict(state_dict.get("alert_kinds", {}))
+        self.alert_kinds = dict.fromkeys(names.ALERT_KINDS, 0) | dict(state_dict.get("alert_kinds", {}))
         self._streak.streak = int(state_dict.get("not_training_streak", 0))
         self._cap.load_state_dict(state_dict.get("spike_actions", {}))
         self.skipped_steps = list(state_dict.get("skipped_steps", []))
@@ -816,7 +519,6 @@ class MonitorEngine:
         self._watch.load_state_dict(state_dict)  # applied to layers found later too
         if self._qk is not None:
             self._qk.load_state_dict(state_dict.get("qk_clip", {}))
-
 
 
 MonitorConfig.document(MonitorEngine, log_every="the ``log_every_n_steps`` given to :meth:`MonitorEngine.start`",

@@ -7,7 +7,9 @@ depends on how the model was sharded (full shard, hybrid shard, tensor parallel)
 sharding itself knows:
 
 - FSDP2 / tensor parallel (gradients are ``DTensor``): the norm of DTensors is itself a DTensor whose
-  ``full_tensor()`` performs the one reduction the placements require;
+  ``full_tensor()`` performs the one reduction the placements require, one per device mesh (a model
+  sharded on two meshes, or tensor parallelism applied to some modules only, holds DTensors of different
+  meshes beside plain replicated gradients, which one norm call refuses to mix);
 - everything else: the norm of the local gradients.
 
 FSDP1 (a ``FullyShardedDataParallel`` root, whose gradients are plain local shards) needs the wrapper's own
@@ -51,10 +53,19 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | 
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return None
-    if any(_is_dtensor(g) for g in grads):
-        norm = _local_total_norm(grads)
-        return norm.full_tensor() if _is_dtensor(norm) else norm
-    return _local_total_norm(grads).detach()
+    if not any(_is_dtensor(g) for g in grads):
+        return _local_total_norm(grads).detach()
+    groups: dict[object, list[torch.Tensor]] = {}  # by device mesh; None: plain (replicated) gradients
+    for g in grads:
+        groups.setdefault(g.device_mesh if _is_dtensor(g) else None, []).append(g)
+    norms = []
+    for g in groups.values():
+        norm = _local_total_norm(g)
+        norms.append((norm.full_tensor() if _is_dtensor(norm) else norm).detach())
+    if len(norms) == 1:
+        return norms[0]
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.float().to(device) for n in norms]), 2.0)
 
 
 def nonfinite_grads(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:

@@ -5,7 +5,7 @@ The kernels fill each layer's :class:`~stable_attn.AttentionStats` as a side out
 pass, and the transformers integration passes the stats object only while ``stats.enabled`` is True,
 so steps that are not monitored pay nothing.
 
-:attr:`LayerStats.recent` keeps, for the alerts' evidence (:mod:`stable_attn.monitor.evidence`), each monitored
+:attr:`LayerStats.recent` keeps, for the alerts' evidence (:mod:`stable_attn.monitor.alerts.evidence`), each monitored
 step's reduced values and rank zero's own per-head values (heads are not gathered across ranks), over the same
 window; it is not saved in checkpoints.
 """

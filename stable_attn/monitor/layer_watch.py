@@ -2,7 +2,7 @@
 
 Each layer's saturation and max logit go to a :class:`~stable_attn.monitor.SurgeDetector`, and its
 attention entropy (where it is collected) to an
-:class:`~stable_attn.monitor.collapse.EntropyCollapseDetector`, on monitored steps, with the step's
+:class:`~stable_attn.monitor.detectors.collapse.EntropyCollapseDetector`, on monitored steps, with the step's
 training loss (an early warning needs the loss to have stopped improving, except the alarm levels).
 Layers are added as the engine finds models; a checkpoint's layer history and detector states are kept
 until the layers they belong to exist.
@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from ..stats import AttentionStats
-from . import SpikeEvent, SurgeDetector, names
-from .collapse import EntropyCollapseDetector
+from . import names
+from .detectors.collapse import EntropyCollapseDetector
+from .detectors.events import SpikeEvent
+from .detectors.surge import SurgeDetector
 from .layer_stats import STAT_NAMES, LayerStats
 
 __all__ = ["LayerWatch"]

@@ -3,7 +3,7 @@ and alert kinds, in one place.
 
 :class:`~stable_attn.callbacks.lightning.StableAttentionCallback` and
 :class:`~stable_attn.callbacks.trainer.StableAttentionTrainerCallback` write these names,
-:mod:`stable_attn.monitor.alerts` validates alert kinds against :data:`ALERT_KINDS`, and
+:mod:`stable_attn.monitor.alerts.alert` validates alert kinds against :data:`ALERT_KINDS`, and
 :mod:`stable_attn.report` (``stable-attn report``) reads them back. A name changed here changes for
 all of them. Pure Python: no torch, no Lightning.
 """

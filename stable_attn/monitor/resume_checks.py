@@ -6,9 +6,10 @@ negative variance, or a count that is not an int, would load (or fail deep insid
 variance is inf never fires. :func:`check_engine_state` refuses such a state at resume with a
 ValueError naming the field, its value and what is accepted.
 :meth:`~stable_attn.monitor.engine.MonitorEngine.load_state_dict` calls it before it loads anything;
-the rollback snapshot in the state is checked by :func:`~stable_attn.monitor.rollback.snapshot_from_state`
+the rollback snapshot in the state is checked by :func:`~stable_attn.monitor.actions.snapshots.snapshot_from_state`
 there, and against the run's own state (shapes, finiteness) by
-:func:`~stable_attn.monitor.rollback.check_snapshot` at :meth:`~stable_attn.monitor.engine.MonitorEngine.train_start`.
+:func:`~stable_attn.monitor.actions.snapshots.check_snapshot` at
+:meth:`~stable_attn.monitor.engine.MonitorEngine.train_start`.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def check_engine_state(state: Any, spike_template: Mapping[str, Any], surge_temp
 
 def check_resumed_state(engine: Any, state: Any, where: str) -> None:
     """:func:`check_engine_state` with ``engine``'s own detectors as templates (an adapter's resume hook)."""
-    from .surge import SurgeDetector
+    from .detectors.surge import SurgeDetector
 
     check_engine_state(state, engine.loss_detector.state_dict(), SurgeDetector.saturation("template").state_dict(),
                        where)

@@ -1,7 +1,7 @@
 """One optimizer step judged from every rank's values: which detectors fired, what is done, what to say.
 
-The engine gathers, per rank, the step's loss, gradient norm, whether the rank had a loss (a skipped
-backward has none) and whether any of its gradients is NaN or inf. Every rank runs every rank's
+The engine gathers, per rank, a :class:`RankReading`: the step's loss, gradient norm, whether the rank had a
+loss (a skipped backward has none) and whether any of its gradients is NaN or inf. Every rank runs every rank's
 detectors over that same table (each rank's values have their own level and noise, so each rank has
 its own copy of each detector), so every rank reaches the same verdict without a second collective.
 
@@ -36,18 +36,23 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from . import Alert, SpikeDetector, SpikeEvent, names
+from . import names
+from .actions.base import Action, Verdict
+from .alerts.alert import Alert
 from .config import CONFIRMED_ACTIONS
+from .detectors.events import SpikeEvent
+from .detectors.spikes import SpikeDetector
 
-__all__ = ["FIELDS", "GRAD_NORM_CONFIRM_SHARE", "SPIKE_ACTIONS", "ActionCap", "Judgement", "NotTrainingStreak",
-           "PhaseNotes", "RankDetectors", "StepJudge", "Verdict"]
+if TYPE_CHECKING:
+    import torch
 
-# Columns of the per-rank row: loss, gradient norm, has a loss, non-finite gradients.
-FIELDS = 4
+__all__ = ["GRAD_NORM_CONFIRM_SHARE", "SPIKE_ACTIONS", "ActionCap", "Judgement", "NotTrainingStreak",
+           "PhaseNotes", "RankDetectors", "RankReading", "StepJudge"]
+
 #: The share of the run's progress a rank's loss must undo to confirm a gradient-norm jump on its own.
 GRAD_NORM_CONFIRM_SHARE = 0.5
 #: The metric of the alert that says the spike-action cap was reached.
@@ -55,21 +60,44 @@ SPIKE_ACTIONS = "stable_attn/spike_actions"
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """What is done about one step. At most one of ``skip``, ``rollback`` and ``stop`` is True, and one is
-    exactly when the step's update is dropped; ``action`` is the word the step's alerts carry."""
+class RankReading:
+    """One rank's values of one step, as every rank gathers them: the one place that knows the gathered row's
+    columns and their order (``to_tensor`` writes them, ``from_row`` reads them)."""
 
-    action: str  # "warn", "skip", "rollback" or "stop": on_spike's (or "skip" for a non-finite step under "warn")
-    skip: bool = False  # the update is dropped and training goes on
-    rollback: bool = False  # the update is dropped and the last snapshot is restored
-    stop: bool = False  # the update is dropped and the run stops with a checkpoint
-    recover: bool = False  # the update is dropped and the engine's Recovery decides (monitor/recovery.py)
-    not_training: bool = False  # the step counts towards the not-training streak (dropped, or a non-finite loss)
+    loss: float  # the step's loss on this rank (NaN without one)
+    grad_norm: float  # the global gradient norm (NaN when it is not computed)
+    has_loss: bool = True  # the rank ran a backward with a loss this step
+    bad_grads: bool = False  # a gradient on this rank is NaN or inf
 
-    @property
-    def drop(self) -> bool:
-        """The step's update is dropped."""
-        return self.skip or self.rollback or self.stop or self.recover
+    WIDTH: ClassVar[int]
+
+    @staticmethod
+    def to_tensor(loss: torch.Tensor | None, grad_norm: torch.Tensor | None, bad_grads: torch.Tensor | None,
+                  device: torch.device) -> torch.Tensor:
+        """This rank's row on ``device`` (float64, no host copy): what the all-gather shares."""
+        import torch  # the judge itself runs on host floats, without torch
+
+        nan = torch.full((), math.nan, device=device)
+        return torch.stack([
+            loss.to(device) if loss is not None else nan,
+            grad_norm.float().to(device) if grad_norm is not None else nan,
+            torch.full((), float(loss is not None), device=device),
+            bad_grads.to(device) if bad_grads is not None else torch.zeros((), device=device),
+        ]).double()
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> RankReading:
+        """The reading of one gathered row (host floats, in :meth:`to_tensor`'s order)."""
+        loss, grad_norm, has_loss, bad_grads = row
+        return cls(float(loss), float(grad_norm), bool(has_loss), bool(bad_grads))
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor) -> list[RankReading]:
+        """Every rank's reading from the gathered tensor (stacked or concatenated rows), in rank order."""
+        return [cls.from_row(row) for row in table.reshape(-1, cls.WIDTH).cpu().tolist()]
+
+
+RankReading.WIDTH = len(fields(RankReading))
 
 
 @dataclass
@@ -80,7 +108,7 @@ class Judgement:
     alerts: list[Alert] = field(default_factory=list)  # alerts with no detector event (non-finite gradients)
     unconfirmed: int = 0  # gradient-norm jumps the loss did not confirm (ranks), neither alerted nor acted on
     spiked: bool = False  # a loss or (confirmed) gradient-norm spike, or a NaN/inf, on any rank
-    # For the alerts' evidence (monitor/evidence.py), by metric (names.LOSS, names.GRAD_NORM) and rank: each
+    # For the alerts' evidence (monitor/alerts/evidence.py), by metric (names.LOSS, names.GRAD_NORM) and rank: each
     # detector's forecast before the step's value, and the events the detectors returned (confirmed or not).
     baselines: dict[str, dict[int, float | None]] = field(default_factory=dict)
     events: dict[str, dict[int, SpikeEvent]] = field(default_factory=dict)
@@ -171,7 +199,7 @@ class ActionCap:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         values = {}
-        for key in ("count", "quiet", "lasted"):  # "lasted" is absent before 0.3
+        for key in ("count", "quiet", "lasted"):  # a state without "lasted" starts it at 0
             value = state.get(key, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"spike_actions.{key}={value!r} in the saved monitor state is not supported; "
@@ -193,8 +221,10 @@ class StepJudge:
     """Runs every rank's loss and gradient-norm detectors over one step's gathered rows and decides."""
 
     def __init__(self, on_spike: str, loss: SpikeDetector, grad_norm: SpikeDetector,
-                 cap: ActionCap | None = None, confirm: int = 1) -> None:
+                 cap: ActionCap | None = None, confirm: int = 1, action: Action | None = None) -> None:
         self.on_spike = on_spike
+        # decides a step whose update is dropped as on_spike, and words the alerts' note
+        self.action = action if action is not None else Action(word=on_spike)
         self.cap = cap if cap is not None else ActionCap(None, 1)
         self.confirm = confirm  # spike_confirm_steps
         self.ranks = {names.LOSS: RankDetectors(loss), names.GRAD_NORM: RankDetectors(grad_norm)}
@@ -215,13 +245,12 @@ class StepJudge:
                 ranks.detectors[0].load_state_dict(saved[0])
                 ranks.load_other_states(saved[1:])
 
-    def judge(self, step: int, rows: list[list[float]], *, has_norm: bool, scaler: bool, lr: float,
-              note: Callable[[Verdict], str]) -> Judgement:
-        """``rows[rank]`` = [loss, grad norm, has loss, non-finite gradients]; ``note(verdict)`` is what an
-        alert adds after its message (e.g. "; update skipped")."""
+    def judge(self, step: int, rows: Sequence[RankReading], *, has_norm: bool, scaler: bool, lr: float) -> Judgement:
+        """``rows[rank]``: that rank's reading. A step dropped as ``on_spike`` is decided by the action
+        (``action.decide``), which also words what the alerts add after their message (``action.note``)."""
         world = len(rows)
-        losses = [r[0] for r in rows if r[2]]
-        norms = [r[1] for r in rows] if has_norm else []
+        losses = [r.loss for r in rows if r.has_loss]
+        norms = [r.grad_norm for r in rows] if has_norm else []
         last = {
             names.LOSS: sum(losses) / len(losses) if losses else math.nan,  # a NaN on any rank shows
             names.GRAD_NORM: worst(norms),
@@ -229,24 +258,24 @@ class StepJudge:
         }
         loss_det, norm_det = self.ranks[names.LOSS], self.ranks[names.GRAD_NORM]
         # Measured before the loss enters its detector: against the baseline the value is judged by.
-        shares = {rank: loss_det[rank].progress_share(r[0]) for rank, r in enumerate(rows)
-                  if r[2] and math.isfinite(r[0])}
+        shares = {rank: loss_det[rank].progress_share(r.loss) for rank, r in enumerate(rows)
+                  if r.has_loss and math.isfinite(r.loss)}
         baselines = {names.LOSS: {rank: getattr(loss_det[rank], "baseline", None)
-                                  for rank, r in enumerate(rows) if r[2]}}
+                                  for rank, r in enumerate(rows) if r.has_loss}}
         if has_norm:
             baselines[names.GRAD_NORM] = {rank: getattr(norm_det[rank], "baseline", None) for rank in range(world)}
-        loss_events = [(rank, loss_det[rank].update(step, r[0])) for rank, r in enumerate(rows) if r[2]]
+        loss_events = [(rank, loss_det[rank].update(step, r.loss)) for rank, r in enumerate(rows) if r.has_loss]
         norm_events = []
         # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
         if has_norm:
-            norm_events = [(rank, norm_det[rank].update(step, r[1])) for rank, r in enumerate(rows)
-                           if not (scaler and not math.isfinite(r[1]))]
+            norm_events = [(rank, norm_det[rank].update(step, r.grad_norm)) for rank, r in enumerate(rows)
+                           if not (scaler and not math.isfinite(r.grad_norm))]
         loss_events = [(rank, e) for rank, e in loss_events if e is not None]
         norm_events = [(rank, e) for rank, e in norm_events if e is not None]
         flagged = {names.LOSS: dict(loss_events), names.GRAD_NORM: dict(norm_events)}  # before confirmation
         norm_events, unconfirmed = self._confirmed(norm_events, bool(loss_events), shares)
-        bad_grad_ranks = [] if scaler else [rank for rank, r in enumerate(rows) if r[3]]
-        nonfinite_loss = any(r[2] and not math.isfinite(r[0]) for r in rows)
+        bad_grad_ranks = [] if scaler else [rank for rank, r in enumerate(rows) if r.bad_grads]
+        nonfinite_loss = any(r.has_loss and not math.isfinite(r.loss) for r in rows)
         nonfinite = nonfinite_loss or bool(bad_grad_ranks)
         spiked = bool(loss_events or norm_events)
         capped = spiked and self.on_spike != "warn" and self.cap.exhausted
@@ -261,12 +290,13 @@ class StepJudge:
         dropped_as = "skip" if warn_only or waits else self.on_spike  # what a dropped update means
         if drop and dropped_as in ("rollback", "recover"):
             self.cap.lasted = 0  # the weights are put back: a spike after it is a new one
-        verdict = Verdict(action=dropped_as if drop or not warn_only else "warn",
-                          skip=drop and dropped_as == "skip", rollback=drop and dropped_as == "rollback",
-                          stop=drop and dropped_as == "stop", recover=drop and dropped_as == "recover",
-                          not_training=drop or nonfinite_loss)
+        if drop and dropped_as == self.on_spike:
+            verdict = self.action.decide(step)
+        else:
+            verdict = Verdict(action=dropped_as if drop or not warn_only else "warn",
+                              skip=drop and dropped_as == "skip", not_training=drop or nonfinite_loss)
         action = verdict.action
-        said = note(verdict)
+        said = self.action.note(verdict)
         if nonfinite and warn_only:
             said += " (a non-finite update is never applied, whatever on_spike says)"
         if capped:
@@ -287,6 +317,7 @@ class StepJudge:
                 step=step, kind="nonfinite", metric=names.GRADIENTS, value=math.nan, lr=lr, action=action,
                 message=("NaN or inf in the gradients " + where(bad_grad_ranks, world) + said).strip()))
         self._grads_were_bad = bool(bad_grad_ranks) and not has_norm
+        out.alerts.extend(self.action.alerts(step, lr))
         return out
 
     def _confirmed(self, events: list[tuple[int, SpikeEvent]], loss_flagged: bool,

@@ -22,7 +22,7 @@ bf16 values ``v`` ``[T, N, D]``, one independent row per trial ``t``, and return
 
 - (d) :func:`tensor_core_model`: our kernel's forward, key block by key block, with ``P-bar V`` (and
   the exact mode's tensor-core row sum) as a GPU's tensor cores compute them
-  (:func:`stable_attn.numerics.tensor_core.mma`, ``model="a100"``/``"h100"``/``"ieee"``).
+  (:func:`stable_attn.numerics.tensor_core.mma`, ``model="a100"``/``"h100"``/``"b200"``/``"ieee"``).
 
 ``fix`` is ``"off"`` (plain safe softmax), ``"ours"`` (stable_attn's rule: exact trigger, minimum and
 capped shift, rules.py) or ``"paper"`` (the published rule: 1e-3 window, ``beta*m`` or 0).
@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import rules
 from ..attention import attention
-from ..kernels import naive, reference, rules
+from ..kernels import naive, reference
 from ..options import BLOCK_N, FIX_NAMES, Options
 from ..stats import AttentionStats
 from . import tensor_core
@@ -264,7 +265,7 @@ def tensor_core_forward(x: torch.Tensor, values: torch.Tensor, fix: str, *, qk_s
     :func:`tensor_core.mma` under ``model`` (which splits it into its fused blocks). For ``fix="ours"``
     the row sum is ``tl.dot(P-bar, 1, l * alpha)`` on the tensor cores too (``tensor_core_row_sum``:
     head dim <= 128; one chain per block here, where the sm_90 kernel sums each half of the block's keys
-    into its own accumulator and adds the two after the loop, ``triton_attention.row_sum_parts``: the same
+    into its own accumulator and adds the two after the loop, ``triton_launch.row_sum_parts``: the same
     rounded P-bar in another fp32 order, not modelled), else ``l * alpha + sum(P-bar)`` in fp32 (the
     unrounded P-bar for ``"off"`` and ``"paper"``, with the paper's floor). ``O = acc / l``, stored in ``out_dtype``.
 
@@ -359,7 +360,7 @@ def tensor_core_model(scores: torch.Tensor, values: torch.Tensor, fix: str, bloc
 
 
 def kernel_key_block(model: str, fix: str, dtype: torch.dtype, head_dim: int, plain: bool) -> int:
-    """The key partition the Triton forward walks on ``model``'s GPU (``triton_attention.fwd_config``).
+    """The key partition the Triton forward walks on ``model``'s GPU (``triton_launch.fwd_config``).
 
     Where a rule or a statistic sees the partition, the partition (``options.BLOCK_N``, 128 keys); with
     stabilize off and no statistics the tile the kernel takes (128 keys on sm_90's plain variants, 64 on
@@ -369,7 +370,7 @@ def kernel_key_block(model: str, fix: str, dtype: torch.dtype, head_dim: int, pl
     if cc is None:
         return BLOCK_N
     try:
-        from ..kernels.triton_attention import fwd_config, head_block
+        from ..kernels.triton_launch import fwd_config, head_block
     except ImportError:
         return BLOCK_N
     cfg = fwd_config(head_block(head_dim), BLOCK_N, dtype, cc, mode=options_mode(fix), stats=False, plain=plain)

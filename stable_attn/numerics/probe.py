@@ -225,6 +225,10 @@ class _Recorder:
         out = attention(q, k, v, **kwargs)
         if self.current is None:
             return out
+        if kwargs.get("sinks") is not None or v.shape[-1] != q.shape[-1]:
+            # the replay recomputes plain softmax attention with q's head dim: it would analyse another layer
+            raise ValueError("the probe does not replay learned sinks or a value head dim apart from the query's "
+                             f"(got sinks: {kwargs.get('sinks') is not None}, head dims {q.shape[-1]} / {v.shape[-1]})")
         if torch.is_autocast_enabled(q.device.type):
             # the op computes in autocast's dtype (RoPE models hand it fp32 q, k): record what it computes on
             dt = torch.get_autocast_dtype(q.device.type)

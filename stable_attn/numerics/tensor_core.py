@@ -17,6 +17,10 @@ Sources (read, not copied):
   (what the parameters do: ``GlobalAlignmentSum``, ``AlignSignficand``, ``norm_helper``) and
   ``models/tools/GEMM.m`` (K split into blocks of ``fma`` products, each block's D the next block's
   C; NaN/Inf screening). Its ``model_validation/`` holds GPU-measured vectors (tests use a subset).
+- [MMA-Sim] the ``mmasim`` package (arXiv 2511.10909): bit-accurate models of Ampere ``mma``, Hopper
+  ``wgmma`` and Blackwell ``tcgen05.mma``; ``mmasim/nv_ptx/sim.py`` (per-architecture parameters) and
+  ``mmasim/arithmetic/fdpa.py`` (the truncated fused dot product). The source of model ``"b200"``;
+  tests/numerics/test_mmasim_crosscheck.py compares every model with it.
 
 The steps of one block (``fused_size`` products, [KM25] ``Generic_BFMA_TC.m`` global-alignment path):
 
@@ -44,6 +48,7 @@ k order, starting from C (a correctly rounded fused multiply-add per product).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +177,16 @@ def _h100(fmt: str) -> TensorCoreSpec:
     )
 
 
+def _b200(fmt: str) -> TensorCoreSpec:
+    # [MMA-Sim] ``mmasim.nv_ptx.sim.TCGen05MMA`` (Blackwell ``tcgen05.mma``, kind::f16 and kind::f8f6f4 with
+    # f32 D): one truncated fused dot product ``MMA_T_FDPA`` with F = 25 fraction bits for every input format,
+    # L_max = 32 bytes of inputs a block, e_zero = -133, "RZ-FP32" output. For bf16/fp16 that is Hopper's
+    # arithmetic; for fp8 it keeps 25 fraction bits and a full fp32 output where Hopper keeps 13.
+    fp8 = fmt in ("e4m3", "e5m2")
+    return dataclasses.replace(_h100(fmt), model="b200", fused_size=32 if fp8 else 16, extra_alignment_bits=2,
+                               output_mantissa_bits=23)
+
+
 def _ieee(fmt: str) -> TensorCoreSpec:
     # the reference arithmetic, by definition (IEEE 754 binary32, roundTiesToEven), no hardware source
     return TensorCoreSpec(
@@ -189,8 +204,9 @@ for _fmt in ("bf16", "fp16"):
     SPECS[("a100", _fmt)] = _a100(_fmt)
 for _fmt in ("bf16", "fp16", "e4m3", "e5m2"):
     SPECS[("h100", _fmt)] = _h100(_fmt)
+    SPECS[("b200", _fmt)] = _b200(_fmt)
     SPECS[("ieee", _fmt)] = _ieee(_fmt)
-MODELS = ("a100", "h100", "ieee")
+MODELS = ("a100", "h100", "b200", "ieee")
 
 
 def spec_for(model: str, dtype: torch.dtype) -> TensorCoreSpec:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..monitor.alerts import Alert
+from ..monitor.alerts.alert import Alert
 from .summary import fmt
 
 __all__ = ["MAX_EVIDENCE_ALERTS", "evidence_section"]

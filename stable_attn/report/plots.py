@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..monitor.detectors.surge import SurgeDetector
 from ..monitor.names import LOSS, QK_CLIP_HEADS, VAL_LOSS, layer_metric, parse_layer_metric
-from ..monitor.surge import SurgeDetector
 from .read import RunData
 
 __all__ = ["KIND_COLORS", "LEVELS", "alerts_phrase", "plot_loss", "plot_max_logit", "plot_qk_clip", "plot_saturation"]

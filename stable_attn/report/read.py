@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ..monitor.alert_schema import AlertSchemaError, alert_version, check_field
-from ..monitor.alerts import Alert
+from ..monitor.alerts.alert import Alert
+from ..monitor.alerts.schema import AlertSchemaError, alert_version, check_field
 from ..monitor.names import (
     ALERTS_FILE,
     GRAD_NORM,
@@ -204,7 +204,7 @@ def read_alerts(path: str | os.PathLike, problems: list[str] | None = None,
     by default, so the :attr:`~stable_attn.monitor.Alert.FLOAT_FIELDS` are floats (or None) in what
     this returns. Other keys are kept as the line holds them, and a line may lack any key but ``step``.
     A version-2 line's evidence fields (docs/ALERTS.md) are checked against the schema
-    (:mod:`stable_attn.monitor.alert_schema`): one that does not match is set to None and, when
+    (:mod:`stable_attn.monitor.alerts.schema`): one that does not match is set to None and, when
     ``evidence_problems`` is given, said there (``line 7: alert field 'ranks[0].rank': ...``).
     """
     alerts = []

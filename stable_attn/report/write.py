@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..monitor.alerts import Alert
+from ..monitor.alerts.alert import Alert
 from ..monitor.names import LOSS, VAL_LOSS
 from .evidence import evidence_section
 from .plots import KIND_COLORS, LEVELS, plot_loss, plot_max_logit, plot_qk_clip, plot_saturation

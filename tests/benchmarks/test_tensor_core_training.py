@@ -101,3 +101,76 @@ def test_tiny_ab_run(tmp_path):
                      str(tmp_path / "o.png")]) == 0
     with pytest.raises(ValueError, match="seed differs"):
         tct.main(["--from-json", str(path), str(other), "--plot", str(tmp_path / "x.png")])
+
+
+def test_tie_block_rate_counts_pbar_ones_against_the_running_max():
+    x = torch.full((1, 4, 4), -5.0)
+    x[0, 1, :2] = 3.0  # row 1: keys 0 and 1 tie at its max
+    x[0, 3, 0] = x[0, 3, 2] = 1.0  # row 3: a tie across the blocks of 2: block 1 sees one P-bar = 1, block 2 one
+    x[0, 2, 1] = 2.0 + 2.0 ** -12  # row 2: keys 0 (-5) and 1; no tie
+    # blocks of 4: one block a row, 4 rows; row 1 and row 3 hold two P-bar = 1.0
+    assert tct.tie_block_rate(x, 4) == 2 / 4
+    # blocks of 2: rows 0, 1 see block 1 only; rows 2, 3 see both: 6 (row, block) pairs; only row 1's block ties
+    assert tct.tie_block_rate(x, 2) == 1 / 6
+
+
+def test_spikes_follow_lightnings_rule():
+    flat = [1.0] * 20
+    assert tct.spikes(flat) == 0
+    assert tct.spikes(flat[:15] + [3.5] + flat[:4]) == 1  # 3.5 - 1 > 2 * 1
+    assert tct.spikes(flat[:15] + [2.9] + flat[:4]) == 0
+    assert tct.spikes(flat[:5] + [math.nan]) == 1
+
+
+def test_sink_data_starts_every_sequence_with_the_fixed_token():
+    x, y = tct.batches(3, 4, 16, 0, "sinks")
+    assert bool((x[..., 0] == tct.SINK_TOKEN).all()) and not bool((y == tct.SINK_TOKEN).any())
+    x_text, y_text = tct.batches(3, 4, 16, 0, "text")
+    assert torch.equal(x[..., 1:], x_text[..., 1:]) and torch.equal(y, y_text)
+
+
+CONTROL = ["--control", "--steps", "6", "--log-every", "2", "--width", "16", "--heads", "2", "--seq", "16",
+           "--batch", "2", "--paper-block", "8", "--warmup", "2"]
+
+
+def test_control_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+    ref = tct.train(tct.parse([*CONTROL, "--json", str(tmp_path / "r.json")]))
+    args = tct.parse([*CONTROL, "--checkpoint", str(tmp_path / "c.pt"), "--checkpoint-every", "2"])
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_4(traces):
+        if traces["steps"][-1] == 4:
+            raise Stop
+
+    with pytest.raises(Stop):  # killed after step 4's checkpoint
+        tct.train(args, stop_at_4)
+    resumed = tct.train(args)
+    for name in ref["arms"]:
+        assert resumed["arms"][name]["loss_every_step"] == ref["arms"][name]["loss_every_step"], name
+        assert resumed["arms"][name]["drift_q"] == ref["arms"][name]["drift_q"], name
+    assert set(ref["arms"]) == {*tct.CONTROL_ARMS, "twin"}
+    b_paper = ref["arms"]["b_paper"]["ties"][-1]
+    assert len(b_paper) == 2 and all(0 <= d["tie_rate"] <= 1 and 0 <= d["fired_rate"] <= 1 for d in b_paper)
+    with pytest.raises(ValueError, match="another configuration"):
+        tct.train(tct.parse([*CONTROL, "--seed", "3", "--checkpoint", str(tmp_path / "c.pt")]))
+    # a shorter run's checkpoint continues into a longer run: the same steps as the longer run from scratch
+    short = tct.parse([*CONTROL, "--steps", "4", "--checkpoint", str(tmp_path / "s.pt")])
+    tct.train(short)
+    longer = tct.train(tct.parse([*CONTROL, "--checkpoint", str(tmp_path / "s.pt")]))
+    assert longer["arms"]["b_off"]["loss_every_step"] == ref["arms"]["b_off"]["loss_every_step"]
+
+
+@pytest.mark.slow
+def test_control_short_form(tmp_path):
+    # the positive control's short form (minutes): two seeds, every arm, the summary table
+    table = tmp_path / "control.txt"
+    assert tct.main(["--control", "--steps", "60", "--log-every", "20", "--seeds", "0", "1",
+                     "--json", str(tmp_path / "c.json"), "--table", str(table)]) == 0
+    text = table.read_text()
+    for name in (*tct.CONTROL_ARMS, "twin"):
+        assert f"| {name} | 0 | 60 |" in text and f"| {name} | 1 | 60 |" in text
+    data = json.loads((tmp_path / "c_seed1.json").read_text())
+    assert data["args"]["data"] == "sinks" and data["steps"] == [0, 20, 40, 60]
+    assert all(math.isfinite(x) for tr in data["arms"].values() for x in tr["loss_every_step"])

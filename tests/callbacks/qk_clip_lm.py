@@ -1,7 +1,7 @@
 """Tiny transformers models for the QK-Clip tests of both callbacks (Lightning and transformers.Trainer).
 
 The models are built with ``attn_implementation="stable_attn"`` and their attention weights scaled up at
-init (as tests/monitor/test_qk_clip.py does) so that the heads' max logits are a few units apart: a tau
+init (as tests/monitor/actions/test_qk_clip.py does) so that the heads' max logits are a few units apart: a tau
 between them clips some heads and leaves others. :class:`EditCheck` checks every optimizer step's edit
 exactly, from the weights just before and just after the callback's ``end_step`` and the step's per-head
 max logits as the kernel's statistics hold them when the optimizer step starts.
@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import stable_attn.integrations.transformers as st
 from stable_attn.monitor import names
-from stable_attn.monitor.qk_clip import head_layout
+from stable_attn.monitor.actions.qk_clip import head_layout
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 

@@ -46,7 +46,7 @@ def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):
     loss = [a for a in alerts if a["metric"] == "train/loss"]
     assert len(loss) == 1 and "on rank 1 of 2" in loss[0]["message"] and loss[0]["action"] == "skip"
     # the evidence: both ranks' readings from the step's one all-gather, the flagged rank first
-    from stable_attn.monitor.alert_schema import validate_alert
+    from stable_attn.monitor.alerts.schema import validate_alert
 
     assert all(validate_alert(a) == 2 and a["world_size"] == 2 for a in alerts)
     first, second = loss[0]["ranks"]

@@ -28,7 +28,7 @@ from lightning.pytorch import Callback
 from stable_attn import AttentionStats
 from stable_attn.callbacks import StableAttentionCallback
 from stable_attn.monitor import Alert, SpikeDetector
-from stable_attn.monitor.alert_schema import REMOTE_CAPS, validate_alert
+from stable_attn.monitor.alerts.schema import REMOTE_CAPS, validate_alert
 
 STEPS = 60
 BAD = 50

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from stable_attn.callbacks import StableAttentionCallback
 from stable_attn.monitor import names
-from stable_attn.monitor.alert_schema import validate_alert
+from stable_attn.monitor.alerts.schema import validate_alert
 
 
 class LM(L.LightningModule):

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader
 
 from stable_attn.callbacks import StableAttentionCallback
 from stable_attn.monitor import SpikeDetector
-from stable_attn.monitor.alert_schema import validate_alert
-from stable_attn.monitor.data_position import batch_fingerprint
+from stable_attn.monitor.alerts.schema import validate_alert
+from stable_attn.monitor.loop import batch_fingerprint
 
 BAD = 50
 STEPS = 60

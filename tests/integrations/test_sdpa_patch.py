@@ -169,11 +169,19 @@ def test_dropout_is_served_and_drops(spy):
     assert (dropped - clean).abs().max() > 1e-2
 
 
+def test_a_value_head_dim_apart_from_the_querys_is_served(spy):
+    q, k, _ = _inputs()
+    v = _inputs(d=4)[2]
+    with patch_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert len(spy) == 1 and out.shape == (*q.shape[:3], 4)
+    torch.testing.assert_close(out, ORIGINAL(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
+
+
 PASSED_ON = {
     "float64": (lambda: _inputs(dtype=torch.float64), {}, "dtypes torch.float64"),
-    "head dim 320": (lambda: _inputs(d=320), {}, "head dim 320 > 256"),
+    "head dim 640": (lambda: _inputs(d=640), {}, "head dim 640 > 512"),
     "rank 3": (lambda: tuple(t[0] for t in _inputs()), {}, "inputs of rank 3"),
-    "value head dim": (lambda: (*_inputs()[:2], _inputs(d=4)[2]), {}, "value or key shape"),
     "learned mask": (lambda: _inputs(), {"attn_mask": torch.zeros(7, 7, requires_grad=True)}, "requires grad"),
 }
 

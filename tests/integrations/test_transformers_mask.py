@@ -259,8 +259,7 @@ class _Module(torch.nn.Module):
     is_causal = True
 
 
-@pytest.mark.parametrize("kwarg, words", [("s_aux", "attention sinks"), ("position_bias", "position_bias"),
-                                          ("indices", "sparse attention")])
+@pytest.mark.parametrize("kwarg, words", [("position_bias", "position_bias"), ("indices", "sparse attention")])
 def test_unsupported_model_features_raise(kwarg, words):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match=words) as err:
@@ -268,10 +267,21 @@ def test_unsupported_model_features_raise(kwarg, words):
     assert "_Module" in str(err.value)
 
 
-def test_value_head_dim_and_bad_masks_raise():
+def test_sinks_and_a_value_head_dim_are_served():
+    """``s_aux`` (gpt-oss's sinks) reaches the op as ``sinks``; a value head dim apart from the query's gives an
+    output with v's head dim (nothing padded); both as the fp64 oracle."""
+    from stable_attn.kernels import naive
+
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="value head dim 4"):
-        st.stable_attn_attention_forward(_Module(), q, q, q[..., :4], None)
+    sinks = torch.tensor([0.5, -1.0])
+    out, _ = st.stable_attn_attention_forward(_Module(), q, q, q[..., :4], None, scaling=0.5, s_aux=sinks)
+    assert out.shape == (1, 4, 2, 4)
+    want = naive.attention(q, q, q[..., :4], causal=True, scale=0.5, sinks=sinks)
+    torch.testing.assert_close(out.transpose(1, 2).double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_masks_raise():
+    q = torch.randn(1, 2, 4, 8)
     with pytest.raises(TypeError, match="attention mask of type str"):
         st.stable_attn_attention_forward(_Module(), q, q, q, "causal")
     with pytest.raises(ValueError, match="learned additive attention mask"):
@@ -279,8 +289,8 @@ def test_value_head_dim_and_bad_masks_raise():
     stale = st.StableAttnMask(True, None, None, q_length=4, kv_length=5)
     with pytest.raises(RuntimeError, match="kv_length=5"):
         st.stable_attn_attention_forward(_Module(), q, q, q, stale)
-    with pytest.raises(ValueError, match=r"_Module.*head dim D=300"):
-        big = torch.randn(1, 1, 2, 300)
+    with pytest.raises(ValueError, match=r"_Module.*head dim D=600"):
+        big = torch.randn(1, 1, 2, 600)
         st.stable_attn_attention_forward(_Module(), big, big, big, None)
 
 

@@ -1,7 +1,9 @@
 """attn_implementation="stable_attn" on tiny random transformers models, against "eager" / "sdpa".
 
 Every family is built from its config class (no downloads), 2 layers, width 32, sequences of 20
-tokens, and checked for: fp32 logits and every parameter gradient (no padding, right padding, left
+tokens (gpt-oss: learned sinks, sliding and full layers, GQA; DeepSeek-V3: multi-head latent attention, query
+head dim 24 against value head dim 16; Gemma 4: a sliding layer of head dim 8 and a global layer of head dim 512),
+and checked for: fp32 logits and every parameter gradient (no padding, right padding, left
 padding, ragged lengths in one batch); bf16 logits and gradients within bf16 error of the fp32 model;
 greedy ``generate()`` with a KV cache (left-padded ragged prompts) identical to the reference; and a
 switch to ``"stable_attn"`` and back at run time. Tests run on the PyTorch backend (CPU).
@@ -10,20 +12,27 @@ switch to ``"stable_attn"`` and back at run time. Tests run on the PyTorch backe
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     BertConfig,
     BertForMaskedLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -37,6 +46,12 @@ from transformers import (
 )
 
 import stable_attn.integrations.transformers as st
+from stable_attn.integrations.transformers import dispatch
+
+# Gemma 4 came with transformers 5.5; the floor CI environment (5.0) builds the other families
+Gemma4ForCausalLM = getattr(transformers, "Gemma4ForCausalLM", None)
+Gemma4TextConfig = getattr(transformers, "Gemma4TextConfig", None)
+GEMMA4_SINCE = (5, 5)
 
 VOCAB = 96
 SEQ = 20
@@ -54,12 +69,26 @@ class Family:
     decoder: bool = True
     reference: str = "sdpa"  # for generate(); "eager" where the model does not support sdpa
     extra: dict = field(default_factory=dict)
+    prepare: Callable[[torch.nn.Module], None] | None = None  # after the seeded init, before any run
+    # what serves each layer on a CUDA device (dispatch.serving), in layer order
+    paths: tuple[str, ...] = (dispatch.TRITON_DENSE, dispatch.TRITON_DENSE)
+    grad_atol_rel: float = 1e-5  # fp32 gradients' absolute tolerance, relative to the model's largest gradient
+
+
+def _sinks_that_matter(model: torch.nn.Module) -> None:
+    """gpt-oss initialises its sinks near 0 (std 0.02): spread them over a few nats so that they move the output
+    (test_sinks_and_head_dims_really_matter) and their gradients are far from zero."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.copy_(torch.randn(module.sinks.shape, generator=g) * 1.5)
 
 
 def _families() -> list[Family]:
     small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, max_position_embeddings=64)
-    return [
+    families = [
         # GPT-2's defaults keep attention dropout 0.1: eval for equality, training tested separately
         Family("gpt2", GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
         Family("llama", LlamaForCausalLM, LlamaConfig(**small, num_key_value_heads=2)),
@@ -78,6 +107,31 @@ def _families() -> list[Family]:
         Family("opt", OPTForCausalLM, OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                                                 num_attention_heads=4, max_position_embeddings=64,
                                                 word_embed_proj_dim=32)),
+        # learned sinks (s_aux), layer 0 sliding window, layer 1 full, GQA 4/2; no sdpa in transformers
+        Family("gpt_oss", GptOssForCausalLM,
+               GptOssConfig(**small, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
+                            layer_types=["sliding_attention", "full_attention"], num_local_experts=2,
+                            num_experts_per_tok=1),
+               reference="eager", prepare=_sinks_that_matter),
+        # multi-head latent attention: q/k head dim 16 + 8 (rope) = 24, v head dim 16 (DeepSeek-V3's 192 / 128)
+        Family("deepseek_v3", DeepseekV3ForCausalLM,
+               DeepseekV3Config(**small, num_key_value_heads=4, moe_intermediate_size=16, q_lora_rank=16,
+                                kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                                topk_group=1),
+               paths=(dispatch.PYTORCH, dispatch.PYTORCH)),
+    ]
+    if Gemma4ForCausalLM is None:
+        return families
+    return families + [
+        # layer 0 sliding window with head dim 8, layer 1 global with head dim 512 (Gemma 4's global_head_dim)
+        Family("gemma4", Gemma4ForCausalLM,
+               Gemma4TextConfig(**small, num_key_value_heads=2, head_dim=8, global_head_dim=512,
+                                sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
+               # its fp32 gradient noise is larger: sdpa's own gradients differ from eager's by 1.0e-5 of the
+               # largest one (3.2e-3 of 311), ours by 1.2e-5
+               paths=(dispatch.TRITON_DENSE, dispatch.PYTORCH), grad_atol_rel=5e-5),
     ]
 
 
@@ -88,7 +142,10 @@ DECODERS = [name for name, f in FAMILIES.items() if f.decoder]
 def build(family: Family, impl: str = "eager", seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = copy.deepcopy(family.config)
-    return family.model_cls._from_config(config, attn_implementation=impl).eval()
+    model = family.model_cls._from_config(config, attn_implementation=impl).eval()
+    if family.prepare is not None:
+        family.prepare(model)
+    return model
 
 
 def batch(padding: str | None, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -163,10 +220,13 @@ def test_fp32_logits_and_gradients_match_eager_and_switch_back(name):
     assert model.config._attn_implementation == "stable_attn"
     for (ids, mask), (ref_logits, ref_grads), label in zip(cases, reference, ("unpadded", "right", "left")):
         before = calls(stats)
-        logits, grads = run(model, ids, mask, w)
+        with dispatch.recording() as served:
+            logits, grads = run(model, ids, mask, w)
         assert calls(stats) - before == n_layers, "the stable_attn function did not serve every layer"
+        if mask is None:  # padded batches may need a 4D mask in some families (dispatch's "4d-mask")
+            assert tuple(r["path"] for r in served) == family.paths, [(r["path"], r["reason"]) for r in served]
         assert_close_scaled(logits, ref_logits, 1e-4, 1e-5, f"{name} {label} logits")
-        assert_grads_close(grads, ref_grads, 1e-4, 1e-5, f"{name} {label}")
+        assert_grads_close(grads, ref_grads, 1e-4, family.grad_atol_rel, f"{name} {label}")
 
     model.set_attn_implementation("eager")
     before = calls(stats)
@@ -281,6 +341,39 @@ def test_window_and_softcap_really_matter_in_the_configs_above():
     assert diff > 1e-3
 
 
+def test_sinks_and_head_dims_really_matter():
+    """Guards the new families' rows: gpt-oss's sinks move the output and their gradients equal eager's at their
+    own scale; DeepSeek-V3's layers see q/k head dim 24 and v head dim 16; Gemma 4's global layer head dim 512."""
+    ids, mask = batch("right")
+    w = weights_for()
+    family = FAMILIES["gpt_oss"]
+    model = build(family, "eager")
+    ref_logits, ref_grads = run(model, ids, mask, w)
+    model.set_attn_implementation("stable_attn")
+    logits, grads = run(model, ids, mask, w)
+    for name in (n for n in ref_grads if n.endswith("sinks")):
+        assert_close_scaled(grads[name], ref_grads[name], 1e-4, 1e-5, f"gpt_oss grad of {name}")
+        assert ref_grads[name].abs().max() > 1e-3
+    assert _delta(family, "sinks", torch.nn.Parameter(torch.full((4,), -1e4)), ids, mask) > 1e-2
+
+    seen = []
+    real = st.attention_function.attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.shape[-1], v.shape[-1], kwargs["sinks"] is not None))
+        return real(q, k, v, **kwargs)
+
+    cases = {"deepseek_v3": [(24, 16, False)] * 2, "gemma4": [(8, 8, False), (512, 512, False)],
+             "gpt_oss": [(8, 8, True)] * 2}
+    for name, want in ((n, w) for n, w in cases.items() if n in FAMILIES):
+        seen.clear()
+        model = build(FAMILIES[name], "stable_attn")
+        with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+            mp.setattr(st.attention_function, "attention", spy)
+            model(input_ids=ids, attention_mask=mask)
+        assert seen == want, (name, seen)
+
+
 def test_gpt2_attention_dropout_in_training():
     """GPT-2's default attn_pdrop=0.1 applies in train mode only, reproducibly under a torch seed."""
     family = FAMILIES["gpt2"]
@@ -309,9 +402,27 @@ def test_gpt2_attention_dropout_in_training():
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
-def test_packed_sequences_match_eager():
-    """position_ids that restart mark packed documents (three packed rows): served per document, like eager."""
-    family = FAMILIES["llama"]
+def test_packed_gpt_oss_is_each_document_alone():
+    """gpt-oss with packed position_ids: each document's logits are those of the document run alone (eager in
+    transformers 5.24 lets the second document see the first here, so eager is no reference for this case)."""
+    family = FAMILIES["gpt_oss"]
+    ids, _ = batch(None)
+    position_ids = torch.cat([torch.arange(8), torch.arange(SEQ - 8)]).expand(len(LENGTHS), SEQ)
+    model = build(family, "stable_attn")
+    with torch.no_grad(), dispatch.recording() as served:
+        packed = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+    assert len(served) == 2 and all(r["varlen"] for r in served)
+    with torch.no_grad():
+        for lo, hi in ((0, 8), (8, SEQ)):
+            alone = model(input_ids=ids[:, lo:hi], use_cache=False).logits
+            torch.testing.assert_close(packed[:, lo:hi], alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in ("llama", "deepseek_v3", "gemma4") if n in FAMILIES])
+def test_packed_sequences_match_eager(name):
+    """position_ids that restart mark packed documents (three packed rows): served per document, like eager
+    (the new families: Dv != D and head dim 512 through the varlen op)."""
+    family = FAMILIES[name]
     ids, _ = batch(None)
     position_ids = torch.cat([torch.arange(8), torch.arange(SEQ - 8)]).expand(len(LENGTHS), SEQ)
     model = build(family, "eager")
@@ -325,9 +436,11 @@ def test_packed_sequences_match_eager():
 
     ref_logits, ref_grads = go()
     model.set_attn_implementation("stable_attn")
-    logits, grads = go()
+    with dispatch.recording() as served:
+        logits, grads = go()
+    assert len(served) == 2 and all(r["varlen"] for r in served)
     assert_close_scaled(logits, ref_logits, 1e-4, 1e-5, "packed logits")
-    assert_grads_close(grads, ref_grads, 1e-4, 1e-5, "packed")
+    assert_grads_close(grads, ref_grads, 1e-4, family.grad_atol_rel, "packed")
     # and the documents are really separated: the second one does not depend on the first
     ids2 = ids.clone()
     ids2[:, :8] = (ids2[:, :8] + 1) % VOCAB
@@ -335,3 +448,58 @@ def test_packed_sequences_match_eager():
         moved = model(input_ids=ids2, position_ids=position_ids, use_cache=False).logits
     torch.testing.assert_close(moved[:, 8:], logits[:, 8:], rtol=1e-5, atol=1e-5)
     assert (moved[:, :8] - logits[:, :8]).abs().max() > 1e-3
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+_PATH_WORDS = {dispatch.TRITON_DENSE: "fused", dispatch.TRITON_VARLEN: "fused (packed)", dispatch.PYTORCH: "PyTorch"}
+
+
+def _features(family: Family) -> str:
+    """What the family's model passes to the op on an unpadded batch, in README's words."""
+    calls_seen = []
+    real = st.attention_function.attention
+
+    def spy(q, k, v, **kwargs):
+        calls_seen.append((q.shape[1] != k.shape[1], q.shape[-1], v.shape[-1], kwargs))
+        return real(q, k, v, **kwargs)
+
+    model = build(family, "stable_attn")
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(st.attention_function, "attention", spy)
+        model(input_ids=batch(None)[0])
+    words = ["causal" if all(kw["causal"] for *_, kw in calls_seen) else "bidirectional"]
+    words += [w for w, seen in (("GQA", any(gqa for gqa, *_ in calls_seen)),
+                                ("sliding window", any(kw["window"] for *_, kw in calls_seen)),
+                                ("softcap", any(kw["softcap"] for *_, kw in calls_seen)),
+                                ("learned sinks", any(kw["sinks"] is not None for *_, kw in calls_seen))) if seen]
+    dims = list(dict.fromkeys(f"{d}" if d == dv else f"{d}/{dv}" for _, d, dv, _ in calls_seen))
+    shown = f"head dim {dims[0]}" if len(dims) == 1 else "head dims " + " and ".join(dims)
+    return ", ".join(words) + "; " + shown + (" (q, k / v)" if "/" in shown else "")
+
+
+def test_every_family_of_this_transformers_is_tested():
+    """Only a transformers older than a family leaves it out (the floor environment), never the newest."""
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    assert ("gemma4" in FAMILIES) == (version >= GEMMA4_SINCE), transformers.__version__
+
+
+def test_readme_families_table():
+    """README's families table: one row per family of this file, its features as the model really passes them to
+    the op, its paths as recorded by dispatch (the fp32 test asserts those per layer); and the refusals it lists
+    are the attention function's."""
+    text = README.read_text()
+    marker = "<!-- families table: tests/integrations/test_transformers_models.py::test_readme_families_table -->"
+    rows = text.split(marker, 1)[1].strip().split("\n\n", 1)[0].splitlines()[2:]
+    table = {}
+    for row in rows:
+        name, features, paths = (c.strip() for c in row.strip("|").split("|"))
+        table[name.strip("`")] = (features, paths)
+    assert [name for name in table if name in FAMILIES] == list(FAMILIES)
+    assert set(table) - set(FAMILIES) <= ({"gemma4"} if Gemma4ForCausalLM is None else set())
+    for name, family in FAMILIES.items():
+        want = (_features(family), ", ".join(_PATH_WORDS[p] for p in family.paths))
+        assert table[name] == want, name
+    refused = text.split("Refused, at the first forward", 1)[1].split("\n\n", 1)[0].replace("\n", " ")
+    for feature in [*st.attention_function._UNSUPPORTED_KWARGS.values(), "output_attentions=True",
+                    "learned additive attention mask"]:
+        assert feature in refused, feature

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from stable_attn.kernels import triton_attention as ta
+from stable_attn.kernels import triton_launch as launch
 
 
 @pytest.fixture(autouse=True)
@@ -18,6 +18,6 @@ def poison(monkeypatch):
             return t.fill_(math.nan)
         return t.fill_(2 if t.dtype == torch.int8 else -7)
 
-    monkeypatch.setattr(ta, "_empty", lambda shape, dtype, device: fill(torch.empty(shape, dtype=dtype,
+    monkeypatch.setattr(launch, "empty", lambda shape, dtype, device: fill(torch.empty(shape, dtype=dtype,
                                                                                     device=device)))
-    monkeypatch.setattr(ta, "_empty_like", lambda x: fill(torch.empty_like(x)))
+    monkeypatch.setattr(launch, "empty_like", lambda x: fill(torch.empty_like(x)))

@@ -30,7 +30,8 @@ import math
 import torch
 
 from stable_attn import options as options_mod
-from stable_attn.kernels import naive, rules
+from stable_attn import rules
+from stable_attn.kernels import naive
 
 U32 = 2.0**-24  # unit roundoff of fp32
 ROUNDING_ULPS = 8  # fp32 ulps of the compared values added to every margin (subtractions, scaling)

@@ -19,13 +19,15 @@ import pytest
 import torch
 from closeness import close, no_worse_than_reference
 
-from stable_attn.kernels import naive, reference, rules
+from stable_attn import rules
+from stable_attn.kernels import naive, reference
 from stable_attn.kernels import triton_attention as ta
 from stable_attn.kernels import triton_backward_fused as fused
+from stable_attn.kernels import triton_launch as launch
 from stable_attn.options import Options
 
 DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
-SMALL = ta.BwdConfig(16, 32, 4, 1, 16, 32, 4, 1)  # 16-query steps over 32-key tiles, pointer loads
+SMALL = launch.BwdConfig(16, 32, 4, 1, 16, 32, 4, 1)  # 16-query steps over 32-key tiles, pointer loads
 
 
 def inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed, ties=False):
@@ -155,7 +157,7 @@ def test_varlen_is_each_sequence_alone(monkeypatch, tma, atomic):
     within 4 ulps. Lengths cut tiles, one sequence's rows partly see no key (causal, Nq > Nk)."""
     lens_q, lens_k = [5, 40, 23], [30, 12, 70]
     Hq, Hkv, D, dtype = 4, 2, 16, torch.bfloat16
-    cfg = ta.BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, tma=tma)
+    cfg = launch.BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, tma=tma)
     g = torch.Generator().manual_seed(21)
     q, do = (torch.randn(sum(lens_q), Hq, D, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(sum(lens_k), Hkv, D, generator=g).to(dtype) for _ in range(2))

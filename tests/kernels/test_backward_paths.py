@@ -16,8 +16,10 @@ import os
 import pytest
 import torch
 
-from stable_attn.kernels import reference, rules
+from stable_attn import rules
+from stable_attn.kernels import reference
 from stable_attn.kernels import triton_attention as ta
+from stable_attn.kernels import triton_launch as launch
 from stable_attn.options import Options
 
 DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
@@ -62,7 +64,7 @@ def test_descriptors_and_pointers_agree(case):
     opts = Options(causal=causal, scale=1.0 / math.sqrt(D), mode=rules.MODE_EXACT, **extra)
     out, lse, _ = reference.attention_forward(q, k, v, kpm, None, opts)
     heavy = "dropout_p" in extra or "softcap" in extra  # the launcher's narrower tiles for these
-    tma_cfg = ta.bwd_config(ta.head_block(D), dtype, 90, tma=True, heavy=heavy)
+    tma_cfg = launch.bwd_config(launch.head_block(D), dtype, 90, tma=True, heavy=heavy)
     assert tma_cfg.tma
     with_tma = ta.backward(do, q, k, v, out, lse, kpm, opts, config=tma_cfg)
     with_ptrs = ta.backward(do, q, k, v, out, lse, kpm, opts, config=dataclasses.replace(tma_cfg, tma=False))
@@ -78,14 +80,14 @@ def test_descriptors_and_pointers_agree(case):
 
 def test_which_strides_tma_takes():
     x = torch.zeros(2, 3, 10, 64, dtype=torch.bfloat16)
-    assert ta.tma_compatible(x, x.transpose(1, 2).contiguous().transpose(1, 2))  # [B, N, H, D] storage
-    assert not ta.tma_compatible(torch.zeros(2, 3, 10, 4, dtype=torch.bfloat16))  # 8-byte rows
+    assert launch.tma_compatible(x, x.transpose(1, 2).contiguous().transpose(1, 2))  # [B, N, H, D] storage
+    assert not launch.tma_compatible(torch.zeros(2, 3, 10, 4, dtype=torch.bfloat16))  # 8-byte rows
     shifted = torch.zeros(2 * 3 * 10 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 3, 10, 64)
-    assert not ta.tma_compatible(x, shifted)  # base not 16-byte aligned
-    assert not ta.bwd_config(64, torch.bfloat16, 90, tma=False).tma
-    assert not ta.bwd_config(64, torch.bfloat16, 80).tma  # no TMA before Hopper
-    assert not ta.bwd_config(64, torch.float32, 90).tma
-    assert not ta.bwd_config(256, torch.bfloat16, 90).tma
+    assert not launch.tma_compatible(x, shifted)  # base not 16-byte aligned
+    assert not launch.bwd_config(64, torch.bfloat16, 90, tma=False).tma
+    assert not launch.bwd_config(64, torch.bfloat16, 80).tma  # no TMA before Hopper
+    assert not launch.bwd_config(64, torch.float32, 90).tma
+    assert not launch.bwd_config(256, torch.bfloat16, 90).tma
 
 
 def test_inputs_tma_cannot_address_take_the_pointer_path(monkeypatch):
@@ -100,7 +102,7 @@ def test_inputs_tma_cannot_address_take_the_pointer_path(monkeypatch):
     opts = Options(causal=True, scale=1.0 / math.sqrt(D), mode=rules.MODE_EXACT)
     out, lse, _ = reference.attention_forward(q, k, v, None, None, opts)
     want = reference.attention_backward(do, q, k, v, out, lse, None, None, opts)
-    monkeypatch.setattr(ta, "_descriptor", refuse)
+    monkeypatch.setattr(launch, "descriptor", refuse)
     got = ta.backward(do, q_shifted, k, v, out, lse, None, opts)
     for name, a, r in zip(("dq", "dk", "dv"), got, want):
         close(a, r, dtype, name)

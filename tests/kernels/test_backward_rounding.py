@@ -20,7 +20,8 @@ import pytest
 import torch
 from closeness import EPS, close
 
-from stable_attn.kernels import reference, rules
+from stable_attn import rules
+from stable_attn.kernels import reference
 from stable_attn.kernels import triton_attention as ta
 from stable_attn.options import Options
 

@@ -25,7 +25,8 @@ from closeness import FLOOR, close, no_worse_than_reference, rel_max, rel_rms
 from margins import on_grid, robust_rows, scores_exact_in_fp32
 
 import stable_attn
-from stable_attn.kernels import naive, rules
+from stable_attn import rules
+from stable_attn.kernels import naive
 from stable_attn.numerics import arithmetic
 from stable_attn.stats import RowStats
 

@@ -24,7 +24,8 @@ from closeness import close
 from margins import on_grid, scores_exact_in_fp32
 
 import stable_attn
-from stable_attn.kernels import decode_plan, naive, reference, reference_decode, rules
+from stable_attn import rules
+from stable_attn.kernels import decode_plan, naive, reference, reference_decode
 from stable_attn.kernels import triton_attention as ta
 from stable_attn.kernels import triton_decode as td
 from stable_attn.options import Options

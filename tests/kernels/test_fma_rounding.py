@@ -20,8 +20,10 @@ import triton.language as tl
 from test_forward_decisions import CASES, tie_heavy
 from triton.runtime import interpreter
 
-from stable_attn.kernels import reference, rules
+from stable_attn import rules
+from stable_attn.kernels import reference
 from stable_attn.kernels import triton_attention as ta
+from stable_attn.kernels import triton_launch as launch
 from stable_attn.options import Options
 
 INF = math.inf
@@ -163,7 +165,7 @@ def _recorded_forward(q, k, v, kpm, opts, fused: bool, monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(reference, "block_offset", recording)
         if not fused:
-            mp.setattr(reference._Problem, "fused_scale", property(lambda self: False))
+            mp.setattr(reference.Problem, "fused_scale", property(lambda self: False))
         out, lse, rs = reference.attention_forward(q, k, v, kpm, None, opts, True)
     return out, lse, rs, calls
 
@@ -193,7 +195,7 @@ def test_decisions_are_those_of_the_two_rounding_formula(case, monkeypatch):
     torch.testing.assert_close(rs.sink_mass, old_rs.sink_mass, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(out.float(), old_out.float(), rtol=0, atol=2 * torch.finfo(dtype).eps)
 
-    _, k_lse, st = ta.forward(q, k, v, kpm, opts, True, config=ta.FwdConfig(block_m=32, num_warps=4, num_stages=1))
+    _, k_lse, st = ta.forward(q, k, v, kpm, opts, True, config=launch.FwdConfig(block_m=32, num_warps=4, num_stages=1))
     for name in DECISION_STATS:
         a, b = getattr(st, name), getattr(old_rs, name)
         assert torch.equal(a, b) if a.dtype != torch.float32 else same_bits(a, b), name
@@ -219,6 +221,6 @@ def test_kernel_p_bar_has_the_reference_bits(mode, monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_exp2",
                         lambda self, arg: self.unary_op(arg, lambda a: torch.exp2(torch.from_numpy(a)).numpy()))
     k_out, k_lse, _ = ta.forward(q, k, v, kpm, opts, False,
-                                 config=ta.FwdConfig(block_m=32, num_warps=4, num_stages=1))
+                                 config=launch.FwdConfig(block_m=32, num_warps=4, num_stages=1))
     assert same_bits(k_out, out)
     torch.testing.assert_close(k_lse, lse, rtol=1e-6, atol=1e-6)

@@ -17,8 +17,10 @@ import os
 import pytest
 import torch
 
-from stable_attn.kernels import reference, rules
+from stable_attn import rules
+from stable_attn.kernels import reference
 from stable_attn.kernels import triton_attention as ta
+from stable_attn.kernels import triton_launch as launch
 from stable_attn.options import Options
 
 DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
@@ -40,7 +42,7 @@ def tie_heavy(B, H, N, D, dtype, seed, level, step):
 
 def per_element_decisions(q, k, opts, kpm):
     """The rule walked with per-element counts: ``(offsets, fires)`` per block ``[B, H, Nq]``, and the stats."""
-    p = reference._Problem(q, k, kpm, None, opts)
+    p = reference.Problem(q, k, k, kpm, None, opts)
     dtype = q.dtype
     tie2, min2, max2 = rules.rule_constants(dtype, opts.mode)
     sat2 = rules.sat_tolerance2(dtype)
@@ -129,7 +131,7 @@ def test_decisions_match_the_per_element_count(case, monkeypatch):
         assert fixed.any() and sat.any()  # the inputs do tie
 
     _, lse, st = ta.forward(q, k, v, kpm, opts, True,
-                            config=ta.FwdConfig(block_m=32, num_warps=4, num_stages=1))
+                            config=launch.FwdConfig(block_m=32, num_warps=4, num_stages=1))
     assert torch.equal(st.saturated.cpu(), sat)
     assert torch.equal(st.fixed_blocks.cpu(), fixed)
     torch.testing.assert_close(lse.cpu(), r_lse.cpu(), rtol=1e-6, atol=1e-6)
@@ -157,8 +159,8 @@ def test_two_blocks_per_key_tile_decide_block_by_block(case):
     if with_kpm:
         kpm = (torch.rand(1, Nk, generator=torch.Generator().manual_seed(5)) > 0.2).to(DEVICE)
     opts = Options(causal=causal, scale=scale, mode=rules.MODE_EXACT, block_n=block_n, window=window)
-    one = ta.forward(q, k, v, kpm, opts, True, config=ta.FwdConfig(32, 4, 1, tma=tma))
-    two = ta.forward(q, k, v, kpm, opts, True, config=ta.FwdConfig(32, 4, 1, tma=tma, tile_n=2 * block_n))
+    one = ta.forward(q, k, v, kpm, opts, True, config=launch.FwdConfig(32, 4, 1, tma=tma))
+    two = ta.forward(q, k, v, kpm, opts, True, config=launch.FwdConfig(32, 4, 1, tma=tma, tile_n=2 * block_n))
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
     for name in ("saturated", "fixed_blocks", "max_logit", "sink_mass"):
         assert torch.equal(getattr(one[2], name), getattr(two[2], name)), name
@@ -171,7 +173,7 @@ def test_key_tile_of_other_widths_is_refused():
     q, k, v = tie_heavy(1, 1, 40, 16, torch.bfloat16, seed=0, level=1.0, step=0.0)
     opts = Options(mode=rules.MODE_EXACT, block_n=16)
     with pytest.raises(ValueError, match="config.tile_n=64"):
-        ta.forward(q, k, v, None, opts, False, config=ta.FwdConfig(32, 4, 1, tile_n=64))
+        ta.forward(q, k, v, None, opts, False, config=launch.FwdConfig(32, 4, 1, tile_n=64))
 
 
 def test_running_second_max_gives_the_count_verdict():

@@ -16,6 +16,7 @@ from packing import cu, packed_inputs
 
 import stable_attn
 from stable_attn.kernels import triton_attention as ta
+from stable_attn.kernels import triton_launch as launch
 from stable_attn.options import Options
 
 KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
@@ -74,7 +75,7 @@ def test_a_batch_beyond_the_grid_limit_runs_in_chunks_with_the_same_bits(monkeyp
     launches = Launches(monkeypatch)
     out1, lse1, rs1, grads1 = _run(q, k, v, do, kpm, opts)
     assert all(len(g) == 1 and g[0][2] == B for g in launches.grids.values())  # one launch each, as before
-    monkeypatch.setattr(ta, "_MAX_GRID_Z", 2)
+    monkeypatch.setattr(launch, "MAX_GRID_Z", 2)
     launches = Launches(monkeypatch)
     out, lse, rs, grads = _run(q, k, v, do, kpm, opts)
     for kernel, grids in launches.grids.items():  # batches (0, 1), (2, 3), (4)
@@ -103,7 +104,7 @@ def test_a_batch_beyond_the_grid_limit_through_attention(monkeypatch):
         return out.detach(), [t.grad for t in leaves]
 
     out1, grads1 = run()
-    monkeypatch.setattr(ta, "_MAX_GRID_Z", 1)
+    monkeypatch.setattr(launch, "MAX_GRID_Z", 1)
     out, grads = run()
     assert torch.equal(out, out1)
     for a, b in zip(grads, grads1, strict=True):
@@ -111,7 +112,7 @@ def test_a_batch_beyond_the_grid_limit_through_attention(monkeypatch):
 
 
 def test_heads_beyond_the_grid_limit_are_refused(monkeypatch):
-    monkeypatch.setattr(ta, "_MAX_GRID_Y", 3)
+    monkeypatch.setattr(launch, "MAX_GRID_Y", 3)
     q, k, v, do, _ = _inputs(1, 4, 2, 8, 16, torch.float32, seed=4)
     with pytest.raises(ValueError, match=r"Hq=4 query heads: .* CUDA allows at most 3; split the heads"):
         ta.forward(q, k, v, None, Options(), False)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from margins import on_grid, robust_rows, robust_rows_of, scores_exact_in_fp32
 
-from stable_attn.kernels import reference, rules
+from stable_attn import rules
+from stable_attn.kernels import reference
 from stable_attn.options import Options
 
 

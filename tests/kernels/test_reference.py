@@ -36,7 +36,7 @@ def test_memory_is_bounded_by_the_tile_not_the_score_matrix(monkeypatch):
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 300, 16, generator=g) for _ in range(3))
     opts = Options(block_n=32, scale=0.25)
-    p = reference._Problem(q, k, None, None, opts)
+    p = reference.Problem(q, k, v, None, None, opts)
     assert p.chunk == 64  # 4096 / (1 * 2 * 32): a [1, 2, 64, 32] tile, not [1, 2, 300, 300]
     out, _, _ = reference.attention_forward(q, k, v, opts=opts)
     torch.testing.assert_close(out.double(), naive.attention(q, k, v), atol=2e-6, rtol=1e-5)

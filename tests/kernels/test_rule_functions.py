@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from stable_attn.kernels import reference, rules
+from stable_attn import rules
+from stable_attn.kernels import reference
 from stable_attn.kernels import triton_attention as ta
 from stable_attn.kernels import triton_forward as tf
 from stable_attn.options import Options
@@ -213,12 +214,13 @@ def _fused_ops_in_forward_loop(fusion: bool | None, mode: int = rules.MODE_EXACT
     this one runs the interpreter). ``fusion=None``: the launcher's options."""
     code = f"""
 import json, torch
-from stable_attn.kernels import rules, triton_aot as aot, triton_attention as ta
+from stable_attn import rules
+from stable_attn.kernels import triton_aot as aot, triton_launch as launch
 import triton
 from triton.backends.compiler import GPUTarget
 v = aot.Variant("fwd", torch.bfloat16, 128, True, {mode!r}, False, 90)
 src, opts = aot.source(v)
-opts.update(ta.FWD_COMPILE_OPTIONS if {fusion!r} is None else dict(enable_fp_fusion={fusion!r}))
+opts.update(launch.FWD_COMPILE_OPTIONS if {fusion!r} is None else dict(enable_fp_fusion={fusion!r}))
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 instrs = aot.parse_sass(aot.sass_of(k.asm["cubin"]))
 loop = aot.steady_loop(instrs)

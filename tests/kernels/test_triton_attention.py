@@ -20,14 +20,16 @@ import torch
 from closeness import close, no_worse_than_reference
 from margins import robust_rows_of
 
-from stable_attn.kernels import naive, reference, rules
+from stable_attn import rules
+from stable_attn.kernels import naive, reference
 from stable_attn.kernels import triton_attention as ta
+from stable_attn.kernels import triton_launch as launch
 from stable_attn.kernels.philox import keep_mask
 from stable_attn.options import Options
 
 DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
-SMALL = ta.FwdConfig(block_m=32, num_warps=4, num_stages=1)  # several query blocks at test sizes
-SMALL_BWD = ta.BwdConfig(m1=16, n1=32, warps1=4, stages1=1, m2=32, n2=16, warps2=4, stages2=1)
+SMALL = launch.FwdConfig(block_m=32, num_warps=4, num_stages=1)  # several query blocks at test sizes
+SMALL_BWD = launch.BwdConfig(m1=16, n1=32, warps1=4, stages1=1, m2=32, n2=16, warps2=4, stages2=1)
 
 
 def make(B, Hq, Hkv, Nq, Nk, D, dtype, seed, qk_std=1.0):
@@ -199,12 +201,12 @@ def test_off_without_statistics_takes_wide_key_tiles(D, causal, Nk, monkeypatch)
     changes: the output is the reference's within 2 ulps and no worse than it against fp64."""
     dtype = torch.bfloat16
     chosen = []
-    pick = ta.fwd_config
-    monkeypatch.setattr(ta, "fwd_config", lambda *a, **kw: chosen.append(pick(*a, **kw)) or chosen[-1])
+    pick = launch.fwd_config
+    monkeypatch.setattr(launch, "fwd_config", lambda *a, **kw: chosen.append(pick(*a, **kw)) or chosen[-1])
     opts = opts_for(D, causal, rules.MODE_OFF)
     q, k, v, _ = make(1, 2, 1, 150, Nk, D, dtype, seed=D + Nk)
     out, lse, st = ta.forward(q, k, v, None, opts, False)
-    assert st is None and chosen == [ta.FwdConfig(128, 8, 2, block_n=128, tma=D > 64)]
+    assert st is None and chosen == [launch.FwdConfig(128, 8, 2, block_n=128, tma=D > 64)]
     r_out, r_lse, _ = reference.attention_forward(q, k, v, None, None, opts, False)
     close(out, r_out, 2, dtype, "out")
     torch.testing.assert_close(lse.cpu(), r_lse.cpu(), rtol=1e-5, atol=1e-5)
@@ -217,9 +219,9 @@ def test_off_without_statistics_takes_wide_key_tiles(D, causal, Nk, monkeypatch)
     for kw in (dict(mode=rules.MODE_EXACT), dict(mode=rules.MODE_EXACT, block_n=64), dict(block_n=64)):
         ta.forward(q, k, v, None, opts_for(D, causal, **{"mode": rules.MODE_OFF, **kw}), False)
     ta.forward(q, k, v, None, opts, True)
-    wide = ta.FwdConfig(128, 8, 2, tma=D > 64)
-    pair = ta.FwdConfig(128, 8, 2, tma=True, tile_n=128) if D > 64 else ta.FwdConfig(128, 4, 3)
-    assert chosen[1:] == [wide, pair, ta.FwdConfig(128, 8, 3), wide]
+    wide = launch.FwdConfig(128, 8, 2, tma=D > 64)
+    pair = launch.FwdConfig(128, 8, 2, tma=True, tile_n=128) if D > 64 else launch.FwdConfig(128, 4, 3)
+    assert chosen[1:] == [wide, pair, launch.FwdConfig(128, 8, 3), wide]
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -230,7 +232,7 @@ def test_128_key_partition_takes_the_128_wide_tile(D, mode):
     ``block_n=128`` got a 64 x 128 tile); a forced 64-key partition keeps issue 11's tiles."""
     assert Options().key_block == 128
     for stats in (False, True):
-        tiles = {forced: ta.launch_constants("fwd", D, torch.bfloat16, 90, causal=True, window=False, softcap=False,
+        tiles = {forced: launch.launch_constants("fwd", D, torch.bfloat16, 90, causal=True, window=False, softcap=False,
                                              dropout=False, kpm=False, mode=mode, stats=stats, block_n=128,
                                              forced_block_n=forced)
                  for forced in (False, True)}
@@ -238,7 +240,7 @@ def test_128_key_partition_takes_the_128_wide_tile(D, mode):
             assert (consts["BLOCK_M"], consts["BLOCK_N"], consts["TILE_N"], consts["TMA"]) == (128, 128, 128, D > 64)
             assert (compile_opts["num_warps"], compile_opts["num_stages"]) == (8, 2)
     if mode != rules.MODE_OFF:
-        consts, compile_opts = ta.launch_constants("fwd", D, torch.bfloat16, 90, causal=True, window=False,
+        consts, compile_opts = launch.launch_constants("fwd", D, torch.bfloat16, 90, causal=True, window=False,
                                                    softcap=False, dropout=False, kpm=False, mode=mode, block_n=64,
                                                    forced_block_n=True)
         assert (consts["BLOCK_M"], consts["BLOCK_N"], consts["TILE_N"], compile_opts["num_warps"]) == (
@@ -250,7 +252,7 @@ def test_row_sum_in_two_accumulators_on_sm90(monkeypatch):
     16-bit inputs and halves of at least 16 keys, one elsewhere (``row_sum_parts``). Both give the same
     decisions and the same output up to the fp32 summation order of the same rounded P-bar."""
     kw = dict(causal=True, window=False, softcap=False, dropout=False, kpm=False, mode=rules.MODE_EXACT)
-    parts = {(cc, dtype, n): ta.launch_constants("fwd", 64, dtype, cc, block_n=n, **kw)[0]["ROW_SUM_PARTS"]
+    parts = {(cc, dtype, n): launch.launch_constants("fwd", 64, dtype, cc, block_n=n, **kw)[0]["ROW_SUM_PARTS"]
              for cc in (80, 90) for dtype in (torch.bfloat16, torch.float32) for n in (16, 32, 128)}
     assert {key for key, n in parts.items() if n == 2} == {(90, torch.bfloat16, 32), (90, torch.bfloat16, 128)}
     assert set(parts.values()) == {1, 2}
@@ -259,7 +261,7 @@ def test_row_sum_in_two_accumulators_on_sm90(monkeypatch):
     q, k, v, _ = make(1, 2, 1, 150, 300, 64, dtype, seed=11, qk_std=2.0)
     runs = {}
     for n in (1, 2):
-        monkeypatch.setattr(ta, "row_sum_parts", lambda *a, n=n: n)
+        monkeypatch.setattr(launch, "row_sum_parts", lambda *a, n=n: n)
         runs[n] = ta.forward(q, k, v, None, opts, True)
     (out1, lse1, st1), (out2, lse2, st2) = runs[1], runs[2]
     assert torch.equal(st1.fixed_blocks, st2.fixed_blocks) and torch.equal(st1.saturated, st2.saturated)
@@ -272,4 +274,4 @@ def test_descriptor_loads_with_rule_and_statistics():
     tile), a padding mask and a padded head dim (40 -> 64): decisions bit for bit the reference's."""
     opts = opts_for(40, True, block_n=16)
     run_case(1, 2, 1, 50, 70, 40, torch.bfloat16, opts, kpm_drop=0.1, seed=5, qk_std=2.0,
-             config=ta.FwdConfig(32, 4, 1, tma=True), bwd_config=SMALL_BWD)
+             config=launch.FwdConfig(32, 4, 1, tma=True), bwd_config=SMALL_BWD)

@@ -1,4 +1,5 @@
-"""Every kernel variant compiles for A100 (sm_80) and H100/H200 (sm_90) and fits in shared memory.
+"""Every kernel variant compiles for A100 (sm_80) and H100/H200 (sm_90), and the common ones for B200 (sm_100) and
+RTX 50-series (sm_120), and fits in shared memory.
 
 Compilation runs the whole Triton -> PTX -> cubin pipeline on the CPU (no GPU needed), so this
 catches compile errors and shared-memory overflow of the block configurations the launchers pick.
@@ -13,7 +14,8 @@ import itertools
 import pytest
 import torch
 
-from stable_attn.kernels import rules
+from stable_attn import rules
+from stable_attn.kernels import triton_launch as launch
 from stable_attn.kernels.triton_aot import SHARED_LIMIT, Variant, describe_in_subprocess
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -105,6 +107,40 @@ def test_fused_backward_compiles():
     assert fused["loop_mma"] > dkdv["loop_mma"], (fused["loop_mma"], dkdv["loop_mma"])
 
 
+# The Blackwell targets: B200/B300 (sm_100) take the sm_90 tiles (227 KiB of shared memory per block, as H100),
+# RTX 50-series (sm_120, 99 KiB per block) the sm_80 ones, which fit there (but for the forward where a rule
+# decides or statistics are kept: 32 query rows, where the sm_80 tiles spill); the sm_90 tiles would not (the
+# D = 128 forward's 128 x 128 tile takes 162 KiB). One forward and one gradient kernel each, and sm_120's decode
+# kernel at D = 256, checked against the target's own limit, without spills (sm_100's dK/dV kernel spills on the
+# sm_90 tiles: docs/BENCHMARKS.md); the whole table is benchmarks/kernel_resources.py --cc 80 90 100 120
+# --generations.
+BLACKWELL = [Variant("fwd", BF16, 128, True, EXACT, True, 120), Variant("bwd_dq", BF16, 128, True, cc=120),
+             Variant("fwd", BF16, 128, True, EXACT, False, 100), Variant("bwd_dq", BF16, 64, True, cc=100),
+             # the decode kernel's pipeline at D = 256: one K/V stage on sm_120 (two took 140 KiB there)
+             Variant("decode", BF16, 256, True, EXACT, cc=120)]
+
+
+def test_blackwell_targets_fit_their_shared_memory():
+    assert [launch.tile_generation(cc) for cc in (80, 86, 89, 90, 100, 103, 110, 120, 121)] == [80, 80, 80, 90, 90,
+                                                                                              90, 90, 120, 120]
+    wide = launch.launch_constants("fwd", 128, BF16, 90, causal=True, window=False, softcap=False, dropout=False,
+                                   kpm=False)
+    assert launch.launch_constants("fwd", 128, BF16, 100, causal=True, window=False, softcap=False, dropout=False,
+                                   kpm=False) == wide
+    kw = dict(causal=True, window=False, softcap=False, dropout=False, kpm=False)
+    # stabilize off without statistics: the sm_80 tile; where a rule decides or statistics are kept, 32 query
+    # rows (the sm_80 tiles' 64 / 128 spill on sm_120)
+    off = launch.launch_constants("fwd", 128, BF16, 120, mode=OFF, **kw)
+    assert off == launch.launch_constants("fwd", 128, BF16, 80, mode=OFF, **kw) and not off[0]["TMA"]
+    for d, warps in ((128, 8), (64, 4)):
+        for stats in (False, True):
+            consts, opts = launch.launch_constants("fwd", d, BF16, 120, mode=EXACT, stats=stats, **kw)
+            assert (consts["BLOCK_M"], opts["num_warps"], consts["TMA"]) == (32, warps, False), (d, stats)
+    for v, r in zip(BLACKWELL, describe_in_subprocess(BLACKWELL), strict=True):
+        check(v, r)
+        assert r["limit"] == launch.SHARED_LIMIT[v.cc] and r["spill_bytes"] == 0, f"{v.name}: {r}"
+
+
 # Issue 11's off target (bf16, sm_90): stabilize off without statistics, 128-key tiles whatever the
 # partition (no rule sees it), R <= 0.65 at D = 128, wgmma and no spills at D = 64 / 128 either way.
 OFF_TARGETS = [Variant("fwd", BF16, 128, True, OFF, False, 90), Variant("fwd", BF16, 64, False, OFF, False, 90)]
@@ -157,7 +193,7 @@ def test_forward_128_key_partition_targets(wide, v):
             assert r["R"] <= 1.05 * exact["R"], f"{v.name}: R = {r['R']:.3f} > 1.05 x {exact['R']:.3f}"
 
 
-# D = 64 was the last to meet it (1.21x / 1.22x until the row sum's two accumulators, triton_attention.row_sum_parts)
+# D = 64 was the last to meet it (1.21x / 1.22x until the row sum's two accumulators, triton_launch.row_sum_parts)
 @pytest.mark.parametrize("causal", [True, False])
 def test_forward_d64_exact_within_20_percent_of_off(wide, causal):
     off, exact = (wide[Variant("fwd", BF16, 64, causal, mode, False, 90).name] for mode in (OFF, EXACT))

@@ -20,14 +20,16 @@ import pytest
 import torch
 from closeness import FLOOR, no_worse_than_reference
 
-from stable_attn.kernels import naive, reference, rules
+from stable_attn import rules
+from stable_attn.kernels import naive, reference
 from stable_attn.kernels import triton_attention as ta
+from stable_attn.kernels import triton_launch as launch
 from stable_attn.options import Options
 from stable_attn.stats import STATS_ENTROPY, RowStats
 
 DEVICE = os.environ.get("STABLE_ATTN_TEST_DEVICE", "cpu")
-SMALL = ta.FwdConfig(block_m=32, num_warps=4, num_stages=1)  # several query blocks per sequence
-SMALL_BWD = ta.BwdConfig(m1=16, n1=32, warps1=4, stages1=1, m2=32, n2=16, warps2=4, stages2=1)
+SMALL = launch.FwdConfig(block_m=32, num_warps=4, num_stages=1)  # several query blocks per sequence
+SMALL_BWD = launch.BwdConfig(m1=16, n1=32, warps1=4, stages1=1, m2=32, n2=16, warps2=4, stages2=1)
 FIELDS = RowStats.FIELDS  # the entropy included: per sequence the same sums in the same order
 
 
@@ -189,7 +191,7 @@ def test_dropout_is_the_dense_mask_seeded_per_sequence():
 def test_default_tiles():
     """The launchers' own tiling: sm_90's under the interpreter, with the backward's tensor descriptors."""
     lens = random_lengths(3, 150, 11)
-    assert ta.bwd_config(64, torch.bfloat16, 90).tma
+    assert launch.bwd_config(64, torch.bfloat16, 90).tma
     run_varlen(lens, lens, 2, 1, 64, torch.bfloat16, opts_for(64, True), seed=11, config=None, bwd_config=None)
 
 
@@ -198,8 +200,8 @@ def test_off_without_statistics_wide_key_tiles():
     most of them overhanging into the next sequence; each sequence equal to its dense launch and no
     worse than the reference against fp64."""
     lens = random_lengths(3, 150, 14)
-    wide = ta.fwd_config(128, 64, torch.bfloat16, 90, mode=rules.MODE_OFF, plain=True)
-    assert wide == ta.FwdConfig(128, 8, 2, 128, True)
+    wide = launch.fwd_config(128, 64, torch.bfloat16, 90, mode=rules.MODE_OFF, plain=True)
+    assert wide == launch.FwdConfig(128, 8, 2, 128, True)
     opts = opts_for(128, True, rules.MODE_OFF)
     q, k, v, do = packed_inputs(lens, lens, 2, 1, 128, torch.bfloat16, 14)
     cu_q = cu(lens)
@@ -258,7 +260,7 @@ def test_launcher_errors():
         ta.forward_varlen(q, k, v, good, cu([2, 2]), 4, 4, opts_for(16), False)
     with pytest.raises(ValueError, match="int32 offsets"):
         ta.forward_varlen(q, k, v, good, good, 2**31 // 16, 4, opts_for(16), False)
-    many = torch.zeros(ta._MAX_GRID_Z + 2, dtype=torch.int32, device=DEVICE)
+    many = torch.zeros(launch.MAX_GRID_Z + 2, dtype=torch.int32, device=DEVICE)
     many[-1] = 4
     with pytest.raises(ValueError, match="at most 65535 sequences"):
         ta.forward_varlen(q, k, v, many, many, 4, 4, opts_for(16), False)

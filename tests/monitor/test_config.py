@@ -76,7 +76,7 @@ def test_checked_values_and_given_values():
     assert checked["on_alert"] == [print] and checked["webhook_headers"] == {"Authorization": "Bearer x"}
     assert config.unsaved_given() == ["on_alert", "webhook_url", "webhook_headers"]
     engine = MonitorEngine.from_config(config, name="X")
-    assert engine.name == "X" and engine.config is config and engine.on_alert == [print]
+    assert engine.name == "X" and engine.config is config and engine.config.checked()["on_alert"] == [print]
 
 
 @pytest.mark.parametrize("owner", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback])
@@ -92,8 +92,7 @@ def test_typed_options_match_the_config():
     of MonitorConfig, in order, with the same annotation."""
     from dataclasses import fields
 
-    from stable_attn.monitor.config import MonitorConfig
-    from stable_attn.monitor.typed_options import MonitorOptions
+    from stable_attn.monitor.config import MonitorConfig, MonitorOptions
 
     want = [(f.name, str(f.type)) for f in fields(MonitorConfig) if f.init]
     got = [(name, getattr(a, "__forward_arg__", a)) for name, a in MonitorOptions.__annotations__.items()]

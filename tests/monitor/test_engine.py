@@ -154,13 +154,13 @@ def test_a_rollback_puts_the_detectors_back_with_the_weights(tmp_path):
     engine = MonitorEngine(on_spike="rollback", spike_confirm_steps=1, rollback_every=4)
     loop = Loop(engine, str(tmp_path))
     at_snapshot = {}
-    original = engine._take_snapshot
+    original = engine.action.take
 
     def remember(state):
         original(state)
         at_snapshot[state.step] = engine._judge.detector_states()
 
-    engine._take_snapshot = remember
+    engine.action.take = remember
     loop.run(steps=BAD - 1, scale={BAD - 2: 20.0})  # the rollback's end_step is the last one
     assert engine.rollbacks == [(BAD - 2, 8)]
     assert engine._judge.detector_states() == at_snapshot[8]
@@ -169,7 +169,7 @@ def test_a_rollback_puts_the_detectors_back_with_the_weights(tmp_path):
     resumed = MonitorEngine(on_spike="rollback", spike_confirm_steps=1, rollback_every=4)
     resumed.load_state_dict(saved)
     resumed.train_start(loop.trainables(BAD - 1))
-    assert resumed._snapshot_detectors == at_snapshot[8]
+    assert resumed.action.detectors == at_snapshot[8]
 
 
 def test_stop_names_the_checkpoint_and_a_nan_is_never_applied(tmp_path):

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from stable_attn.callbacks import StableAttentionCallback
-from stable_attn.monitor.rollback import Trainables, check_snapshot, snapshot_from_state, snapshot_state, take_snapshot
+from stable_attn.monitor.actions.snapshots import (
+    Trainables,
+    check_snapshot,
+    snapshot_from_state,
+    snapshot_state,
+    take_snapshot,
+)
 
 
 def _trainables(width: int = 3) -> Trainables:
@@ -117,7 +123,7 @@ def test_a_resumed_snapshot_is_checked_against_the_model_before_training_starts(
     state["rollback_snapshot"] = _saved(live)
     sound.load_state_dict(state)
     sound.on_train_start(trainer, live.model)
-    assert sound.engine._snapshot is not None and sound.engine._snapshot.step == 5
+    assert sound.engine.action.snapshot is not None and sound.engine.action.snapshot.step == 5
 
 
 def test_ctrl_c_during_a_rollback_restore_leaves_the_whole_snapshot_restored(monkeypatch) -> None:
@@ -126,7 +132,7 @@ def test_ctrl_c_during_a_rollback_restore_leaves_the_whole_snapshot_restored(mon
     import os
     import signal
 
-    from stable_attn.monitor.rollback import restore_snapshot
+    from stable_attn.monitor.actions.snapshots import restore_snapshot
 
     state = _trainables()
     snapshot = take_snapshot(state)

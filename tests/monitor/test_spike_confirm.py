@@ -17,7 +17,7 @@ from test_spikes import lm_trace
 from stable_attn.monitor import Alert, SpikeDetector
 from stable_attn.monitor.config import MonitorConfig
 from stable_attn.monitor.engine import MonitorEngine
-from stable_attn.monitor.verdict import ActionCap, StepJudge
+from stable_attn.monitor.verdict import ActionCap, RankReading, StepJudge
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -34,8 +34,7 @@ def falling(steps: int) -> list[float]:
 
 
 def judge_all(judge: StepJudge, losses: list[float], norm: float = 1.0):
-    return [judge.judge(step, [[loss, norm, 1.0, 0.0]], has_norm=True, scaler=False, lr=1e-3,
-                        note=lambda verdict: f"; {verdict.action}")
+    return [judge.judge(step, [RankReading(loss, norm)], has_norm=True, scaler=False, lr=1e-3)
             for step, loss in enumerate(losses)]
 
 
@@ -108,8 +107,7 @@ def test_the_wait_is_counted_in_the_saved_state():
     resumed.cap.load_state_dict(saved)
     for metric, ranks in judge.ranks.items():
         resumed.ranks[metric].detectors[0].load_state_dict(ranks.detectors[0].state_dict())
-    last = resumed.judge(42, [[losses[42], 1.0, 1.0, 0.0]], has_norm=True, scaler=False, lr=1e-3,
-                         note=lambda v: "")
+    last = resumed.judge(42, [RankReading(losses[42], 1.0)], has_norm=True, scaler=False, lr=1e-3)
     assert last.verdict.stop
     older = ActionCap(10, 20)
     older.load_state_dict({"count": 1, "quiet": 0})  # a state saved before spike_confirm_steps

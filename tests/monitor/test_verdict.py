@@ -7,14 +7,21 @@ import math
 import pytest
 
 from stable_attn.monitor import SpikeDetector
-from stable_attn.monitor.verdict import NotTrainingStreak, StepJudge, Verdict
+from stable_attn.monitor.actions.base import Action, Verdict
+from stable_attn.monitor.verdict import NotTrainingStreak, RankReading, StepJudge
 
 
 def judge(on_spike: str, loss: float):
-    judge = StepJudge(on_spike, SpikeDetector.loss(), SpikeDetector.grad_norm())
     notes: list[Verdict] = []
-    row = [[loss, 1.0, 1.0, 0.0]]
-    return judge.judge(0, row, has_norm=True, scaler=False, lr=1e-3, note=lambda v: notes.append(v) or ""), notes
+
+    class Noting(Action):
+        def note(self, verdict: Verdict) -> str:
+            notes.append(verdict)
+            return ""
+
+    judge = StepJudge(on_spike, SpikeDetector.loss(), SpikeDetector.grad_norm(), action=Noting(word=on_spike))
+    row = [RankReading(loss, 1.0)]
+    return judge.judge(0, row, has_norm=True, scaler=False, lr=1e-3), notes
 
 
 @pytest.mark.parametrize("on_spike", ["warn", "skip", "rollback", "stop"])
@@ -41,7 +48,7 @@ def test_the_streak_says_when_it_stops():
 
 
 def _steps(judge: StepJudge, rows: list[tuple[float, float]]):
-    return [judge.judge(step, [[loss, norm, 1.0, 0.0]], has_norm=True, scaler=False, lr=1e-3, note=lambda v: "")
+    return [judge.judge(step, [RankReading(loss, norm)], has_norm=True, scaler=False, lr=1e-3)
             for step, (loss, norm) in enumerate(rows)]
 
 
@@ -90,5 +97,5 @@ def test_a_gradient_norm_episode_is_alerted_once_the_loss_confirms_it():
 
 
 def _steps_from(judge: StepJudge, first: int, rows: list[tuple[float, float]]):
-    return [judge.judge(first + i, [[loss, norm, 1.0, 0.0]], has_norm=True, scaler=False, lr=1e-3, note=lambda v: "")
+    return [judge.judge(first + i, [RankReading(loss, norm)], has_norm=True, scaler=False, lr=1e-3)
             for i, (loss, norm) in enumerate(rows)]

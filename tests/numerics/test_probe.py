@@ -124,11 +124,11 @@ def test_arithmetic_flag_parses_and_bad_values_name_the_accepted_ones(capsys):
         build_parser().parse_args(["probe", "--arithmetic", "h200"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "--arithmetic" in err and "'h200'" in err and all(m in err for m in ("a100", "h100", "ieee"))
+    assert "--arithmetic" in err and "'h200'" in err and all(m in err for m in ("a100", "h100", "b200", "ieee"))
     model = tiny_model("gpt2-tiny")
     ids = torch.zeros(1, 8, dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"arithmetic='b200'.*accepted values.*'a100', 'h100', 'ieee'"):
-        probe(model, ids, arithmetic="b200")
+    with pytest.raises(ValueError, match=r"arithmetic='v100'.*accepted values.*'a100', 'h100', 'b200', 'ieee'"):
+        probe(model, ids, arithmetic="v100")
     with pytest.raises(ValueError, match=r"max_rows=0"):
         probe(model, ids, arithmetic="h100", max_rows=0)
     with pytest.raises(ValueError, match=r"--rows must be >= 1, got 0"):
@@ -209,3 +209,17 @@ def test_a_model_folder_without_tokenizer_files_probes_the_texts_bytes(tmp_path)
     assert ids[0].tolist() == list(b"hello, p")
     with pytest.raises(ValueError, match="the file is empty"):
         probe_mod._batch("", None, 256, 1, 8, 0)
+
+
+def test_probe_refuses_what_it_cannot_replay():
+    """Learned sinks (gpt-oss) would be replayed as plain softmax attention: the probe says so instead."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+                       layer_types=["full_attention"])
+    torch.manual_seed(0)
+    model = GptOssForCausalLM._from_config(cfg, attn_implementation="eager")
+    with pytest.raises(ValueError, match="the probe does not replay learned sinks"):
+        probe(model, torch.randint(1, 64, (1, 8)), fixes=("off",))
+    assert integration.attention_function.attention is probe_mod.attention

@@ -127,6 +127,17 @@ def test_fused_block_size_8_vs_16():
     assert _dot([0.5] * 16, [X(1, -24)] * 16, 0.0, "a100") == X(1, -21)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_b200_fp8_keeps_25_fraction_bits_where_h100_keeps_13(dtype):
+    # spec ([MMA-Sim] TCGen05MMA: F = 25, RZ-FP32 for fp8; WGMMA fp8: F = 13, RZ-E8M13): products 1 * 1 and
+    # 2^-8 * 2^-8 = 2^-16 (2^-8 is an E4M3 subnormal and an E5M2 normal), c = 0; E = 0. H100 keeps 13 fraction
+    # bits below 2^0 (LSB 2^-13): the 2^-16 is truncated away -> 1. B200 keeps 25 (LSB 2^-25): 1 + 2^-16.
+    assert _dot([1.0, X(1, -8)], [1.0, X(1, -8)], 0.0, "h100", k=32, dtype=dtype) == 1.0
+    assert _dot([1.0, X(1, -8)], [1.0, X(1, -8)], 0.0, "b200", k=32, dtype=dtype) == 1 + X(1, -16)
+    # bf16 on B200 is H100's arithmetic ([MMA-Sim] F = 25, 16 products a block for both)
+    assert _dot([0.5] * 16, [X(1, -24)] * 16, 1.0, "b200") == 1 + X(1, -21)
+
+
 # ---- [KM25] GPU-measured vectors ----------------------------------------------------------------------
 _DTYPES = {"bf16": (BF16, torch.int16), "fp16": (torch.float16, torch.int16),
            "e4m3": (torch.float8_e4m3fn, torch.uint8), "e5m2": (torch.float8_e5m2, torch.uint8)}
@@ -279,7 +290,8 @@ def _random_case(rng: random.Random, fmt: str, M: int, K: int, N: int):
 
 
 @pytest.mark.parametrize("model,fmt", [("a100", "bf16"), ("a100", "fp16"), ("h100", "bf16"), ("h100", "fp16"),
-                                       ("h100", "e4m3"), ("h100", "e5m2")])
+                                       ("h100", "e4m3"), ("h100", "e5m2"), ("b200", "bf16"), ("b200", "e4m3"),
+                                       ("b200", "e5m2")])
 def test_matches_exact_rational_steps(model, fmt):
     rng = random.Random(f"{model}-{fmt}")
     spec = tc.spec_for(model, _DTYPES[fmt][0])
@@ -407,7 +419,7 @@ def test_batched_equals_one_by_one():
     a = torch.randn(4, 3, 40, generator=g).to(BF16)
     b = torch.randn(4, 40, 5, generator=g).to(BF16)
     c = torch.randn(4, 3, 5, generator=g)
-    for model in ("a100", "h100", "ieee"):
+    for model in ("a100", "h100", "b200", "ieee"):
         d = mma(a, b, c, model)
         for i in range(4):
             assert torch.equal(d[i], mma(a[i], b[i], c[i], model))

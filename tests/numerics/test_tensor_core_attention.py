@@ -61,8 +61,8 @@ def test_tensor_core_model_runs_every_fix(model):
 
 def test_rejects_unknown_model():
     s, v = tied_inputs(trials=2)
-    with pytest.raises(ValueError, match=r"model='b200'.*accepted values"):
-        arithmetic.tensor_core_model(s, v, "off", model="b200")
+    with pytest.raises(ValueError, match=r"model='v100'.*accepted values"):
+        arithmetic.tensor_core_model(s, v, "off", model="v100")
 
 
 def attention_inputs(B=2, Hq=4, Hkv=2, N=150, D=16, seed=0):

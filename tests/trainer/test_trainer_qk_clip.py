@@ -17,7 +17,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from stable_attn.callbacks import StableAttentionTrainerCallback
 from stable_attn.monitor import names
-from stable_attn.monitor.alert_schema import validate_alert
+from stable_attn.monitor.alerts.schema import validate_alert
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "callbacks"))
 

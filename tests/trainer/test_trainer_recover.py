@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 
 from stable_attn.callbacks import StableAttentionTrainerCallback
 from stable_attn.monitor import names
-from stable_attn.monitor.data_position import batch_fingerprint
+from stable_attn.monitor.loop import batch_fingerprint
 
 BAD = 12  # the optimizer step (Trainer numbering) that reads the garbled batch BAD - 1
 

@@ -25,8 +25,6 @@ from stable_attn.varlen import attention_varlen
 
 # Arguments some models pass that change the attention in ways the fused op cannot reproduce.
 _UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks (`s_aux`)",
-    "sinks": "attention sinks (`sinks`)",
     "indices": "sparse attention (`indices`)",
     "block_indices": "block-sparse attention (`block_indices`)",
     "position_bias": "an additive relative position bias (`position_bias`, T5 style)",
@@ -56,11 +54,13 @@ def stable_attn_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention function registered with ``AttentionInterface`` as ``"stable_attn"``.
 
-    ``query`` ``[B, Hq, Nq, D]``, ``key``/``value`` ``[B, Hkv, Nk, D]`` (the model's KV heads: GQA is
-    served without repeating them). ``attention_mask`` is what :func:`stable_attn_mask` returned: a
-    :class:`StableAttnMask`, a 4D bool/additive tensor (which then holds causality, window and padding,
-    as for sdpa), or None (no mask was built: causality comes from ``is_causal`` or ``module.is_causal``,
-    the window from ``sliding_window``). Dropout applies only while ``module.training``, as in eager.
+    ``query`` ``[B, Hq, Nq, D]``, ``key`` ``[B, Hkv, Nk, D]``, ``value`` ``[B, Hkv, Nk, Dv]`` (the model's KV heads:
+    GQA is served without repeating them; ``Dv`` may differ from ``D``, multi-head latent attention, and the output
+    has ``Dv``). Learned sinks (``s_aux``, gpt-oss's name, which FlashAttention's and flex attention's integrations
+    take too; ``[Hq]``) go to the op's ``sinks``. ``attention_mask`` is what :func:`stable_attn_mask` returned: a
+    :class:`StableAttnMask`, a 4D bool/additive tensor (which then holds causality, window and padding, as for
+    sdpa), or None (no mask was built: causality comes from ``is_causal`` or ``module.is_causal``, the window from
+    ``sliding_window``). Dropout applies only while ``module.training``, as in eager.
 
     Packed documents, with no padding and no arbitrary mask, go to :func:`stable_attn.attention_varlen`
     on ``[B * N, H, D]`` views, taken (as ``flash_attention_2`` does) from FlashAttention's
@@ -77,9 +77,7 @@ def stable_attn_attention_forward(
         if kwargs.get(name) is not None:
             raise ValueError(f"stable_attn: {who} uses {feature}, which stable_attn does not implement; "
                              "use attn_implementation='eager' for this model")
-    if value.shape[-1] != query.shape[-1]:
-        raise ValueError(f"stable_attn: {who} has value head dim {value.shape[-1]} != query head dim "
-                         f"{query.shape[-1]} (e.g. multi-head latent attention), which stable_attn does not implement")
+    sinks = kwargs.get("s_aux")
 
     causal, window, key_padding_mask, attn_mask, documents = False, None, None, None, None
     read_positions, memo = True, None
@@ -121,11 +119,12 @@ def stable_attn_attention_forward(
     if stats is not None and not stats.enabled:
         stats = None
     opts = model_options_of(module)
-    dispatch.record(module, query, key, opts["backend"], attn_mask=attn_mask, varlen=documents is not None, who=who)
+    dispatch.record(module, query, key, opts["backend"], attn_mask=attn_mask, varlen=documents is not None, who=who,
+                    pv_fp32=opts["pv_fp32"], value=value)
     common = dict(causal=causal, scale=scaling, window=window, softcap=softcap or None,
                   dropout_p=float(dropout) if module.training else 0.0, stabilize=opts["stabilize"],
                   beta=opts["beta"], stats=stats, backend=opts["backend"], block_n=opts["block_n"],
-                  pv_fp32=opts["pv_fp32"])
+                  pv_fp32=opts["pv_fp32"], sinks=sinks)
     try:
         if documents is not None:
             B, Nq = query.shape[0], query.shape[2]

@@ -4,7 +4,8 @@
 the layer on a CUDA device -- the Triton kernels (dense or varlen) or the PyTorch path, and why -- and
 
 - warns, once per model and reason, when a layer on a CUDA device is served by the PyTorch path for a
-  reason other than being on the CPU (a materialized 4D mask, a problem too large for the kernels' offsets),
+  reason other than being on the CPU (a materialized 4D mask, a problem too large for the kernels' offsets,
+  what the kernels do not implement: a value head dim apart from the query's, head dim > 256),
   naming the model, the reason and what to change. The warning works under ``torch.compile(fullgraph=True)``:
   :func:`warn_once` takes constant arguments and dynamo runs it while tracing (no graph break);
 - feeds :func:`stable_attn.explain` (eager runs only), which prints, per layer, the path and the reason.
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._ops import backend_rule
+
 logger = logging.getLogger("stable_attn")
 
 _warned: set[str] = set()
@@ -27,10 +30,6 @@ _warned: set[str] = set()
 TRITON_DENSE = "fused kernel (stable_attn.attention)"
 TRITON_VARLEN = "fused kernel, packed documents (stable_attn.attention_varlen)"
 PYTORCH = "PyTorch path (stabilized, slower)"
-
-# The Triton kernels address one batch element's q/k/v/o with 32-bit offsets (_ops.resolve_backend).
-_MAX_PER_BATCH = 2**31
-
 
 @torch.compiler.assume_constant_result
 def warn_once(key: str, message: str) -> bool:
@@ -46,26 +45,35 @@ def warn_once(key: str, message: str) -> bool:
 
 
 _ADVICE = {
-    "4d-mask": "a materialized 4D attention mask: the pattern is not one the kernel takes as flags (causal, sliding "
+    "attn_mask": "a materialized 4D attention mask: the pattern is not one the kernel takes as flags (causal, sliding "
                "window, padding, packed documents); chunked, block-wise (image tokens) and custom mask functions, "
                "a bidirectional sliding window and 4D masks passed in end up here. To reach the kernel: pass a 2D "
                "attention_mask (or none) and the model's own causal or sliding pattern",
     "size": "more than 2^31 elements of q, k or v in one batch element (beyond the kernels' 32-bit offsets): "
             "use a smaller batch element or shorter sequences",
+    "kernel-gap": "a feature the Triton kernels do not implement yet (a value head dim apart from the query's, or a "
+                  "head dim above 256); the PyTorch path serves it, stabilized and monitored",
+}
+
+
+# What explain() says where the PyTorch path serves a layer, by _ops.backend_rule's reason.
+_CONFIGURED = {
+    "backend": "configured: backend='torch' (configure() or config.stable_attn)",
+    "pv_fp32": "configured: pv_fp32=True (P-bar V in fp32, a comparison variant the kernels do not compute)",
+    "empty": "an empty batch (batch size 0): nothing to compute; the PyTorch path returns the empty output",
 }
 
 
 def serving(query: torch.Tensor, key: torch.Tensor, backend: str, attn_mask: torch.Tensor | None,
-            varlen: bool) -> tuple[str, str | None]:
-    """``(path, reason)``: what serves a layer's call on a CUDA device, and why, if not the fused kernel."""
-    if backend == "torch":
-        return PYTORCH, "configured: backend='torch' (configure() or config.stable_attn)"
-    if attn_mask is not None:
-        return PYTORCH, "4d-mask"
-    per_batch = max(query[0].numel(), key[0].numel()) if not varlen else max(query.numel(), key.numel())
-    if per_batch >= _MAX_PER_BATCH:
-        return PYTORCH, "size"
-    return (TRITON_VARLEN if varlen else TRITON_DENSE), None
+            varlen: bool, pv_fp32: bool = False, value: torch.Tensor | None = None) -> tuple[str, str | None]:
+    """``(path, reason)``: what serves a layer's call on a CUDA device, and why, if not the fused kernel: the
+    ops' own rule (``_ops.backend_rule``), asked for a CUDA device; packed documents count as one batch element
+    (their head dim kept last, for the rule's head-dim test)."""
+    q, k = (query.reshape(1, -1, query.shape[-1]), key.reshape(1, -1, key.shape[-1])) if varlen else (query, key)
+    impl, reason = backend_rule(backend, q, attn_mask is not None, k, pv_fp32, cuda=True, v=value)
+    if impl == "triton":
+        return (TRITON_VARLEN if varlen else TRITON_DENSE), None
+    return PYTORCH, reason
 
 
 _recording: list[dict[str, Any]] | None = None
@@ -92,12 +100,13 @@ def _model_key(module: nn.Module) -> str:
 
 
 def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, backend: str, *,
-           attn_mask: torch.Tensor | None, varlen: bool, who: str) -> None:
+           attn_mask: torch.Tensor | None, varlen: bool, who: str, pv_fp32: bool = False,
+           value: torch.Tensor | None = None) -> None:
     """Note which path serves this call; warn once per model and reason when it is slow on a CUDA device."""
-    path, reason = serving(query, key, backend, attn_mask, varlen)
+    path, reason = serving(query, key, backend, attn_mask, varlen, pv_fp32, value)
     if _recording is not None and not torch.compiler.is_compiling():
-        _recording.append({"module": module, "path": path, "reason": _ADVICE.get(reason, reason),
-                           "device": query.device.type})
+        _recording.append({"module": module, "path": path, "reason": _ADVICE.get(reason, _CONFIGURED.get(reason)),
+                           "device": query.device.type, "varlen": varlen})
     if reason in _ADVICE and _on_cuda(query):
         warn_once(f"{_model_key(module)}:{reason}",
                   f"stable_attn: {who} runs on the PyTorch path on {query.device} (stabilized, several times slower "

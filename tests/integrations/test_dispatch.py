@@ -1,0 +1,89 @@
+"""The serving check of the transformers integration (what ``explain()`` reports) against the path that serves.
+
+Both come from one rule (``_ops.backend_rule``). To see what a CUDA device would run without one, the ops'
+device check is handed tensors that answer ``is_cuda`` as CUDA tensors would; the call itself then runs on
+the PyTorch path of the CPU whatever was picked, and the pick is recorded.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import tiny_models
+import torch
+import torch.nn.functional as F
+
+import stable_attn
+import stable_attn.integrations.transformers as st
+from stable_attn import _ops
+from stable_attn.integrations.transformers import dispatch
+
+VOCAB = 128
+attention_module = importlib.import_module("stable_attn.attention")
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that answers the device check as a CUDA tensor does."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def served(monkeypatch) -> list[str]:
+    """The implementation ``attention()`` picks for each call as if its tensors were on a CUDA device."""
+    picks: list[str] = []
+
+    def resolve(backend, q, has_attn_mask, k=None, pv_fp32=False):
+        on_cuda = None if k is None else k.as_subclass(_OnCuda)
+        picks.append(_ops.resolve_backend(backend, q.as_subclass(_OnCuda), has_attn_mask, on_cuda, pv_fp32))
+        return "torch"  # the CPU runs it either way
+
+    monkeypatch.setattr(attention_module, "resolve_backend", resolve)
+    return picks
+
+
+def test_explain_names_the_path_that_serves_pv_fp32_on_cuda(served, capsys):
+    model = tiny_models.build("llama", "stable_attn", VOCAB)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    st.configure(model, pv_fp32=True)
+    rows = stable_attn.explain(model, {"input_ids": ids})
+    assert served == ["torch", "torch"]
+    assert [r["path"] for r in rows] == [dispatch.PYTORCH] * 2
+    assert all("pv_fp32=True" in r["reason"] for r in rows)
+    assert "pv_fp32=True" in capsys.readouterr().out
+    served.clear()
+    st.configure(model, pv_fp32=False)
+    rows = stable_attn.explain(model, {"input_ids": ids})
+    assert served == ["triton", "triton"]
+    assert [r["path"] for r in rows] == [dispatch.TRITON_DENSE] * 2 and all(r["reason"] is None for r in rows)
+
+
+def test_explain_and_the_ops_agree_on_backend_torch_and_a_4d_mask(served):
+    model = tiny_models.build("llama", "stable_attn", VOCAB)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    st.configure(model, backend="torch")
+    rows = stable_attn.explain(model, {"input_ids": ids})
+    assert served == ["torch", "torch"] and [r["path"] for r in rows] == [dispatch.PYTORCH] * 2
+    assert all("backend='torch'" in r["reason"] for r in rows)
+    served.clear()
+    st.configure(model)
+    four_d = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    rows = stable_attn.explain(model, {"input_ids": ids, "attention_mask": four_d, "use_cache": False})
+    assert served == ["torch", "torch"] and [r["path"] for r in rows] == [dispatch.PYTORCH] * 2
+    assert all("4D" in r["reason"] for r in rows)
+
+
+def test_batch_size_zero_is_served_as_sdpa_serves_it(served):
+    """F.scaled_dot_product_attention returns the empty output for a batch of 0; so does the attention function
+    (on the PyTorch path: nothing to launch), and the serving check says so instead of indexing the batch."""
+    module = st.attention_modules(tiny_models.build("llama", "stable_attn", VOCAB))[0][1]
+    q, k, v = torch.randn(0, 4, 12, 8), torch.randn(0, 2, 12, 8), torch.randn(0, 2, 12, 8)
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    with dispatch.recording() as calls:
+        out, weights = st.stable_attn_attention_forward(module, q, k, v, None, scaling=8 ** -0.5)
+    assert out.shape == want.transpose(1, 2).shape == (0, 12, 4, 8) and weights is None
+    assert served == ["torch"]
+    assert calls[0]["path"] == dispatch.PYTORCH and "batch size 0" in calls[0]["reason"]
