@@ -16,7 +16,9 @@ Rules (each is given exactly what its source does; none is tuned here):
 
 - **ours**: ``SpikeDetector.loss()`` on the loss and ``SpikeDetector.grad_norm()`` on the gradient norm, as
   ``MonitorEngine`` builds them; a point is flagged when ``update`` returns an event. A reference row (not a
-  default): the same with ``gross_z=0``, the gross rule's ratio without its noise bar.
+  default): the same with ``gross_z=0``, the gross rule's ratio without its noise bar. Another:
+  ``rising_noise=False, start_ratio=None``, the gradient-norm detector before it measured its noise on rises only
+  and had its start rule (docs/DETECTORS.md, "The start of a run"); on the loss those are the defaults.
 - **Lightning**: ``lightning.fabric.utilities.spike.SpikeDetection`` at its defaults (mean of the last 10
   accepted values, ``rtol=2.0``, mode ``min``), as ``benchmarks/spike_detection.py`` reimplements it
   (checked against Lightning's class when this runs).
@@ -121,6 +123,13 @@ def ours_flags(values: np.ndarray, signal: str) -> np.ndarray:
     return sd.detector_flags(det, values)
 
 
+def ours_two_sided_flags(values: np.ndarray, signal: str) -> np.ndarray:
+    """A reference row, not a default: two-sided noise and no start rule (on the loss, its defaults: the same as
+    ours)."""
+    preset = SpikeDetector.loss if signal == "loss" else SpikeDetector.grad_norm
+    return sd.detector_flags(preset(rising_noise=False, start_ratio=None), values)
+
+
 def ours_ratio_only_flags(values: np.ndarray, signal: str) -> np.ndarray:
     """A reference row, not a default: ours with ``gross_z=0`` (the gross rule's ratio alone, no noise bar)."""
     det = SpikeDetector.loss(gross_z=0.0) if signal == "loss" else SpikeDetector.grad_norm(gross_z=0.0)
@@ -198,6 +207,7 @@ Rule = Callable[[np.ndarray, str], "np.ndarray | None"]
 RULES: dict[str, Rule] = {
     "ours": ours_flags,
     "ours, gross_z=0 (reference)": ours_ratio_only_flags,
+    "ours, two-sided noise, no start rule (reference)": ours_two_sided_flags,
     "Lightning": lambda v, s: sd.lightning_flags(v),
     f"median/MAD k={MAD_K:g}": lambda v, s: sd.median_mad_flags(v, MAD_K),
     "OLMo-core 6σ/128": lambda v, s: olmo_flags(v),

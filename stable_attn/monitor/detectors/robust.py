@@ -58,6 +58,7 @@ def update_scale(
     trusted: bool,
     rate: float,
     kappa: float,
+    rising: bool = False,
 ) -> tuple[float | None, int]:
     """One step of the robust noise variance; returns (variance, samples folded in).
 
@@ -66,12 +67,20 @@ def update_scale(
     widen its own threshold, while noise that grows shows up at once. Once ``trusted`` it is clipped
     at ``bound`` (Huber's rho) and divided by ``kappa`` to stay unbiased on Gaussian noise. Early
     on, all samples are averaged equally (rate 1/k) so the scale is usable after a few steps.
+
+    ``rising``: only rising differences are samples (on symmetric noise their mean square is the same). A
+    detector of rises so does not learn a wide noise from a metric that falls several-fold over its first
+    updates, as gradient norms do (docs/DETECTORS.md, "The start of a run").
     """
     if last_residual is None:
         if var is not None:  # first residual after a re-baseline: no difference to take yet
             return var, count
+        if rising and residual <= 0.0:
+            return var, count
         sample = residual * residual
     else:
+        if rising and residual <= last_residual:
+            return var, count
         sample = 0.5 * (residual - last_residual) ** 2
     if trusted:
         sample = min(sample, bound * bound) / kappa
@@ -173,13 +182,17 @@ def median(values: list[float]) -> float:
 _ROBUST_DIFFS = 8
 
 
-def diff_scale(values: list[float]) -> float:
-    """A robust Gaussian sigma of ``values``' noise from their successive differences (0 before two values)."""
+def diff_scale(values: list[float], rising: bool = False) -> float:
+    """A robust Gaussian sigma of ``values``' noise from their successive differences (0 before two values).
+    ``rising``: a handful of differences (fewer than 8) counts its rising ones only: one fall of the run's
+    start dominates their root mean square, while the median of 8 or more is not moved by it."""
     diffs = [b - a for a, b in zip(values, values[1:])]
     if len(diffs) >= _ROBUST_DIFFS:
         centre = median(diffs)
         # 1.4826 * MAD is a Gaussian sigma; a difference of two values has sqrt(2) times theirs.
         return 1.4826 * median([abs(d - centre) for d in diffs]) / math.sqrt(2.0)
+    if rising:
+        diffs = [d for d in diffs if d > 0.0]
     if diffs:
         # A handful: their root mean square (a median of a few is unreliable, and dropping the largest
         # read a noisy run's noise low enough to flag its 4th value; a steep descent only widens the bar).
@@ -193,19 +206,19 @@ def diff_scale(values: list[float]) -> float:
 FAST_WINDOW = 9
 
 
-def window_noise(values: list[float], log_space: bool, level_window: int) -> tuple[float, float]:
+def window_noise(values: list[float], log_space: bool, level_window: int, rising: bool = False) -> tuple[float, float]:
     """A run's measured noise in ``values`` (a detector's transformed values, flagged ones too): the larger
     :func:`diff_scale` of the whole window and of its last :data:`FAST_WINDOW`, as (relative, absolute). In log
     space relative is the scale of the logs' differences and absolute that of the values' differences over the
     current level (the median of the last ``level_window``): a batch noise of fixed size in nats (a few hard
     tokens per batch) grows relative to a loss that falls, faster than a scale learnt from the past follows.
     In linear space absolute is 0 (the rules there are in the metric's units already). Zeros before two
-    values."""
-    rel, absolute = max(diff_scale(values), diff_scale(values[-FAST_WINDOW:])), 0.0
+    values. ``rising`` is :func:`diff_scale`'s."""
+    rel, absolute = max(diff_scale(values, rising), diff_scale(values[-FAST_WINDOW:], rising)), 0.0
     if log_space and len(values) >= 2:
         level = math.exp(median(values[-level_window:]))
         linear = [math.exp(min(v, 700.0)) for v in values]
-        absolute = max(diff_scale(linear), diff_scale(linear[-FAST_WINDOW:])) / level
+        absolute = max(diff_scale(linear, rising), diff_scale(linear[-FAST_WINDOW:], rising)) / level
     return rel, absolute
 
 

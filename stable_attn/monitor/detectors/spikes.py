@@ -49,8 +49,11 @@ _logger = logging.getLogger("stable_attn")
 # While an update is skipped (flagged or non-finite) the trend is extrapolated with this per-update
 # decay, so a long anomaly cannot drag the forecast far along a stale slope (total drift <= ~19 slopes).
 _GAP_TREND_DECAY = 0.95
-# Values at or below zero have no logarithm; they are floored here (a huge downward outlier, which
-# the clipped update absorbs) and a warning says once that log_space=False suits such a metric.
+# Values at or below zero have no logarithm. Watching rises ("up"), such a value (an exact 0.0: a loss logged
+# rounded, a norm of a step without gradients) is no rise and is left out of every estimate: floored and accepted,
+# it pulled the level ~7 log units down and the ordinary values after it were flagged as jumps 50 in a row. With
+# "both" it is floored here (a huge drop, flagged by the jump rule once calibrated). Either way a warning says
+# once that log_space=False suits such a metric.
 _LOG_FLOOR = 1e-30
 _SCALE_EPS = 1e-12
 # Warm-up also waits until an EMA (rate _BIAS_RATE) of clipped standardized residuals is within
@@ -134,6 +137,11 @@ class SpikeDetector:
             ``(gross_ratio - 1) * |median|``); None disables the rule.
         gross_warmup: finite updates before the gross rule can fire (>= 1).
         gross_z: the gross rule's bar is also this many sigmas of the run's own noise; 0: the ratio alone.
+        start_ratio: None (default), or from the 2nd finite update until the gross rule judges, a value
+            above this factor times every accepted value is flagged (rule ``gross``) and kept out.
+        rising_noise: measure the noise from rising differences only (direction ``"up"``): a metric that
+            falls several-fold over its first updates (a gradient norm) so keeps its bar at the size of its
+            rises, not of its start's fall (docs/DETECTORS.md, "The start of a run").
         level_rate: smoothing rate of the level (larger follows faster, noisier baseline).
         trend_rate: smoothing rate of the trend (Holt's beta, applied to level changes).
         scale_rate: smoothing rate of the robust noise variance.
@@ -164,6 +172,8 @@ class SpikeDetector:
         gross_ratio: float | None = 1.25,
         gross_warmup: int = 3,
         gross_z: float = 6.0,
+        start_ratio: float | None = None,
+        rising_noise: bool = False,
         level_rate: float = 0.1,
         trend_rate: float = 0.1,
         scale_rate: float = 0.03,
@@ -192,6 +202,14 @@ class SpikeDetector:
         self.gross_ratio = gross_ratio
         self.gross_warmup = check_count("gross_warmup", gross_warmup, 1)
         self.gross_z = check_positive("gross_z", gross_z, allow_zero=True)
+        if start_ratio is not None:
+            start_ratio = as_float("start_ratio", start_ratio)
+            if not (start_ratio > 1.0 and math.isfinite(start_ratio)):
+                raise ValueError(f"start_ratio must be a finite number > 1 or None, got {start_ratio!r}")
+        self.start_ratio = start_ratio
+        if not isinstance(rising_noise, bool):
+            raise TypeError(f"rising_noise must be a bool, got {rising_noise!r}")
+        self.rising_noise = rising_noise
         self.level_rate = check_rate("level_rate", level_rate)
         self.trend_rate = check_rate("trend_rate", trend_rate)
         self.scale_rate = check_rate("scale_rate", scale_rate)
@@ -207,6 +225,8 @@ class SpikeDetector:
         self.noisy_progress_share = None if noisy_progress_share is None else check_positive(
             "noisy_progress_share", noisy_progress_share, allow_zero=True)
         self._kappa = huber_consistency(self.clip)
+        # Falls are left out of the noise only where rises are what is judged (direction "up").
+        self._rising = rising_noise and direction == "up"
         # The smallest margin a jump must clear in log space (see _sigma for why it also floors the scale).
         self._min_margin = math.log1p(self.min_rel_change) if log_space else 0.0
         self._warned_nonpositive = False
@@ -221,9 +241,14 @@ class SpikeDetector:
     def grad_norm(cls, metric: str = GRAD_NORM, **kwargs: Any) -> SpikeDetector:
         """Defaults for a gradient norm: the gross rule fires at 5x the recent median (early
         gradient norms of healthy runs swing by up to 4x from one step to the next), and at 4 sigmas
-        of the norm's own noise where that is wider (the 5x ratio already allows for the usual swings)."""
+        of the norm's own noise where that is wider (the 5x ratio already allows for the usual swings);
+        before it, from the 2nd update, a value 8x above every earlier one is flagged; the noise is
+        measured on rises only (a run's norm falls 4-20x over its first points, and counted as noise
+        that fall raised the gross bar to 7-48x: docs/DETECTORS.md, "The start of a run")."""
         kwargs.setdefault("gross_ratio", 5.0)
         kwargs.setdefault("gross_z", 4.0)
+        kwargs.setdefault("start_ratio", 8.0)
+        kwargs.setdefault("rising_noise", True)
         kwargs.setdefault("noisy_progress_share", None)  # a norm does not fall from a start as a loss does
         return cls(metric, **kwargs)
 
@@ -306,11 +331,15 @@ class SpikeDetector:
     def update(self, step: int, value: float) -> SpikeEvent | None:
         """Feed one observation (anything ``float()`` accepts: a 1-element tensor too); return a
         :class:`~stable_attn.monitor.detectors.events.SpikeEvent` if it is anomalous, else None. ``step`` is only
-        carried into the event; a flagged value does not enter the estimates."""
+        carried into the event; a flagged value does not enter the estimates, nor (log space, direction ``"up"``)
+        does a value at or below zero, which returns None."""
         value = as_float("value", value)
         step = int(step)
         if not math.isfinite(value):
             return self._nonfinite(step, value)
+        if self.log_space and value <= 0.0 and self.direction == "up":
+            self._warn_nonpositive(value)
+            return None
         x = self._transform(value)
         self._seen += 1
         if self._seen <= _FIRST_VALUES:
@@ -337,6 +366,10 @@ class SpikeDetector:
         # a fast fall (a learning-rate drop) the trend runs on below a curve that has flattened, and
         # the flattening is not a spike.
         excess = x - max(forecast, min(self._window)) if self.direction == "up" else abs(residual)
+        if self.phase == "starting" and self.start_ratio is not None:
+            event = self._start(step, value, x)
+            if event is not None:
+                return event
         if self.phase == "gross":
             event = self._gross(step, value, x)
             if event is not None:
@@ -387,12 +420,16 @@ class SpikeDetector:
         if not self.log_space:
             return value
         if value <= 0.0:
-            if not self._warned_nonpositive:
-                self._warned_nonpositive = True
-                _logger.warning("SpikeDetector(%r) got %r <= 0 in log space; it is treated as a tiny positive value. "
-                                "Use log_space=False for metrics that can be zero or negative.", self.metric, value)
+            self._warn_nonpositive(value)
             value = _LOG_FLOOR
         return math.log(value)
+
+    def _warn_nonpositive(self, value: float) -> None:
+        if not self._warned_nonpositive:
+            self._warned_nonpositive = True
+            what = "left out" if self.direction == "up" else "treated as a tiny positive value"
+            _logger.warning("SpikeDetector(%r) got %r <= 0 in log space; it is %s. Use log_space=False for metrics "
+                            "that can be zero or negative.", self.metric, value, what)
 
     def _to_value(self, x: float) -> float:
         if not self.log_space:
@@ -444,7 +481,8 @@ class SpikeDetector:
         # or a slow explosion the level is chasing) cancels in them, so it cannot inflate the scale
         # and widen its own threshold, while noise that grows shows up at once.
         self._var, self._residuals = update_scale(
-            self._var, self._residuals, residual, self._last_residual, bound, trusted, self.scale_rate, self._kappa
+            self._var, self._residuals, residual, self._last_residual, bound, trusted, self.scale_rate, self._kappa,
+            self._rising,
         )
         # While a rise is accumulating in the drift sum, it must not widen its own threshold (a slow
         # explosion's residuals look like slowly varying, autocorrelated noise). Nor may the forecast's
@@ -531,6 +569,15 @@ class SpikeDetector:
         score = (x - reference) / self._sigma() if self._var is not None else math.inf
         return self._spike(step, value, x, reference, margin, score, "gross")
 
+    def _start(self, step: int, value: float, x: float) -> SpikeEvent | None:
+        """The rule of the first updates, before the gross rule judges: far above every accepted value."""
+        assert self.start_ratio is not None
+        reference = max(self._window)
+        margin = math.log(self.start_ratio) if self.log_space else (self.start_ratio - 1.0) * abs(reference)
+        if not x - reference > margin or not self._material(value, reference):
+            return None
+        return self._spike(step, value, x, reference, margin, math.inf, "gross")
+
     def progress_share(self, value: float) -> float | None:
         """The share of the run's progress that ``value`` undoes: its rise over the current baseline (the
         forecast, never below the lowest recent value) over the fall from the run's start (the median of
@@ -579,7 +626,7 @@ class SpikeDetector:
 
     def _window_noise(self) -> tuple[float, float]:
         """The run's measured noise, (relative, absolute), in the window before the value judged."""
-        return window_noise(self._noise[-_NOISE_WINDOW - 1 : -1], self.log_space, _GROSS_WINDOW)
+        return window_noise(self._noise[-_NOISE_WINDOW - 1 : -1], self.log_space, _GROSS_WINDOW, self._rising)
 
     def _abs_margin(self, z: float, absolute: float) -> float:
         """The log-space rise of ``z`` absolute-noise sigmas above the level: log(1 + z * noise / level)

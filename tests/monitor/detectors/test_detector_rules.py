@@ -100,6 +100,58 @@ def test_grad_norm_defaults_silent_on_early_swings_and_catch_a_garbled_batch() -
     assert [(e.step, e.rule, e.metric) for e in events] == [(10, "gross", "train/grad_norm")]
 
 
+def start_fall(seed: int, steps: int = 120) -> np.ndarray:
+    """A gradient norm that falls 25x over its first 4 points (as real runs' norms do), then log-normal noise of
+    25% per update around 1."""
+    norm = np.exp(0.25 * np.random.default_rng(seed).standard_normal(steps))
+    norm[:4] = [40.0, 9.0, 3.0, 1.6]
+    return norm
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grad_norm_start_of_run_fall_does_not_blind_the_gross_rule(seed: int) -> None:
+    # Counted as noise, the fall set the gross bar at 4 sigmas of it: a 7x spike at the 16th point passed in 10
+    # of 12 seeds; measured on rises only, the bar is the noise's own (silent on the healthy trace).
+    values = start_fall(seed)
+    assert run(SpikeDetector.grad_norm(), values) == []
+    values[15] = 7.0 * np.median(values[10:15])
+    assert [(e.step, e.rule) for e in run(SpikeDetector.grad_norm(), values)] == [(15, "gross")]
+    if seed != 1:  # the old bar, the fall counted as noise, missed it in 5 of these 6 seeds
+        assert run(SpikeDetector.grad_norm(rising_noise=False, start_ratio=None), values) == []
+
+
+def test_grad_norm_start_rule_flags_a_value_far_above_every_earlier_one() -> None:
+    # The 3rd value of a real run (prestonfrost_ai_project, step 300): before the gross rule judges (4th update).
+    values = [0.603, 3.033, 28.27, 0.866, 0.531, 0.477, 0.64, 0.687, 0.644, 0.83]
+    events = run(SpikeDetector.grad_norm(), values)
+    assert [(e.step, e.rule, e.is_new) for e in events] == [(2, "gross", True)]
+    assert run(SpikeDetector.grad_norm(start_ratio=None), values) == []
+    assert run(SpikeDetector(), values[:3]) == []  # the loss preset has no start rule
+    assert run(SpikeDetector.grad_norm(), [0.6, 4.5, 0.9, 0.7]) == []  # 7.5x: below the 8x of the start rule
+
+
+@pytest.mark.parametrize("preset", [SpikeDetector.loss, SpikeDetector.grad_norm])
+@pytest.mark.parametrize("seed", range(3))
+def test_an_exact_zero_is_left_out(preset, seed: int, caplog: pytest.LogCaptureFixture) -> None:
+    # Floored and accepted at step 60 (before calibration), a 0.0 pulled the level ~7 log units down, and the
+    # 50 ordinary values after it were flagged as jumps until a re-baseline.
+    values = np.exp(0.2 * np.random.default_rng(seed).standard_normal(400))
+    values[[60, 200, 201]] = 0.0
+    det = preset()
+    assert run(det, values) == []
+    assert det.state_dict()["seen"] == 397
+    assert caplog.text.count("<= 0 in log space; it is left out") == 1
+    values[300] *= 5.0  # a spike after the zeros is still caught
+    assert [e.step for e in run(preset(), values)] == [300]
+
+
+def test_start_and_rising_noise_validation() -> None:
+    with pytest.raises(ValueError, match="start_ratio must be a finite number > 1 or None, got 1.0"):
+        SpikeDetector(start_ratio=1.0)
+    with pytest.raises(TypeError, match="rising_noise must be a bool, got 'yes'"):
+        SpikeDetector(rising_noise="yes")
+
+
 def steep_descent(seed: int, phi: float = 0.0, steps: int = 300, sigma: float = 0.005) -> np.ndarray:
     """A loss falling from 8 to 2 with a time constant of 40 steps: the forecast lags it for ~150
     steps; multiplicative noise of 0.5%, white or AR(1)."""
