@@ -57,8 +57,8 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from stable_attn.integrations.transformers import attach_stats
-    from stable_attn.monitor.grad_norm import total_grad_norm
     from stable_attn.monitor.actions.qk_clip import QKClip, head_layout
+    from stable_attn.monitor.grad_norm import total_grad_norm
 
     reference = model()
     sharded = copy.deepcopy(reference)
