@@ -175,7 +175,6 @@ def test_traced_static_prefill_is_the_causal_prefix_rotated(q_offset, window):
         assert torch.equal(got_stats.sink_mass, torch.zeros_like(got_stats.sink_mass))
 
 
-@pytest.mark.skipif(not NEW_SIGNATURE, reason="transformers 5.0 passes cache_position")
 @pytest.mark.parametrize("make", [lambda: mu.causal_mask_function, lambda: mu.sliding_window_causal_mask_function(3),
                                   lambda: mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))])
 def test_a_single_query_is_a_key_mask_whatever_the_pattern(make):
@@ -190,7 +189,6 @@ def test_a_single_query_is_a_key_mask_whatever_the_pattern(make):
     assert torch.equal(ours.key_padding_mask, exact[:, 0, 0])
 
 
-@pytest.mark.skipif(not NEW_SIGNATURE, reason="transformers 5.0 passes cache_position")
 def test_static_cache_prefill_is_a_causal_prefix():
     """A static cache's prefill (eager): causal over the filled prefix of the cache, the empty slots
     after it cut off (no query sees them); the keys the kernel sees, written out, are sdpa's mask."""
