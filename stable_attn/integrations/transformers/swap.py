@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from stable_attn.integrations.transformers.models import attach_stats, attention_modules
-from stable_attn.integrations.transformers.registry import register
+from stable_attn.integrations.transformers.registry import NAMES, register
 from stable_attn.stats import AttentionStats
 
 __all__ = ["PreparedModels", "find_hf_models", "prepare_models", "swap_attention"]
@@ -35,7 +35,7 @@ def swap_attention(models: dict[str, torch.nn.Module]) -> None:
     with transformers first)."""
     register()
     for model in models.values():
-        if getattr(model.config, "_attn_implementation", None) != "stable_attn":
+        if getattr(model.config, "_attn_implementation", None) not in NAMES:
             model.set_attn_implementation("stable_attn")
 
 
