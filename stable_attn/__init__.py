@@ -13,7 +13,7 @@ measures what the import costs.
 from __future__ import annotations
 
 from ._version import __version__
-from .attention import attention
+from .attention import attention, set_layout_check
 from .explain import explain
 from .integrations.flash_compat import flash_attn_func, flash_attn_varlen_func
 from .integrations.on_import import register_when_loaded
@@ -39,5 +39,5 @@ register_when_loaded(register)
 
 __all__ = [
     "AttentionStats", "attention", "attention_varlen", "explain", "flash_attn_func", "flash_attn_varlen_func",
-    "patch_sdpa", "register", "unpatch_sdpa", "__version__",
+    "patch_sdpa", "register", "set_layout_check", "unpatch_sdpa", "__version__",
 ]

@@ -115,3 +115,15 @@ def test_explain_says_which_attention_each_layer_runs_after_a_shared_config_swit
     out = capsys.readouterr().out
     assert "its attention layers: all 2 run 'sdpa'" in out and "model.layers.0.self_attn: 'sdpa' -- runs 'sdpa'" in out
     assert "copy.deepcopy(config)" in out
+
+
+def test_a_transformers_model_runs_under_the_strict_layout_check():
+    """transformers hands the attention function [B, H, N, D]: the integration says so, so the strict mode (which
+    refuses a direct call whose shapes fit both layouts without layout=) never refuses a model."""
+    model = tiny_models.build("llama", "stable_attn", VOCAB)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    previous = stable_attn.set_layout_check("error")
+    try:
+        assert model(input_ids=ids).logits.shape == (2, 12, VOCAB)
+    finally:
+        stable_attn.set_layout_check(previous)
