@@ -47,7 +47,8 @@ def test_benchmarks_is_a_short_reference_linking_every_lab_notebook():
     for link in links:
         assert (BENCHMARKS.parent / link).exists(), link
     notebooks = sorted(p.name for p in (DOCS / "lab").glob("*.md"))
-    assert notebooks and sorted({link.removeprefix("lab/") for link in links if link.startswith("lab/") and link.endswith(".md")}) == notebooks
+    linked = {link.removeprefix("lab/") for link in links if link.startswith("lab/") and link.endswith(".md")}
+    assert notebooks and sorted(linked) == notebooks
     anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
     for anchor in re.findall(r"\]\(#([^)]+)\)", text):
         assert anchor in anchors, anchor
