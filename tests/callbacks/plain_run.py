@@ -152,7 +152,7 @@ def train(case: str, weights: str, out: str, name: str, resume: str | None = Non
             decision = guard.before_optimizer_step()
             if decision.apply:
                 seen["lr"][step] = opt.param_groups[0]["lr"]
-                if "step" in opt.__dict__:  # a recovery's lr_factor wraps this step (recovery.LrScale)
+                if "LrScale" in getattr(opt.step, "__qualname__", ""):  # a recovery's lr_factor scales this step
                     seen["scaled"].append(step)
                 opt.step()
             opt.zero_grad()

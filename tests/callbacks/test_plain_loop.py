@@ -145,10 +145,15 @@ def test_plain_fsdp2_loop_fault_matrix_matches_ddp(tmp_path, pretrained):
     indices = [recover["indices"][str(s)] for s in steps]
     assert indices == sorted(set(indices)) and len(set(range(STEPS)) - set(indices)) == recover["skipped_batches"]
     at, _ = recover["rollbacks"][0]
-    assert recover["scaled"][:3] == [s for s in range(at + 1, at + 4) if str(s) in recover["lr"]][:3]
+    # lr_steps=3: the three steps after the recovery run at lr x lr_factor (those of them that apply an update)
+    assert recover["scaled"][:2] == [s for s in range(at + 1, at + 4) if str(s) in recover["lr"]][:2]
+    assert recover["scaled"] and recover["scaled"][0] == at + 1
 
     first, resumed = r0["fsdp:stop-resume"]["first"], r0["fsdp:stop-resume"]
-    assert first["last_step"] == BAD and first["skipped_steps"] == [BAD]
+    # a one-step spike only skips (spike_confirm_steps=3); the NaN loss stops at once, the resumed loop at the NaN
+    assert first["last_step"] == NAN_LOSS and first["skipped_steps"] == [BAD] and NAN_LOSS in first["unchanged"]
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "loop.pt"} <= set(first["stop_files"])
-    assert resumed["skipped_steps"] == [BAD, NAN_LOSS]  # the guard's state came back with the checkpoint
-    assert min(int(s) for s in resumed["indices"]) == BAD + 1 and resumed["last_step"] == NAN_LOSS
+    assert resumed["skipped_steps"] == [BAD]  # the guard's state came back with the checkpoint
+    assert resumed["alert_count"] > first["alert_count"] and NAN_GRAD in resumed["unchanged"]
+    assert min(int(s) for s in resumed["indices"]) == NAN_LOSS + 1 and resumed["last_step"] == NAN_GRAD
+    assert resumed["indices"][str(NAN_LOSS + 1)] == NAN_LOSS + 1  # the data continues after the stop step's batch
