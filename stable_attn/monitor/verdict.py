@@ -154,8 +154,14 @@ class RankDetectors:
         return self.detectors[rank]
 
     def other_states(self) -> list[dict[str, Any]]:
-        """States of ranks 1..; every rank runs every rank's detector, so rank zero's copies are everyone's."""
-        return [d.state_dict() for d in self.detectors[1:]]
+        """States of ranks 1..; every rank runs every rank's detector, so rank zero's copies are everyone's.
+        Ranks not seen since a resume keep the state loaded for them (a checkpoint before the first step)."""
+        states = [d.state_dict() for d in self.detectors[1:]]
+        rank = len(self.detectors)
+        while rank in self._pending:
+            states.append(self._pending[rank])
+            rank += 1
+        return states
 
     def load_other_states(self, states: list[dict[str, Any]]) -> None:
         self._pending = dict(enumerate(states, start=1))

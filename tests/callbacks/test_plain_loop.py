@@ -157,3 +157,47 @@ def test_plain_fsdp2_loop_fault_matrix_matches_ddp(tmp_path, pretrained):
     assert resumed["alert_count"] > first["alert_count"] and NAN_GRAD in resumed["unchanged"]
     assert min(int(s) for s in resumed["indices"]) == NAN_LOSS + 1 and resumed["last_step"] == NAN_GRAD
     assert resumed["indices"][str(NAN_LOSS + 1)] == NAN_LOSS + 1  # the data continues after the stop step's batch
+
+
+@pytest.mark.slow
+def test_tensor_parallel_loop_through_the_guard(tmp_path):
+    """Tensor parallelism (parallelize_module: q/k/v column-wise, o row-wise; each rank 4 of the 8 query heads)
+    driven by StableAttentionGuard with QK-Clip, against one unsharded copy driven by a single-process guard: the
+    logged layer statistics agree (rows add up over the TP ranks, maxima are maxima), QK-Clip clips the same heads
+    on the same steps, and a NaN gradient in rank 1's shard drops the step on both ranks, its QK-Clip edit too
+    (the clean run clips there); with rollback, both roll back to the same snapshot."""
+    from tp_guard_run import NAN_GRAD
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE="2",
+               PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
+    script = os.path.join(HERE, "tp_guard_run.py")
+    procs = [subprocess.Popen([sys.executable, script, str(tmp_path), "skip", "rollback"], cwd=str(tmp_path),
+                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for action in ("skip", "rollback"):
+        res = r0[action]
+        assert res == r1[action]  # both ranks saw, decided and logged the same
+        assert res["dtensor_q"]
+        (tp_metrics, ref_metrics), (tp_clips, ref_clips) = res["metrics"], res["clipped"]
+        assert tp_metrics.keys() == ref_metrics.keys()
+        for step, ref in ref_metrics.items():
+            assert tp_metrics[step].keys() == ref.keys()
+            for name, value in ref.items():
+                assert tp_metrics[step][name] == pytest.approx(value, rel=1e-5, abs=1e-7), (action, step, name)
+        assert tp_clips == ref_clips and any(tp_clips.values())
+        assert res["clean_clipped"][str(NAN_GRAD)] > 0 and tp_clips[str(NAN_GRAD)] == 0  # the dropped step's clip
+        assert res["max_weight_diff"] < 1e-4  # TP sums the matmuls in another order: close, not bitwise
+    assert r0["skip"]["skipped_steps"] == [[NAN_GRAD], [NAN_GRAD]]
+    assert r0["skip"]["unchanged"] == [[NAN_GRAD], [NAN_GRAD]]  # no update and no QK-Clip edit, on every rank
+    tp_rollbacks, ref_rollbacks = r0["rollback"]["rollbacks"]
+    assert tp_rollbacks == ref_rollbacks and [r[0] for r in tp_rollbacks] == [NAN_GRAD]
