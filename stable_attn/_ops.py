@@ -80,9 +80,8 @@ TRITON_MAX_HEAD_DIM = 256
 
 def triton_gap(q: torch.Tensor, v: torch.Tensor | None) -> str | None:
     """Why the Triton kernels cannot serve these inputs (a phrase for the one-time log line), or None. Learned
-    sinks they serve (forward, decode; the backward needs nothing for them)."""
-    if v is not None and v.shape[-1] != q.shape[-1]:
-        return f"a value head dim {v.shape[-1]} apart from the query's {q.shape[-1]}"
+    sinks they serve (forward, decode; the backward needs nothing for them), and a value head dim apart from the
+    query's (each up to :data:`TRITON_MAX_HEAD_DIM`)."""
     if max(q.shape[-1], 0 if v is None else v.shape[-1]) > TRITON_MAX_HEAD_DIM:
         return f"head dim {max(q.shape[-1], v.shape[-1] if v is not None else 0)} > {TRITON_MAX_HEAD_DIM}"
     return None
