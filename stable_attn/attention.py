@@ -167,7 +167,7 @@ def attention(
     # no backward will be asked for: a short query may take the decode path (_decode)
     needs_grad = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     opts = opts.replace(forward_only=not (torch.is_grad_enabled() and needs_grad))
-    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32, v)
+    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32, v, opts.key_block)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.contiguous()  # the kernels index it as [b * Nk + j]
     q, k, v = unit_last_stride(q, k, v)

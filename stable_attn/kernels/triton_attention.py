@@ -16,6 +16,7 @@ import triton
 
 from .. import rules
 from .._checks import interpreting
+from .._ops import MAX_KV_TILE_BYTES, kv_tile_bytes
 from ..options import BLOCK_N, Options
 from ..stats import STATS_ENTROPY, RowStats
 from . import triton_launch as launch
@@ -30,9 +31,6 @@ from .triton_backward import (
 from .triton_backward_fused import backward_fused, backward_mode
 from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 from .triton_launch import BwdConfig, FwdConfig, Packed
-
-# One K tile plus one V tile must fit in shared memory with room for the query tile (A100: 163 KiB).
-_MAX_KV_TILE_BYTES = 128 * 1024
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
@@ -82,11 +80,11 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed
     block_n = opts.key_block
     Dv = v.shape[-1]  # the value head dim: apart from D in multi-head latent attention (never padded to D)
     block_d, block_dv = launch.head_block(D), launch.head_block(Dv)
-    kv_bytes = block_n * (block_d + block_dv) * q.element_size()
-    if kv_bytes > _MAX_KV_TILE_BYTES:
+    kv_bytes = kv_tile_bytes(block_n, D, Dv, q.element_size())
+    if kv_bytes > MAX_KV_TILE_BYTES:  # the ops send these calls to the PyTorch path (_ops.triton_gap)
         dims = f"head dim {D}" if Dv == D else f"head dims {D} (q, k) and {Dv} (v)"
         raise ValueError(f"block_n={block_n} with {dims} ({dtype}) needs K and V tiles of {kv_bytes} bytes, more "
-                         f"than the {_MAX_KV_TILE_BYTES} bytes of shared memory the kernel may use; use a smaller "
+                         f"than the {MAX_KV_TILE_BYTES} bytes of shared memory the kernel may use; use a smaller "
                          f"block_n (the default is {BLOCK_N})")
     with_stats = int(with_stats)  # a stats.STATS_* level (True: the row statistics without the entropy)
     consts, compile_opts = launch.launch_constants(

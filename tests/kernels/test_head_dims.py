@@ -87,6 +87,32 @@ def test_triton_backend_sends_head_dims_above_256_to_the_pytorch_path(caplog, mo
     ]
 
 
+def test_float32_tiles_too_large_for_the_default_partition_go_to_the_pytorch_path(caplog, monkeypatch):
+    """float32 at head dim 256: K and V tiles of 128 keys (256 KiB) exceed the kernels' shared memory. With the
+    default partition the PyTorch path serves the call (logged once, no error); with ``block_n=64`` the
+    kernels do."""
+    from stable_attn.kernels import triton_attention
+
+    monkeypatch.setattr(_ops, "_logged_once", set())
+    launches = []
+    real = triton_attention._forward
+    monkeypatch.setattr(triton_attention, "_forward", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    q, k, v, _ = _inputs(256, 256, B=1, Hq=2, Hkv=1, Nq=3, Nk=5)
+    with caplog.at_level(logging.INFO, logger="stable_attn"):
+        got = stable_attn.attention(q, k, v, causal=True, backend="triton")
+        assert torch.equal(got, stable_attn.attention(q, k, v, causal=True, backend="torch")) and not launches
+        assert _ops.backend_rule("triton", q, False, cuda=True, v=v) == ("torch", "kernel-gap")
+        small = stable_attn.attention(q, k, v, causal=True, backend="triton", block_n=64)
+        assert launches == [1]
+        _, _, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
+        assert _ops.backend_rule("triton", q.to(torch.bfloat16), False, cuda=True, v=v16) == ("triton", None)
+    torch.testing.assert_close(small.double(), naive.attention(q, k, v, causal=True), rtol=1e-5, atol=2e-6)
+    assert [r.getMessage() for r in caplog.records] == [
+        "stable_attn: float32 at head dim 256 with 128-key blocks (K and V tiles of 262144 bytes, above the kernels' "
+        "131072; a smaller block_n fits) is served by the PyTorch path (stabilized, slower than the Triton kernel, "
+        "which does not implement it)"]
+
+
 # ---------------------------------------------------------------- the Triton kernels, Dv != D (no log line)
 
 TRITON_DIMS = [(24, 16), (16, 40), (192, 128)]
