@@ -185,6 +185,7 @@ class MonitorEngine:
         and patch ``F.scaled_dot_product_attention`` once if ``patch_sdpa``; ``stage`` names the run."""
         self.world = world
         self._run.rank, self._run.size = world.rank, world.size
+        self._run.all_gather = self._gather_host if world.size > 1 else None
         self._root = root
         self.desk.evidence.watch(root)
         self._swap_models(root)
@@ -195,6 +196,11 @@ class MonitorEngine:
             if world.is_zero:
                 log.warning("%s: torch.nn.functional.scaled_dot_product_attention now runs stable_attn (backend %s) "
                             "until the end of %s", self.name, world.backend, stage)
+
+    def _gather_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (on the host), through the world's collective on its device."""
+        assert self.world.all_gather is not None
+        return self.world.all_gather(tensor.to(self.world.device)).cpu()
 
     def _swap_models(self, root: torch.nn.Module) -> None:
         # imported here: the engine imports no transformers until a run sets up
@@ -446,6 +452,7 @@ class MonitorEngine:
         done = self.action.after_step(step, state, self._acted)
         if done.rolled_back_to is not None:
             self.rollbacks.append((step, done.rolled_back_to))
+        self._stopping = self._stopping or done.stop
         for alert in done.alerts:
             self._emit(alert)
         stop = None
