@@ -55,17 +55,19 @@ class RingLoop:
         return os.path.join(self.log_dir, RING_DIR, ring_file(step, self.rank))
 
     def run(self, steps: int = STEPS, nan_at: tuple[int, ...] = (NAN_AT,),
-            damage: Callable[[RingLoop], None] | None = None) -> None:
-        """Steps up to ``steps`` (in all: a second call goes on where the first ended)."""
+            damage: Callable[[RingLoop], None] | None = None, spike: float = math.nan) -> None:
+        """Steps up to ``steps`` (in all: a second call goes on where the first ended); the loss of the steps in
+        ``nan_at`` is multiplied by ``spike`` (NaN: acted on at once by every action)."""
         for step in range(self.step, steps):
             self.step = step + 1
             if step == NAN_AT and damage is not None:
                 damage(self)
             self.engine.begin_step(step)
             x = torch.randn(8, 4, generator=self.data)
+            self.engine.add_batch(x, epoch=0, batch_index=step)
             loss = (self.model(x) - x.sum(1, keepdim=True)).pow(2).mean()
             if step in nan_at:
-                loss = loss * math.nan
+                loss = loss * spike
             self.engine.add_loss(loss)
             loss.backward()
             self.engine.before_optimizer_step(self.opt, self.model.parameters())

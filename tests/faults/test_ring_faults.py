@@ -114,8 +114,8 @@ def test_a_full_disk_degrades_the_ring_and_training_goes_on(tmp_path, row, caplo
     assert len(failed) == 1 and len(warnings) == 1
     assert written[0].endswith(".pt.partial")
     name = os.path.basename(written[0]).removesuffix(".partial")
-    assert f"{RING_DIR}/{name} could not be written (ENOSPC (No space left on device))" in failed[0].message
-    assert f"{written[0].removesuffix('.partial')} could not be written (ENOSPC" in warnings[0]
+    assert f"{RING_DIR}/{name} could not be written (OSError: ENOSPC (No space left on device))" in failed[0].message
+    assert f"{written[0].removesuffix('.partial')} could not be written (OSError: ENOSPC" in warnings[0]
     if memory == "fits":
         assert "host memory from now on" in failed[0].message and loop.engine.recovery.ring.on_disk is False
         assert loop.engine.rollbacks and len(loop.ends) == 10  # the recovery used the ring, training went on

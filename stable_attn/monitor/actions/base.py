@@ -59,11 +59,12 @@ class Verdict:
 @dataclass(frozen=True)
 class StepDone:
     """What :meth:`Action.after_step` did: the step a rollback restored (None: none), whether the run must stop
-    (a recovery that found no snapshot to restore) and alerts to deliver."""
+    (a recovery that found no snapshot to restore), the batches a recovery skips, and alerts to deliver."""
 
     rolled_back_to: int | None = None
     alerts: tuple[Alert, ...] = ()
     stop: bool = False
+    skipping: tuple[int, int] | None = None  # the first and last batch index a recovery skips
 
 
 @dataclass

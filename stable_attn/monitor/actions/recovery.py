@@ -338,7 +338,8 @@ class Recover(Action):
         # (Lightning runs the step's closure, and so before_optimizer_step, inside optimizer.step())
         r.scale_lr(step + 1, state.optimizers)
         pending, self._pending = self._pending, []
-        return StepDone(rolled_back_to=done.rolled_back_to, stop=done.stop, alerts=(*pending, *done.alerts))
+        return StepDone(rolled_back_to=done.rolled_back_to, stop=done.stop, skipping=done.skipping,
+                        alerts=(*pending, *done.alerts))
 
     def _recover(self, step: int, state: Trainables) -> StepDone:
         """Restore the newest verified snapshot ``rollback_steps`` back (or older), open the skip window, alert;
@@ -378,7 +379,8 @@ class Recover(Action):
         alert = Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used, threshold=r.max_recoveries,
                       lr=self.run.lr, action="recover", outcome=outcome,
                       message=f"spike at step {step}{where}: {fell_back}{r.message(begun)}")
-        return StepDone(rolled_back_to=entry.step, alerts=(alert,))
+        return StepDone(rolled_back_to=entry.step, alerts=(alert,),
+                        skipping=(skipping[0], skipping[1]) if skipping is not None else None)
 
     def _passed_over(self, choice: RingChoice) -> str:
         """The snapshots a recovery could not use, for its alert: this rank's with their problem, another

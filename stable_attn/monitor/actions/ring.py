@@ -104,10 +104,10 @@ def host_memory_available() -> int | None:
 
 
 def said(exc: BaseException) -> str:
-    """An error in one line: ``ENOSPC (No space left on device)`` for an OSError with an errno, else its type
-    and the first line of its message."""
+    """An error in one line: ``OSError: ENOSPC (No space left on device)`` for an OSError with an errno, else its
+    type and the first line of its message."""
     if isinstance(exc, OSError) and exc.errno is not None:
-        return f"{errno.errorcode.get(exc.errno, exc.errno)} ({os.strerror(exc.errno)})"
+        return f"{type(exc).__name__}: {errno.errorcode.get(exc.errno, exc.errno)} ({os.strerror(exc.errno)})"
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
 
