@@ -132,7 +132,9 @@ def stable_attn_attention_forward(
             q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
             out = attention_varlen(q, k, v, *documents, **common)
             return out.view(B, Nq, *out.shape[1:]), None
-        out = attention(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **common)
+        # transformers hands every backend [B, H, N, D]: no layout check
+        out = attention(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, layout="bhnd",
+                        **common)
     except (ValueError, TypeError) as err:
         raise type(err)(f"stable_attn: {who}: {err}") from err
     return out.transpose(1, 2).contiguous(), None
