@@ -39,7 +39,7 @@ def _decode(q, k, attn_mask, opts: Options, with_stats: int) -> bool:
 
 def _forward(q, k, v, sinks, key_padding_mask, attn_mask, opts: Options, with_stats: int,
              ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
-    # resolve_backend sent what the kernels lack (Dv != D, D > 256) to the PyTorch path
+    # resolve_backend sent what the kernels lack (D or Dv > 256) to the PyTorch path
     if _decode(q, k, attn_mask, opts, with_stats):
         if opts.backend == "triton":
             from .kernels import triton_decode
@@ -159,7 +159,7 @@ def attention(
         q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``, v: ``[B, Hkv, Nk, Dv]`` with ``Hq % Hkv == 0``
             (GQA/MQA); ``Dv`` may differ from ``D`` (multi-head latent attention: nothing is padded); the
             output is ``[B, Hq, Nq, Dv]``. dtypes bfloat16, float16, float32; ``D, Dv <= 512`` (the Triton
-            kernels serve ``D == Dv <= 256``; the rest goes to the PyTorch path, logged once).
+            kernels serve ``D, Dv <= 256``; the rest goes to the PyTorch path, logged once).
         causal: causal mask aligned bottom-right when ``Nq != Nk`` (query i sees keys
             ``j <= i + Nk - Nq``), as FlashAttention >= 2.1 and KV-cache decoding.
         scale: score scale, default ``1/sqrt(D)``.
@@ -227,7 +227,7 @@ def attention(
     # no backward will be asked for: a short query may take the decode path (_decode)
     needs_grad = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     opts = opts.replace(forward_only=not (torch.is_grad_enabled() and needs_grad))
-    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32, v)
+    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32, v, opts.key_block)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.contiguous()  # the kernels index it as [b * Nk + j]
     q, k, v = unit_last_stride(q, k, v)

@@ -120,7 +120,7 @@ def stable_attn_attention_forward(
         stats = None
     opts = model_options_of(module)
     dispatch.record(module, query, key, opts["backend"], attn_mask=attn_mask, varlen=documents is not None, who=who,
-                    pv_fp32=opts["pv_fp32"], value=value)
+                    pv_fp32=opts["pv_fp32"], value=value, key_block=opts["block_n"])
     common = dict(causal=causal, scale=scaling, window=window, softcap=softcap or None,
                   dropout_p=float(dropout) if module.training else 0.0, stabilize=opts["stabilize"],
                   beta=opts["beta"], stats=stats, backend=opts["backend"], block_n=opts["block_n"],
