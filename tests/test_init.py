@@ -80,6 +80,20 @@ def test_import_after_transformers_registers_at_once():
     assert out.strip() == "True 0"
 
 
+def test_importing_the_integration_first_registers_once_it_is_imported():
+    """transformers then loads inside our integration's import: the integration registers at its end."""
+    out = _python("""
+        import sys
+        import stable_attn
+        from stable_attn.integrations.transformers import swap
+        from transformers.modeling_utils import AttentionInterface
+        from stable_attn.integrations.transformers import stable_attn_attention_forward as ours
+        waiting = sum(type(f).__name__ == "_RegisterAfterLoad" for f in sys.meta_path)
+        print(AttentionInterface()["stable-attn"] is ours, waiting)
+    """)
+    assert out.strip() == "True 0"
+
+
 def test_command_help_loads_neither_transformers_nor_lightning():
     out = _python(f"""
         import contextlib, io, sys
