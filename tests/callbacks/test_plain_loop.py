@@ -111,7 +111,7 @@ def test_plain_fsdp2_loop_skips_like_ddp(tmp_path, pretrained):
 
 
 SLOW_CASES = ["fsdp:warn", "ddp:warn", "fsdp:rollback", "ddp:rollback", "fsdp:recover", "ddp:recover",
-              "fsdp:recover-disk", "fsdp:stop-resume", "ddp:stop-resume"]
+              "fsdp:recover-disk", "fsdp:stop-resume", "ddp:stop-resume", "fsdp:stop-damaged"]
 
 
 @pytest.mark.slow
@@ -122,7 +122,10 @@ def test_plain_fsdp2_loop_fault_matrix_matches_ddp(tmp_path, pretrained):
 
     r0, r1 = launch(tmp_path, pretrained, SLOW_CASES, timeout=900)
     for case in SLOW_CASES:
-        check_same_on_both_ranks(r0[case], r1[case])
+        a, b = r0[case], r1[case]
+        if "refused" in a:  # stop-damaged: the loop that stopped, before its checkpoint was damaged
+            a, b = a["first"], b["first"]
+        check_same_on_both_ranks(a, b)
     for action in ("warn", "rollback", "recover", "stop-resume"):
         check_sharded(r0[f"fsdp:{action}"])
         check_like_ddp(tmp_path, r0[f"fsdp:{action}"], r0[f"ddp:{action}"], f"fsdp:{action}", f"ddp:{action}")
@@ -157,6 +160,13 @@ def test_plain_fsdp2_loop_fault_matrix_matches_ddp(tmp_path, pretrained):
     assert resumed["alert_count"] > first["alert_count"] and NAN_GRAD in resumed["unchanged"]
     assert min(int(s) for s in resumed["indices"]) == NAN_LOSS + 1 and resumed["last_step"] == NAN_GRAD
     assert resumed["indices"][str(NAN_LOSS + 1)] == NAN_LOSS + 1  # the data continues after the stop step's batch
+
+    # rank 1's shard file removed: every rank refuses together (DCP gathers the failures), and the model is left
+    # as it was (the loop reads into copies; dcp.load in place would leave the shards read so far)
+    for damaged in (r0["fsdp:stop-damaged"], r1["fsdp:stop-damaged"]):
+        assert damaged["refused"] is not None and damaged["refused"].startswith("CheckpointException")
+        assert "__1_0.distcp" in damaged["refused"] or "ranks" in damaged["refused"]
+        assert damaged["model_untouched"]
 
 
 @pytest.mark.slow
