@@ -1,7 +1,7 @@
 """Spike alerts on real training curves: ours against five published rules, per signal.
 
 Run:  python benchmarks/real_runs.py                      (the corpus + 4 synthetic families x 50 traces x 4000 steps;
-                                                          about 3 minutes on 1 thread)
+                                                          about 4 minutes of CPU on 1 thread)
       python benchmarks/real_runs.py --traces 4 --steps 1500   (a quick look)
       python benchmarks/real_runs.py --markdown table.md --json summary.json
 
@@ -15,8 +15,10 @@ at the logging interval would.
 Rules (each is given exactly what its source does; none is tuned here):
 
 - **ours**: ``SpikeDetector.loss()`` on the loss and ``SpikeDetector.grad_norm()`` on the gradient norm, as
-  ``MonitorEngine`` builds them; a point is flagged when ``update`` returns an event. A reference row (not a
-  default): the same with ``gross_z=0``, the gross rule's ratio without its noise bar. Another:
+  ``MonitorEngine`` builds them, each value with the run's learning rate at that point (as the engine passes the
+  optimizer's); a point is flagged when ``update`` returns an event. A reference row: the same without the
+  learning rate (a loop that does not pass it). Another (not a default): the same with ``gross_z=0``, the gross
+  rule's ratio without its noise bar. Another:
   ``rising_noise=False, start_ratio=None``, the gradient-norm detector before it measured its noise on rises only
   and had its start rule (docs/DETECTORS.md, "The start of a run"); on the loss those are the defaults.
 - **Lightning**: ``lightning.fabric.utilities.spike.SpikeDetection`` at its defaults (mean of the last 10
@@ -51,7 +53,11 @@ Scores, per rule and signal. An alert *episode* is a maximal run of consecutive 
 The synthetic part scores the same rules (loss version; cosmos is a gradient-norm rule) on the families of
 ``benchmarks/spike_detection.py`` (tuning, held-out, scale/noise with Gaussian and with log-normal noise), with
 that script's ground truth: an event is caught when a flag falls from its 4-sigma step to 2 steps after its
-8-sigma onset; benign episodes start on clean steps, per 10,000 clean steps.
+8-sigma onset; benign episodes start on clean steps, per 10,000 clean steps. Three more families: ``restarts``
+and ``restarts, held out`` (``restart_trace``: the tuning and fresh held-out traces under a cosine schedule with
+warm restarts, the loss jumping with the learning rate; ours is given the schedule) and ``clusters, held out``
+(``cluster_trace``: fresh held-out traces whose corrupted batches come in threes, the 2nd and 3rd scored as
+``cluster_2nd`` and ``cluster_3rd``).
 """
 
 from __future__ import annotations

@@ -31,10 +31,6 @@ def register() -> bool:
         if (e.name or "").split(".")[0] != "transformers":
             raise
         return False
-    if not hasattr(_hf, "register"):
-        # transformers' model code loaded from inside our own integration's import (its registry imports it):
-        # that package registers as its last step
-        return True
     _hf.register()
     return True
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import TMA_PACKED, key_range, load_tile, round_to, scores_tile, tanh_f32, varlen_bounds
+from .triton_tiles import CAPPED, TMA_PACKED, key_range, load_tile, round_to, scores_tile, tanh_f32, varlen_bounds
 
 
 @triton.jit
@@ -121,9 +121,11 @@ def dkdv_step(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr
     delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
 
     x = tl.dot(k, tl.trans(q), input_precision=PREC)
-    if SOFTCAP:
+    if SOFTCAP == CAPPED:
         t = tanh_f32(x * cap_scale)
         s = t * cap_log2e
+    elif SOFTCAP:  # huge scales: the scores rounded first, as the forward's (rules.SCORES_SCALED)
+        s = x * qk_scale2
     else:  # the unscaled products, scaled inside the fma below, as the forward does
         s = x
     if HAS_KPM:
@@ -152,7 +154,7 @@ def dkdv_step(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr
     p_cast = round_to(p_drop, DTYPE, UPCAST)
     dv = tl.dot(p_cast, do, dv, input_precision=PREC)
     ds = p * dp
-    if SOFTCAP:
+    if SOFTCAP == CAPPED:
         ds = ds * (1.0 - t * t)
     ds_cast = round_to(ds * scale, DTYPE, UPCAST)
     dk = tl.dot(ds_cast, q, dk, input_precision=PREC)
@@ -373,7 +375,7 @@ def dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, star
         keep = tl.rand(seed, drop_row[:, None] + offs_n[None, :].to(tl.int64)) >= drop_p
         dp = tl.where(keep, dp * keep_scale, 0.0)
     ds = p * (dp - delta[:, None])
-    if SOFTCAP:
+    if SOFTCAP == CAPPED:
         ds = ds * (1.0 - t * t)
     ds_cast = round_to(ds * scale, DTYPE, UPCAST)
     return tl.dot(ds_cast, k, dq, input_precision=PREC)

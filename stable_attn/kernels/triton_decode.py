@@ -190,7 +190,7 @@ def block_rows(groups: int, nq: int) -> int:
 
 
 def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int, nq: int, causal: bool,
-                     window: bool, softcap: bool, kpm: bool, mode: int, block_n: int, upcast: bool = False,
+                     window: bool, softcap: int, kpm: bool, mode: int, block_n: int, upcast: bool = False,
                      sinks: bool = False, value_dim: int | None = None) -> tuple[dict, dict]:
     """``(constexprs, compile options)`` of :func:`attn_decode_kernel`: what :func:`forward` launches and what
     ``triton_aot`` compiles (benchmarks/kernel_resources.py ``--kernels decode``). ``block_n``: the rule's key
@@ -237,7 +237,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     upcast = interpreting()
     consts, compile_opts = decode_constants(
         D, q.dtype, launch.capability(q.device), groups=G, nq=Nq, causal=opts.causal, window=opts.window is not None,
-        softcap=opts.softcap is not None, kpm=key_padding_mask is not None, mode=opts.mode, block_n=block_n,
+        softcap=launch.score_form(opts), kpm=key_padding_mask is not None, mode=opts.mode, block_n=block_n,
         upcast=upcast, sinks=sinks is not None, value_dim=Dv)
     acc = launch.empty((B, Hq, Nq, S, Dv), torch.float32, q.device)
     l_s, r_s, m_s = (launch.empty((B, Hq, Nq, S), torch.float32, q.device) for _ in range(3))

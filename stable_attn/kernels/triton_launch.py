@@ -295,12 +295,17 @@ def kernel_scalars(opts: Options, dtype: torch.dtype) -> dict:
 
 def feature_flags(opts: Options) -> dict:
     """The optional features of ``opts`` as :func:`launch_constants` takes them."""
-    return dict(causal=opts.causal, window=opts.window is not None, softcap=opts.softcap is not None,
+    return dict(causal=opts.causal, window=opts.window is not None, softcap=score_form(opts),
                 dropout=opts.dropout_p > 0)
 
 
+def score_form(opts: Options) -> int:
+    """The kernels' ``SOFTCAP`` constant for ``opts``: how a tile's scores are formed (``rules.SCORES_*``)."""
+    return rules.score_form(opts.softcap is not None, opts.qk_scale2)
+
+
 def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, causal: bool, window: bool,
-                     softcap: bool, dropout: bool, kpm: bool | None, mode: int = rules.MODE_EXACT,
+                     softcap: int, dropout: bool, kpm: bool | None, mode: int = rules.MODE_EXACT,
                      stats: int = False, block_n: int = BLOCK_N, forced_block_n: bool = False, tma: bool = True,
                      upcast: bool = False, config: FwdConfig | BwdConfig | None = None, sinks: bool = False,
                      value_dim: int | None = None) -> tuple[dict, dict]:
@@ -308,7 +313,8 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
     or varlen): what the launchers below pass and what ``triton_aot`` compiles (benchmarks/kernel_resources.py
     measures it), derived in this one place so that the two cannot disagree.
 
-    ``window``, ``softcap``, ``dropout``: whether each feature is on; ``kpm``: whether a key padding mask
+    ``window``, ``dropout``: whether each feature is on; ``softcap``: the score form (``rules.SCORES_*``, from
+    :func:`score_form`; a bool says softcap or the fused products); ``kpm``: whether a key padding mask
     is (dense kernels), ``None`` for the varlen kernels, which take none. ``block_n``: the key partition
     (``Options.key_block``), ``forced_block_n`` when the user set it; ``tma``: the strides TMA accepts;
     ``upcast``: the interpreter's fp32 operands; ``sinks``: learned sinks (the forward's ``HAS_SINKS``; the

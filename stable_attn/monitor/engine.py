@@ -192,6 +192,10 @@ class MonitorEngine:
         self._root = root
         self.desk.evidence.watch(root)
         self._swap_models(root)
+        if self._qk is not None and self._qk_modules:
+            # Read the layouts again: sharding after an earlier setup (Lightning's configure_model, with the model
+            # built in __init__) replaces q_proj / k_proj's parameters, and an edit of the old ones reaches nothing.
+            self._qk.setup(self._qk_modules)
         if self.config.patch_sdpa and self.sdpa_patch is None:
             from ..integrations.sdpa import patch_sdpa
 

@@ -5,7 +5,8 @@ loss at NAN_LOSS, one NaN gradient element at NAN_GRAD (after the gradients were
 A case is ``STRATEGY:ACTION``: ``fsdp`` shards with ``fully_shard`` per GPT-2 block and on the model (FSDP2, a
 1-D device mesh over both ranks), ``ddp`` replicates with ``DistributedDataParallel``; ``ACTION`` is an
 ``on_spike`` value, ``recover-disk`` (the ring in files) or ``stop-resume`` (stop, save the stop checkpoint with
-``torch.distributed.checkpoint``, each rank its own shards, then a second loop resumed from it).
+``torch.distributed.checkpoint``, each rank its own shards, then a second loop resumed from it) or
+``stop-damaged`` (rank 1's shard file of that checkpoint removed, then every rank tries to load it).
 
 Run by test_plain_loop.py as ``python plain_run.py WEIGHTS OUT_DIR CASE [CASE ...]`` in two processes it starts
 itself (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set). Each rank writes ``OUT_DIR/rank{r}.json``
@@ -40,6 +41,7 @@ ACTION_OPTIONS = {
 }
 ACTION_OPTIONS["recover-disk"] = dict(ACTION_OPTIONS["recover"], snapshot_memory_limit=0)
 ACTION_OPTIONS["stop-resume"] = {}
+ACTION_OPTIONS["stop-damaged"] = {}
 
 
 class Net(torch.nn.Module):
@@ -108,11 +110,14 @@ def save_stop(path: str, model: torch.nn.Module, opt, sched, guard: StableAttent
 
 
 def load_stop(path: str, model: torch.nn.Module, opt, sched, guard: StableAttentionGuard) -> None:
+    """Read into copies, then load: ``dcp.load`` reads in place, and a read that fails on any rank (every rank
+    raises together) would otherwise leave the shards already read in the live model: a partial restore."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.utils._pytree import tree_map
 
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
+    copies = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, get_state_dict(model, opt))
+    state = {"model": copies[0], "optim": copies[1]}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rest = torch.load(os.path.join(path, "loop.pt"), weights_only=True)
@@ -195,11 +200,34 @@ def train(case: str, weights: str, out: str, name: str, resume: str | None = Non
     }
 
 
+def damaged_resume(case: str, weights: str, out: str, stop: str) -> dict:
+    """Rank 1's shard file of the stop checkpoint is removed; every rank tries to resume from it."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(os.path.join(stop, "__1_0.distcp"))
+    dist.barrier()
+    strategy, action = case.split(":")
+    model, _, opt, sched = build(strategy, weights)
+    before = digest(model)
+    guard = StableAttentionGuard(on_spike="stop")
+    try:
+        load_stop(stop, model, opt, sched, guard)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; it is the result
+        refused = f"{type(exc).__name__}: {exc}"[:500]
+    else:
+        refused = None
+    return {"refused": refused, "model_untouched": digest(model) == before}
+
+
 def run_case(case: str, weights: str, out: str) -> dict:
     name = case.replace(":", "-")
     result = train(case, weights, out, name)
     if case.endswith("stop-resume"):
         result = {"first": result, **train(case, weights, out, name + "-resumed", resume=result["stop"])}
+    elif case.endswith("stop-damaged"):
+        result = {"first": result, **damaged_resume(case, weights, out, result["stop"])}
     return result
 
 

@@ -74,3 +74,39 @@ def test_importing_the_guard_imports_no_training_framework():
             "print(sorted(m for m in ('lightning', 'transformers.trainer') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_gradient_accumulation_sums_the_micro_batch_losses(tmp_path):
+    """Two micro-batches per optimizer step, drawn through guard.batches: the judged loss is the sum of the
+    divided losses, each micro-batch's data index is recorded, and a NaN in the second micro-batch drops the step."""
+    guard = StableAttentionGuard(on_spike="skip", swap=False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard.setup(model, opt, log_dir=str(tmp_path), log_every_n_steps=1)
+    data = guard.batches([torch.full((2, 4), float(i)) for i in range(8)])
+    losses, positions = [], []
+    for step in range(4):
+        guard.begin_step(step)
+        total = 0.0
+        for micro in range(2):
+            x = next(data)
+            loss = model(x).pow(2).mean() / 2
+            if step == 2 and micro == 1:
+                loss = loss * float("nan")
+            guard.add_loss(loss)
+            loss.backward()
+            total += float(loss.detach())
+            positions.append(guard.engine.data_position["batch_index"])
+        decision = guard.before_optimizer_step()
+        assert decision.apply == (step != 2)
+        if decision.apply:
+            opt.step()
+        opt.zero_grad()
+        guard.end_step()
+        losses.append((guard.engine.last["train/loss"], total))
+    guard.close()
+    assert positions == list(range(8))
+    for judged, summed in losses:
+        assert judged == pytest.approx(summed, rel=1e-6, nan_ok=True)
+    assert guard.skipped_steps == [2]

@@ -111,7 +111,7 @@ def test_plain_fsdp2_loop_skips_like_ddp(tmp_path, pretrained):
 
 
 SLOW_CASES = ["fsdp:warn", "ddp:warn", "fsdp:rollback", "ddp:rollback", "fsdp:recover", "ddp:recover",
-              "fsdp:recover-disk", "fsdp:stop-resume", "ddp:stop-resume"]
+              "fsdp:recover-disk", "fsdp:stop-resume", "ddp:stop-resume", "fsdp:stop-damaged"]
 
 
 @pytest.mark.slow
@@ -122,7 +122,10 @@ def test_plain_fsdp2_loop_fault_matrix_matches_ddp(tmp_path, pretrained):
 
     r0, r1 = launch(tmp_path, pretrained, SLOW_CASES, timeout=900)
     for case in SLOW_CASES:
-        check_same_on_both_ranks(r0[case], r1[case])
+        a, b = r0[case], r1[case]
+        if "refused" in a:  # stop-damaged: the loop that stopped, before its checkpoint was damaged
+            a, b = a["first"], b["first"]
+        check_same_on_both_ranks(a, b)
     for action in ("warn", "rollback", "recover", "stop-resume"):
         check_sharded(r0[f"fsdp:{action}"])
         check_like_ddp(tmp_path, r0[f"fsdp:{action}"], r0[f"ddp:{action}"], f"fsdp:{action}", f"ddp:{action}")
@@ -157,6 +160,13 @@ def test_plain_fsdp2_loop_fault_matrix_matches_ddp(tmp_path, pretrained):
     assert resumed["alert_count"] > first["alert_count"] and NAN_GRAD in resumed["unchanged"]
     assert min(int(s) for s in resumed["indices"]) == NAN_LOSS + 1 and resumed["last_step"] == NAN_GRAD
     assert resumed["indices"][str(NAN_LOSS + 1)] == NAN_LOSS + 1  # the data continues after the stop step's batch
+
+    # rank 1's shard file removed: every rank refuses together (DCP gathers the failures), and the model is left
+    # as it was (the loop reads into copies; dcp.load in place would leave the shards read so far)
+    for damaged in (r0["fsdp:stop-damaged"], r1["fsdp:stop-damaged"]):
+        assert damaged["refused"] is not None and damaged["refused"].startswith("CheckpointException")
+        assert "__1_0.distcp" in damaged["refused"] or "ranks" in damaged["refused"]
+        assert damaged["model_untouched"]
 
 
 @pytest.mark.slow
@@ -201,3 +211,41 @@ def test_tensor_parallel_loop_through_the_guard(tmp_path):
     assert r0["skip"]["unchanged"] == [[NAN_GRAD], [NAN_GRAD]]  # no update and no QK-Clip edit, on every rank
     tp_rollbacks, ref_rollbacks = r0["rollback"]["rollbacks"]
     assert tp_rollbacks == ref_rollbacks and [r[0] for r in tp_rollbacks] == [NAN_GRAD]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_under_lightning(tmp_path):
+    """Lightning's ModelParallelStrategy(tensor_parallel_size=2), parallelize_module in configure_model on a model
+    built in __init__, StableAttentionCallback(qk_clip=tau): the logged layer metrics and QK-Clip's clipped heads
+    equal a single-device run's, and a NaN in rank 1's q_proj gradient shard drops the step on both ranks (no update,
+    no QK-Clip edit). QK-Clip reads the layouts again at fit start, after configure_model replaced the parameters."""
+    from tp_lightning_run import NAN_GRAD
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE="2",
+               NODE_RANK="0", PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
+    script = os.path.join(HERE, "tp_lightning_run.py")
+    procs = [subprocess.Popen([sys.executable, script, str(tmp_path)], cwd=str(tmp_path),
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for res in (r0, r1):
+        assert res["dtensor_q"]
+        assert res["skipped_steps"] == [[NAN_GRAD], [NAN_GRAD]] and res["unchanged"] == [[NAN_GRAD], [NAN_GRAD]]
+        assert res["max_weight_diff"] < 1e-4
+    tp, ref = r0["metrics"]  # rank zero logs
+    assert tp.keys() == ref.keys() and len(ref) >= 8
+    for step, values in ref.items():
+        assert tp[step].keys() == values.keys(), step
+        for name, value in values.items():
+            assert tp[step][name] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, name)
+    clipped = {s: v.get("qk_clip/clipped_heads", 0.0) for s, v in tp.items()}
+    assert any(clipped.values()) and clipped[str(NAN_GRAD)] == 0

@@ -9,7 +9,7 @@ import pydoc
 
 import pytest
 
-from stable_attn.callbacks import StableAttentionCallback, StableAttentionTrainerCallback
+from stable_attn.callbacks import StableAttentionCallback, StableAttentionGuard, StableAttentionTrainerCallback
 from stable_attn.monitor import names
 from stable_attn.monitor.config import MonitorConfig
 from stable_attn.monitor.engine import MonitorEngine
@@ -39,7 +39,8 @@ def test_fields_and_defaults_are_the_arguments():
     assert MonitorConfig.saved_names() == tuple(n for n in DEFAULTS if n not in UNSAVED)
 
 
-@pytest.mark.parametrize("cls", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback])
+@pytest.mark.parametrize("cls", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback,
+                                 StableAttentionGuard])
 def test_signatures_come_from_the_config(cls):
     params = [p for p in inspect.signature(cls).parameters.values() if p.name != "name"]
     assert [(p.name, p.kind, p.default) for p in params] == [
@@ -49,7 +50,8 @@ def test_signatures_come_from_the_config(cls):
     assert "on_spike: 'SpikeAction' = 'warn'" in shown and "not_training_stop_after: 'int | None' = 100" in shown
 
 
-@pytest.mark.parametrize("cls", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback])
+@pytest.mark.parametrize("cls", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback,
+                                 StableAttentionGuard])
 def test_every_argument_is_documented_once(cls):
     args = cls.__doc__.split("\n    Args:\n", 1)[1]
     entries = [line.strip().split(":", 1)[0] for line in args.splitlines() if line.startswith(" " * 8)
@@ -79,7 +81,8 @@ def test_checked_values_and_given_values():
     assert engine.name == "X" and engine.config is config and engine.config.checked()["on_alert"] == [print]
 
 
-@pytest.mark.parametrize("owner", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback])
+@pytest.mark.parametrize("owner", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback,
+                                 StableAttentionGuard])
 def test_unknown_arguments_are_refused_as_a_constructor_would(owner):
     with pytest.raises(TypeError, match=rf"^{owner.__name__}\.__init__\(\) got an unexpected keyword argument 'foo'$"):
         owner(foo=1)

@@ -72,10 +72,6 @@ from stable_attn.integrations.transformers.swap import find_hf_models as find_hf
 from stable_attn.integrations.transformers.swap import prepare_models as prepare_models
 from stable_attn.integrations.transformers.swap import swap_attention as swap_attention
 
-# importing this package registers "stable_attn" (idempotent): it may be imported before `stable_attn`'s
-# on-import hook fires, from inside that hook's own import of transformers' model code
-register()
-
 # the public names; the others imported above are importable from here too
 __all__ = [
     "ALIAS",
