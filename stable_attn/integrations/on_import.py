@@ -8,7 +8,7 @@ when transformers' model code is already loaded; otherwise it puts a finder on `
 the loading of ``transformers.modeling_utils`` and ``transformers.masking_utils`` and registers when the
 first has loaded and neither is still executing (their imports may nest), then leaves ``sys.meta_path``. When
 transformers loads because :mod:`stable_attn.integrations.transformers` is being imported, that package registers
-at the end of its own import instead (:func:`stable_attn.register` sees it half-imported and leaves it that).
+at the end of its own import instead (it cannot be used half-imported).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Any
 
 MODEL_CODE = "transformers.modeling_utils"
 WATCHED = (MODEL_CODE, "transformers.masking_utils")
+# our integration registers itself when its import is done (its __init__'s last line)
+INTEGRATION = "stable_attn.integrations.transformers"
 
 
 class _RegisterAfterLoad(MetaPathFinder):
@@ -64,6 +66,9 @@ class _RegisterAfterLoad(MetaPathFinder):
         self.done = True
         if self in sys.meta_path:
             sys.meta_path.remove(self)
+        integration = sys.modules.get(INTEGRATION)
+        if integration is not None and not hasattr(integration, "register"):
+            return  # transformers loads because our integration is being imported: it registers when done
         self.then()
 
 

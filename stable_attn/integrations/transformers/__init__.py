@@ -87,3 +87,6 @@ __all__ = [
     "stable_attn_attention_forward",
     "stable_attn_mask",
 ]
+
+# importing the integration registers it (import stable_attn may have left that to this moment: on_import.py)
+register()
