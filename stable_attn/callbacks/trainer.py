@@ -97,12 +97,20 @@ def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
 _ABSENT = object()
 
 
+def _first_index(frame: Any) -> int:
+    """The data index of the first batch an epoch's iterator yields: 0, or in a resumed epoch the number of
+    batches the Trainer's ``skip_first_batches`` consumed, which its epoch loop (the caller of
+    ``get_batch_samples``) holds as ``step`` (``steps_trained_in_current_epoch - 1``) before its first draw."""
+    step = frame.f_locals.get("step") if frame is not None else None
+    return step + 1 if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
+
+
 class _Taps:
     """The four wrapped methods of one Trainer instance, and what they saw."""
 
     def __init__(self, trainer: Trainer, on_loss: Callable[[torch.Tensor], None],
                  on_batch: Callable[[Any, int, int], None] | None = None,
-                 open_stream: Callable[[Any, int], SkipStream] | None = None) -> None:
+                 open_stream: Callable[[Any, int, int], SkipStream] | None = None) -> None:
         self.trainer = trainer
         self.norm: torch.Tensor | None = None  # the Trainer's pre-clip gradient norm of the current step
         self.pending: tuple[int, dict[str, float]] | None = None  # metrics waiting for the Trainer's log
@@ -122,8 +130,9 @@ class _Taps:
             if epoch_iterator is not self._source or self.stream is None:
                 self._source = epoch_iterator
                 epoch = math.floor((trainer.state.epoch or 0.0) + 1e-9)
-                self.stream = open_stream(epoch_iterator, epoch) if open_stream is not None else \
-                    SkipStream(epoch_iterator, epoch, lambda e, i: False)
+                start = _first_index(sys._getframe(1))
+                self.stream = open_stream(epoch_iterator, epoch, start) if open_stream is not None else \
+                    SkipStream(epoch_iterator, epoch, lambda e, i: False, index=start)
                 self._positions = []
             stream = self.stream
             before = stream.given
@@ -413,11 +422,12 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
     def _add_batch(self, inputs: Any, epoch: int, index: int | None) -> None:
         self.engine.add_batch(inputs, epoch=epoch, batch_index=index)
 
-    def _open_stream(self, epoch_iterator: Any, epoch: int) -> SkipStream:
+    def _open_stream(self, epoch_iterator: Any, epoch: int, start: int = 0) -> SkipStream:
         """The stream over one epoch's batches. A resumed epoch starts after the batches the Trainer's
         ``skip_first_batches`` consumed (those it trained on); with ``on_spike="recover"`` the stream then
         discards as many more as the checkpointed run had discarded in that epoch, so it continues at the same
-        batch, inside a skip window too (the window's batch indices are the data loader's)."""
+        batch, inside a skip window too (the window's batch indices are the data loader's). ``start``: the data
+        index of the iterator's first batch (the batches ``skip_first_batches`` consumed)."""
         recovery = self.engine.recovery
         saved = recovery.stream if recovery is not None else None
         if saved is not None and saved.get("epoch") == epoch and saved.get("given", 0) > 0 \
@@ -429,7 +439,7 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
                                 index=int(saved["given"]), given=int(saved["given"]))
         else:
             self._stream_resumed = True
-            stream = SkipStream(epoch_iterator, epoch, self.engine.skips)
+            stream = SkipStream(epoch_iterator, epoch, self.engine.skips, index=start)
         return stream
 
     def _trainables(self, state: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> Trainables:

@@ -126,6 +126,7 @@ class MonitorEngine:
         self._streak = NotTrainingStreak(config.not_training_after, config.not_training_stop_after)
         self._phases = PhaseNotes()
         self._swapped: dict[int, torch.nn.Module] = {}  # the models prepared so far, by id
+        self._switch_watch: Any = None  # a SwitchWatch once a run sets up (transformers imported then)
         self._checkpointing_undo: list[Any] = []  # config.use_cache and the dynamo switch, put back by end_run
         self.sdpa_patch: Any = None  # the patch_sdpa() handle while F.scaled_dot_product_attention is patched
         self._every = 1
@@ -191,6 +192,10 @@ class MonitorEngine:
         self._root = root
         self.desk.evidence.watch(root)
         self._swap_models(root)
+        if self._qk is not None and self._qk_modules:
+            # Read the layouts again: sharding after an earlier setup (Lightning's configure_model, with the model
+            # built in __init__) replaces q_proj / k_proj's parameters, and an edit of the old ones reaches nothing.
+            self._qk.setup(self._qk_modules)
         if self.config.patch_sdpa and self.sdpa_patch is None:
             from ..integrations.sdpa import patch_sdpa
 
@@ -206,7 +211,10 @@ class MonitorEngine:
 
     def _swap_models(self, root: torch.nn.Module) -> None:
         # imported here: the engine imports no transformers until a run sets up
-        from ..integrations.transformers.swap import prepare_models
+        from ..integrations.transformers.swap import SwitchWatch, prepare_models
+
+        if self._switch_watch is None:
+            self._switch_watch = SwitchWatch()
 
         prepared = prepare_models(root, swap=self.config.swap, stats=self.config.attention_stats,
                                   prepared=self._swapped.values())
@@ -224,12 +232,14 @@ class MonitorEngine:
         if self._qk is not None:
             self._qk_modules.update(prepared.modules)
             self._qk.setup(self._qk_modules)  # raises on a layout it cannot edit, naming the module class
+        self._switch_watch.add(prepared.models)
         if self.world.is_zero:
             found = ", ".join(type(m).__name__ for m in prepared.models.values())
             what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.config.swap else \
                 "monitoring %d transformers model(s) [%s] (attention not switched)"
-            log.warning("%s: " + what + ": %d attention layer(s), backend %s",
-                        self.name, len(prepared.models), found, prepared.attention_layers, self.world.backend)
+            log.warning("%s: " + what + ": %d attention layer(s) (%s), backend %s",
+                        self.name, len(prepared.models), found, prepared.attention_layers, prepared.implementations(),
+                        self.world.backend)
 
     def start(self, log_dir: str, log_every_n_steps: int, stop_path: Callable[[int], str] | None = None) -> None:
         """The run starts: alert channels open on rank zero, writing the JSONL file in ``log_dir``.
@@ -320,6 +330,8 @@ class MonitorEngine:
         self._alerts_at_start = self.alert_count
         self._monitor_now = monitor if monitor is not None else self._every > 0 and (step + 1) % self._every == 0
         self._watch.enable(self._monitor_now)
+        if self._monitor_now and self._switch_watch is not None and self.world.is_zero:
+            self._switch_watch.warn(self.name)  # a model switched away from stable_attn since setup
         if self._qk is not None:  # QK-Clip reads the max logits of every step; the entropy only when monitored
             for s in (self.layers.stats if self.layers is not None else {}).values():
                 s.enabled, s.with_entropy = True, self._monitor_now

@@ -154,8 +154,14 @@ class RankDetectors:
         return self.detectors[rank]
 
     def other_states(self) -> list[dict[str, Any]]:
-        """States of ranks 1..; every rank runs every rank's detector, so rank zero's copies are everyone's."""
-        return [d.state_dict() for d in self.detectors[1:]]
+        """States of ranks 1..; every rank runs every rank's detector, so rank zero's copies are everyone's.
+        Ranks not seen since a resume keep the state loaded for them (a checkpoint before the first step)."""
+        states = [d.state_dict() for d in self.detectors[1:]]
+        rank = len(self.detectors)
+        while rank in self._pending:
+            states.append(self._pending[rank])
+            rank += 1
+        return states
 
     def load_other_states(self, states: list[dict[str, Any]]) -> None:
         self._pending = dict(enumerate(states, start=1))
@@ -264,11 +270,13 @@ class StepJudge:
                                   for rank, r in enumerate(rows) if r.has_loss}}
         if has_norm:
             baselines[names.GRAD_NORM] = {rank: getattr(norm_det[rank], "baseline", None) for rank in range(world)}
-        loss_events = [(rank, loss_det[rank].update(step, r.loss)) for rank, r in enumerate(rows) if r.has_loss]
+        # The learning rate lets each detector see a schedule restart (SpikeDetector.lr_restart_ratio).
+        loss_events = [(rank, loss_det[rank].update(step, r.loss, lr=lr)) for rank, r in enumerate(rows)
+                       if r.has_loss]
         norm_events = []
         # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
         if has_norm:
-            norm_events = [(rank, norm_det[rank].update(step, r.grad_norm)) for rank, r in enumerate(rows)
+            norm_events = [(rank, norm_det[rank].update(step, r.grad_norm, lr=lr)) for rank, r in enumerate(rows)
                            if not (scaler and not math.isfinite(r.grad_norm))]
         loss_events = [(rank, e) for rank, e in loss_events if e is not None]
         norm_events = [(rank, e) for rank, e in norm_events if e is not None]

@@ -1,11 +1,11 @@
-"""The two callbacks spell out the engine's constructor arguments (so IDEs and ``help()`` show them); the
+"""The three adapters spell out the engine's constructor arguments (so IDEs and ``help()`` show them); the
 engine's signature is the one source: names, order, kinds, defaults and annotations must agree exactly."""
 
 from __future__ import annotations
 
 import inspect
 
-from stable_attn.callbacks import StableAttentionCallback, StableAttentionTrainerCallback
+from stable_attn.callbacks import StableAttentionCallback, StableAttentionGuard, StableAttentionTrainerCallback
 from stable_attn.callbacks import trainer as trainer_module
 from stable_attn.monitor.engine import MonitorEngine
 
@@ -20,6 +20,7 @@ def test_both_callbacks_take_exactly_the_engines_arguments():
     assert len(engine) == 32  # a new argument: add it to both callbacks (and their docstrings)
     assert _parameters(StableAttentionCallback) == engine
     assert _parameters(StableAttentionTrainerCallback) == engine
+    assert _parameters(StableAttentionGuard) == engine
 
 
 def test_trainer_callback_sorts_every_argument_into_saved_or_unsaved():

@@ -9,7 +9,7 @@ import pydoc
 
 import pytest
 
-from stable_attn.callbacks import StableAttentionCallback, StableAttentionTrainerCallback
+from stable_attn.callbacks import StableAttentionCallback, StableAttentionGuard, StableAttentionTrainerCallback
 from stable_attn.monitor import names
 from stable_attn.monitor.config import MonitorConfig
 from stable_attn.monitor.engine import MonitorEngine
@@ -39,7 +39,8 @@ def test_fields_and_defaults_are_the_arguments():
     assert MonitorConfig.saved_names() == tuple(n for n in DEFAULTS if n not in UNSAVED)
 
 
-@pytest.mark.parametrize("cls", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback])
+@pytest.mark.parametrize("cls", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback,
+                                 StableAttentionGuard])
 def test_signatures_come_from_the_config(cls):
     params = [p for p in inspect.signature(cls).parameters.values() if p.name != "name"]
     assert [(p.name, p.kind, p.default) for p in params] == [
@@ -49,7 +50,8 @@ def test_signatures_come_from_the_config(cls):
     assert "on_spike: 'SpikeAction' = 'warn'" in shown and "not_training_stop_after: 'int | None' = 100" in shown
 
 
-@pytest.mark.parametrize("cls", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback])
+@pytest.mark.parametrize("cls", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback,
+                                 StableAttentionGuard])
 def test_every_argument_is_documented_once(cls):
     args = cls.__doc__.split("\n    Args:\n", 1)[1]
     entries = [line.strip().split(":", 1)[0] for line in args.splitlines() if line.startswith(" " * 8)
@@ -79,7 +81,8 @@ def test_checked_values_and_given_values():
     assert engine.name == "X" and engine.config is config and engine.config.checked()["on_alert"] == [print]
 
 
-@pytest.mark.parametrize("owner", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback])
+@pytest.mark.parametrize("owner", [MonitorEngine, StableAttentionCallback, StableAttentionTrainerCallback,
+                                 StableAttentionGuard])
 def test_unknown_arguments_are_refused_as_a_constructor_would(owner):
     with pytest.raises(TypeError, match=rf"^{owner.__name__}\.__init__\(\) got an unexpected keyword argument 'foo'$"):
         owner(foo=1)
@@ -119,3 +122,21 @@ def test_the_start_up_line_says_what_a_spike_does_and_follows_the_one_default():
     assert MonitorConfig(on_spike="skip").spike_line().startswith("on a spike: skip the update")
     with pytest.raises(ValueError, match="name='on_spikes' is not an argument of MonitorConfig"):
         MonitorConfig.default("on_spikes")
+
+
+def test_an_argument_only_recover_reads_is_refused_under_another_action_never_ignored():
+    from stable_attn.callbacks import StableAttentionCallback
+    from stable_attn.monitor.config import RECOVER_ONLY, MonitorConfig
+
+    with pytest.raises(ValueError, match=r"skip_batches=10 takes effect only with on_spike='recover', and this run "
+                                         r"has on_spike='skip' \(it drops the spiking step's update and skips no "
+                                         r"batches\)"):
+        StableAttentionCallback(on_spike="skip", skip_batches=10)
+    for name in RECOVER_ONLY:
+        value = 1 if name != "lr_factor" else 0.5
+        with pytest.raises(ValueError, match=f"{name}={value!r} takes effect only with on_spike='recover'"):
+            MonitorConfig.from_options({"on_spike": "rollback", name: value}, owner="test")
+        assert MonitorConfig.from_options({"on_spike": "recover", name: value}, owner="test").on_spike == "recover"
+    # the defaults pass: a Trainer callback rebuilt from trainer_state.json passes every saved argument
+    saved = MonitorConfig(on_spike="skip").saved()
+    assert MonitorConfig.from_options(saved, owner="test").skip_batches == MonitorConfig.default("skip_batches")

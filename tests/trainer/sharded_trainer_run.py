@@ -35,6 +35,10 @@ ACTION_OPTIONS = {
     "recover": {"spike_confirm_steps": 1, "rollback_steps": 4, "rollback_every": 2, "skip_batches": 2,
                 "cooldown_steps": 2},
 }
+# ``<action>-resume``: the run stops (NaN loss at NAN_LOSS), and a second Trainer resumes from its sharded stop
+# checkpoint and runs on to the next stop. recover: the budget (max_recoveries=1) is spent at BAD, so NAN_LOSS stops.
+ACTION_OPTIONS["stop-resume"] = {}
+ACTION_OPTIONS["recover-resume"] = dict(ACTION_OPTIONS["recover"], max_recoveries=1)
 # SHARDED_STATE_DICT: the Trainer's checkpoint (a stop's) is then each rank's shards; with FULL_STATE_DICT its
 # save_pretrained reads the DTensor parameters on rank 0 alone (a collective on one rank: gloo fails)
 FSDP = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
@@ -65,6 +69,7 @@ class RankFaults(TrainerCallback):
         self.before: dict[int, str] = {}
         self.after: dict[int, str] = {}
         self.rows: dict[int, list[int]] = {}
+        self.indices: dict[int, int | None] = {}
         self.handle = None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -88,6 +93,8 @@ class RankFaults(TrainerCallback):
             self.handle.remove()
             self.handle = None
         self.after[state.global_step] = digest_full(model)
+        position = self.cb.engine.data_position
+        self.indices[state.global_step] = position["batch_index"] if position is not None else None
 
 
 def force_fsdp(trainer) -> None:
@@ -102,26 +109,51 @@ def force_fsdp(trainer) -> None:
     trainer.is_fsdp_enabled = True
 
 
+def engine_state(cb: StableAttentionTrainerCallback) -> str:
+    """The engine's resume state as JSON (what a resume must bring back), without the alert delivery counts
+    (rank zero's channels of each run)."""
+    state = {k: v for k, v in cb.engine.state_dict().items() if k != "alert_delivery"}
+    return json.dumps(state, sort_keys=True, default=repr)
+
+
 def run(weights: str, out: str, strategy: str, action: str) -> dict:
-    cb = StableAttentionTrainerCallback(on_spike=action, log_every_n_steps=1, **ACTION_OPTIONS[action])
-    faults = RankFaults(cb)
+    on_spike = action.removesuffix("-resume")
     case_dir = os.path.join(out, f"{strategy}-{action}")
     # max_grad_norm far above the norm: the Trainer still measures the norm (the callback reads it) and scales by
     # exactly 1.0, so FSDP2's and DDP's updates stay bitwise equal (their norms differ in the last bits)
     extra = FSDP if strategy.startswith("fsdp") else {}
-    trainer = make_trainer(case_dir, [faults, cb], steps=STEPS, weights=weights, corrupt=[2 * (BAD - 1) + 1],
-                           ddp_backend="gloo", max_grad_norm=1e6, logging_steps=1, **extra)
     logged: dict[int, float] = {}
+    loaded: dict[str, str] = {}
 
-    class Logs(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "grad_norm" in logs:
-                logged[state.global_step] = float(logs["grad_norm"])
+    def train(resume: str | None = None):
+        cb = StableAttentionTrainerCallback(on_spike=on_spike, log_every_n_steps=1, **ACTION_OPTIONS[action])
+        faults = RankFaults(cb)
+        trainer = make_trainer(case_dir, [faults, cb], steps=STEPS, weights=weights, corrupt=[2 * (BAD - 1) + 1],
+                               ddp_backend="gloo", max_grad_norm=1e6, logging_steps=1, **extra)
 
-    trainer.add_callback(Logs())
-    if strategy == "fsdp":
-        force_fsdp(trainer)
-    trainer.train()
+        class Logs(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "grad_norm" in logs:
+                    logged[state.global_step] = float(logs["grad_norm"])
+
+            def on_train_begin(self, args, state, control, **kwargs):  # after the callback restored its state
+                loaded["state"] = engine_state(cb)
+
+        trainer.add_callback(Logs())
+        if strategy == "fsdp":
+            force_fsdp(trainer)
+        trainer.train(resume_from_checkpoint=resume)
+        return cb, faults, trainer
+
+    cb, faults, trainer = train()
+    first = None
+    if action.endswith("-resume"):
+        first = {"stop": cb.stop_checkpoint, "global_step": trainer.state.global_step,
+                 "skipped_steps": list(cb.skipped_steps), "rollbacks": [list(r) for r in cb.rollbacks],
+                 "alert_count": cb.alert_count, "state": engine_state(cb), "indices": faults.indices,
+                 "stop_files": sorted(os.listdir(cb.stop_checkpoint)) if cb.stop_checkpoint else None}
+        cb, faults, trainer = train(resume=cb.stop_checkpoint)
+        first["loaded"] = loaded["state"]
     model = trainer.model_wrapped
     model = getattr(model, "module", model)  # DDP's wrapper; FSDP2 shards the model in place
     state = full_state(model)
@@ -139,10 +171,13 @@ def run(weights: str, out: str, strategy: str, action: str) -> dict:
         "unchanged": sorted(s for s in faults.after if faults.before.get(s) == faults.after[s]),
         "grad_norm": logged,
         "rows": faults.rows,
+        "indices": faults.indices,
+        "recoveries": cb.engine.recovery.used if cb.engine.recovery is not None else None,
         "stop": stop,
         "stop_files": sorted(os.listdir(stop)) if stop and os.path.isdir(stop) else None,
         "alerts_file": os.path.join(case_dir, "stable_attn_alerts.jsonl"),
         "final": digest_full(model),
+        "first": first,
     }
 
 

@@ -107,3 +107,39 @@ def test_trainer_fsdp2_fault_matrix_matches_ddp(tmp_path, pretrained):
     assert stop["skipped_steps"] == [BAD] and stop["global_step"] == NAN_LOSS
     assert stop["stop"].endswith(f"checkpoint-{NAN_LOSS}")
     assert {"pytorch_model_fsdp_0", "optimizer_0", "trainer_state.json"} <= set(stop["stop_files"])
+
+
+@pytest.mark.slow
+def test_trainer_fsdp2_resumes_from_its_sharded_stop_checkpoint(tmp_path, pretrained):
+    """A stop writes the Trainer's sharded checkpoint (SHARDED_STATE_DICT); a second Trainer resumes from it:
+    model and optimizer shards, and the monitor's whole state (detectors of every rank, recovery budget, skip
+    window, counts) come back, the data continues after the stop step's batch, and the run goes on to the next
+    stop, bitwise equal to the same resume under DDP."""
+    from sharded_trainer_run import BAD, NAN_GRAD, NAN_LOSS
+
+    cases = ["stop-resume", "recover-resume"]
+    fsdp, _ = launch(tmp_path, pretrained, "fsdp", cases, timeout=600)
+    ddp, _ = launch(tmp_path, pretrained, "ddp", cases, timeout=600)
+    for case in cases:
+        f, d = fsdp[case], ddp[case]
+        assert f["dtensor"] and not d["dtensor"]
+        first = f["first"]
+        assert first["global_step"] == NAN_LOSS and first["stop"].endswith(f"checkpoint-{NAN_LOSS}")
+        assert {"pytorch_model_fsdp_0", "optimizer_0", "trainer_state.json"} <= set(first["stop_files"])
+        assert json.loads(first["loaded"]) == json.loads(first["state"])  # the engine's state, field for field
+        assert json.loads(first["state"])["other_rank_loss_detectors"]  # rank 1's detectors are in it
+        assert f["global_step"] == NAN_GRAD and f["stop"].endswith(f"checkpoint-{NAN_GRAD}")
+        last = first["indices"][str(NAN_LOSS)]
+        assert [f["indices"][str(s)] for s in range(NAN_LOSS + 1, NAN_GRAD + 1)] == \
+            list(range(last + 1, last + 1 + NAN_GRAD - NAN_LOSS))  # the data goes on where the stop left it
+        for key in ("global_step", "skipped_steps", "rollbacks", "unchanged", "alert_count", "indices",
+                    "recoveries"):
+            assert f[key] == d[key], (case, key)
+        want = torch.load(tmp_path / "ddp" / f"ddp-{case}.pt", weights_only=True)
+        got = torch.load(tmp_path / "fsdp" / f"fsdp-{case}.pt", weights_only=True)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    assert fsdp["stop-resume"]["skipped_steps"] == [BAD]  # the skip before the stop, from the checkpoint
+    recover = fsdp["recover-resume"]  # the budget (max_recoveries=1) spent at BAD comes back: the NaN stops again
+    assert recover["first"]["rollbacks"] == recover["rollbacks"] and recover["recoveries"] == 1
+    assert json.loads(recover["first"]["state"])["recovery"]["used"] == 1

@@ -343,3 +343,27 @@ def test_ranks_clip_from_the_same_max_reduced_logits(tmp_path):
             assert torch.equal(s0[name], s1[name])
             assert torch.equal(s0[name], torch.maximum(local[0][step][name], local[1][step][name]))
     assert any(used[0][step][1] for step in range(6))  # it clipped
+
+
+def test_a_second_setup_reads_the_layouts_of_parameters_replaced_since():
+    """Sharding after the first setup (Lightning's configure_model on a model built in __init__: fully_shard or
+    parallelize_module put new parameters on q_proj / k_proj) must not leave QK-Clip editing the old tensors: the
+    engine's next setup (the callback's on_fit_start) reads the layouts again, and a clip edits the new ones."""
+    from stable_attn.monitor.engine import MonitorEngine, World
+
+    model = _model("llama-gqa")
+    engine = MonitorEngine(qk_clip=1e-3)
+    engine.setup(model, World())
+    modules = dict(st.attention_modules(model))
+    for m in modules.values():
+        m.q_proj.weight = torch.nn.Parameter(m.q_proj.weight.detach().clone())
+        m.k_proj.weight = torch.nn.Parameter(m.k_proj.weight.detach().clone())
+    engine.setup(model, World())
+    layouts = list(engine._qk.layouts.values())  # by layer, in module order
+    assert len(layouts) == len(modules) == 2
+    assert all(lay.query.weight is m.q_proj.weight and lay.key.weight is m.k_proj.weight
+               for lay, m in zip(layouts, modules.values(), strict=True))
+    before = {name: m.q_proj.weight.detach().clone() for name, m in modules.items()}
+    batch = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    record = engine._qk.apply(_max_logits(model, batch))
+    assert record.heads and all(not torch.equal(before[name], m.q_proj.weight) for name, m in modules.items())
