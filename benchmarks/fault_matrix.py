@@ -4,7 +4,7 @@ Runs tests/faults (the same inputs as CI; ``--slow`` adds the long cases) throug
 case from what each test recorded (``row(expected, got)`` in tests/faults/conftest.py), so the reliability figures
 can be re-derived by anyone:
 
-    python benchmarks/fault_matrix.py                 # markdown table on stdout (about 30 s on 2 CPU cores)
+    python benchmarks/fault_matrix.py                 # markdown table on stdout (about 2 min on 2 shared CPU cores)
     python benchmarks/fault_matrix.py -k replay       # only the cases whose name matches (pytest's -k)
     python benchmarks/fault_matrix.py --slow          # the long cases too
 

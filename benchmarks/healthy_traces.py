@@ -43,9 +43,9 @@ def record(tasks: list[str], seeds: list[int], steps: int) -> dict[str, dict[str
     seen: list[tuple[str, int, float]] = []
     update = spikes.SpikeDetector.update
 
-    def recording(self, step, value):
+    def recording(self, step, value, lr=None):
         seen.append((self.metric, int(step), float(value)))
-        return update(self, step, value)
+        return update(self, step, value, lr=lr)
 
     spikes.SpikeDetector.update = recording
     try:

@@ -16,6 +16,7 @@ the schedulers' clocks with the tensor cores' clocks per iteration on an H100/H2
     python benchmarks/kernel_resources.py --dtype fp16 --cc 90 --d 128 --jobs 4
     python benchmarks/kernel_resources.py --kernels bwd_dkdv bwd_dq --features false true --jobs 1
     python benchmarks/kernel_resources.py --cc 90 --d 64 128 --varlen true --jobs 1   # packed sequences
+    python benchmarks/kernel_resources.py --cc 80 90 --d 192 --dv 128 --kernels fwd bwd_dkdv bwd_dq decode  # MLA
     python benchmarks/kernel_resources.py --cc 90 --d 64 --kernels fwd --stats-modes off exact paper --opcodes
     python benchmarks/kernel_resources.py --cc 90 80 --d 64 128 --causal true false --kernels bwd_dkdv bwd_dq \
         bwd_fused bwd_fused_atomic --jobs 1                     # the fused backward prototype beside today's
@@ -64,9 +65,12 @@ KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic", "decode
 
 def variants(args) -> list[Variant]:
     out = []
-    for cc, dt, d, causal, features, varlen in itertools.product(args.cc, args.dtype, args.d, args.causal,
-                                                                   args.features, args.varlen):
-        kw = dict(features=features, varlen=varlen)
+    for cc, dt, d, dv, causal, features, varlen in itertools.product(args.cc, args.dtype, args.d, args.dv or [None],
+                                                                       args.causal, args.features, args.varlen):
+        kw = dict(features=features, varlen=varlen, value_dim=None if dv == d else dv)
+        if kw["value_dim"] is not None and any(k.startswith("bwd_fused") for k in args.kernels):
+            raise SystemExit("--dv: the fused backward has no value head dim of its own (the launchers take the two "
+                             "kernels for Dv != D)")
         if "fwd" in args.kernels:
             out += [Variant("fwd", DTYPES[dt], d, causal, MODES[mode], False, cc, **kw) for mode in args.modes]
             if args.stats:
@@ -77,7 +81,8 @@ def variants(args) -> list[Variant]:
                         for mode in args.stats_modes if mode in args.modes]
         out += [Variant(k, DTYPES[dt], d, causal, cc=cc, **kw) for k in KERNELS[1:5] if k in args.kernels]
         if "decode" in args.kernels and not varlen:  # the decode kernel takes no packed sequences
-            out += [Variant("decode", DTYPES[dt], d, causal, MODES[mode], cc=cc, features=features)
+            out += [Variant("decode", DTYPES[dt], d, causal, MODES[mode], cc=cc, features=features,
+                            value_dim=kw["value_dim"])
                     for mode in args.modes]
     return out
 
@@ -171,6 +176,8 @@ def main() -> None:
                    help="print one line per variant with a column per --cc (regs / spill B / shared KiB / loop SASS)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     p.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--dv", type=int, nargs="+", default=None,
+                   help="value head dims (multi-head latent attention: each with each --d); default V's = q's")
     p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[True])
     p.add_argument("--modes", nargs="+", default=["off", "exact", "paper"], choices=sorted(MODES))
     p.add_argument("--no-stats", dest="stats", action="store_false", help="skip the stats-on forward")

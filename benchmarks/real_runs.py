@@ -1,7 +1,7 @@
 """Spike alerts on real training curves: ours against five published rules, per signal.
 
 Run:  python benchmarks/real_runs.py                      (the corpus + 4 synthetic families x 50 traces x 4000 steps;
-                                                          about 3 minutes on 1 thread)
+                                                          about 4 minutes of CPU on 1 thread)
       python benchmarks/real_runs.py --traces 4 --steps 1500   (a quick look)
       python benchmarks/real_runs.py --markdown table.md --json summary.json
 
@@ -15,8 +15,10 @@ at the logging interval would.
 Rules (each is given exactly what its source does; none is tuned here):
 
 - **ours**: ``SpikeDetector.loss()`` on the loss and ``SpikeDetector.grad_norm()`` on the gradient norm, as
-  ``MonitorEngine`` builds them; a point is flagged when ``update`` returns an event. A reference row (not a
-  default): the same with ``gross_z=0``, the gross rule's ratio without its noise bar. Another:
+  ``MonitorEngine`` builds them, each value with the run's learning rate at that point (as the engine passes the
+  optimizer's); a point is flagged when ``update`` returns an event. A reference row: the same without the
+  learning rate (a loop that does not pass it). Another (not a default): the same with ``gross_z=0``, the gross
+  rule's ratio without its noise bar. Another:
   ``rising_noise=False, start_ratio=None``, the gradient-norm detector before it measured its noise on rises only
   and had its start rule (docs/DETECTORS.md, "The start of a run"); on the loss those are the defaults.
 - **Lightning**: ``lightning.fabric.utilities.spike.SpikeDetection`` at its defaults (mean of the last 10
@@ -51,13 +53,18 @@ Scores, per rule and signal. An alert *episode* is a maximal run of consecutive 
 The synthetic part scores the same rules (loss version; cosmos is a gradient-norm rule) on the families of
 ``benchmarks/spike_detection.py`` (tuning, held-out, scale/noise with Gaussian and with log-normal noise), with
 that script's ground truth: an event is caught when a flag falls from its 4-sigma step to 2 steps after its
-8-sigma onset; benign episodes start on clean steps, per 10,000 clean steps.
+8-sigma onset; benign episodes start on clean steps, per 10,000 clean steps. Three more families: ``restarts``
+and ``restarts, held out`` (``restart_trace``: the tuning and fresh held-out traces under a cosine schedule with
+warm restarts, the loss jumping with the learning rate; ours is given the schedule) and ``clusters, held out``
+(``cluster_trace``: fresh held-out traces whose corrupted batches come in threes, the 2nd and 3rd scored as
+``cluster_2nd`` and ``cluster_3rd``).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import json
 import math
@@ -84,6 +91,10 @@ OLMO_WINDOW, OLMO_SIGMA = 128, 6.0
 LLMC_WINDOW, LLMC_Z = 64, 6.0
 COSMOS_FACTOR, COSMOS_WINDOW, COSMOS_MIN, COSMOS_CAP = 10.0, 50, 12, 4.0
 FAMILIES = ("tuning", "heldout", "scale", "scale_lognormal")
+# Families under a schedule with warm restarts (restart_trace): the spike_detection.py family each builds on and
+# the seed offset (the held-out one's seeds are fresh, never looked at while choosing).
+RESTART_FAMILIES = {"restarts": ("tuning", 0), "restarts, held out": ("heldout", 5_000_011)}
+CLUSTER_FAMILY, CLUSTER_SEEDS = "clusters, held out", 9_000_017  # cluster_trace's family and fresh seeds
 
 
 # ------------------------------------------------------------------------------------------------ corpus
@@ -94,6 +105,7 @@ class Series:
     steps: np.ndarray
     values: np.ndarray
     events: list[dict] = field(default_factory=list)  # manifest events of this signal
+    lrs: np.ndarray | None = None  # the learning rate at each point (NaN where the run did not log it)
 
 
 def load_manifest(folder: str = CORPUS) -> dict:
@@ -108,32 +120,50 @@ def load_series(folder: str = CORPUS) -> list[Series]:
         with open(os.path.join(folder, run["file"])) as f:
             rows = list(csv.DictReader(f))
         for signal in SIGNALS:
-            kept = [(int(r["step"]), float(r[signal])) for r in rows if r[signal] != ""]
+            kept = [(int(r["step"]), float(r[signal]), float(r.get("learning_rate") or "nan"))
+                    for r in rows if r[signal] != ""]
             if not kept:
                 continue
             events = [e for e in run["events"] if signal in e["signals"]]
-            steps, values = np.array([s for s, _ in kept]), np.array([v for _, v in kept])
-            out.append(Series(run["id"], signal, steps, values, events))
+            steps, values, lrs = (np.array(column) for column in zip(*kept))
+            out.append(Series(run["id"], signal, steps.astype(int), values, events,
+                              None if np.isnan(lrs).all() else lrs))
     return out
 
 
 # ------------------------------------------------------------------------------------------------- rules
-def ours_flags(values: np.ndarray, signal: str) -> np.ndarray:
-    det = SpikeDetector.loss() if signal == "loss" else SpikeDetector.grad_norm()
-    return sd.detector_flags(det, values)
+def lr_detector_flags(det: SpikeDetector, values: np.ndarray, lrs: np.ndarray | None) -> np.ndarray:
+    """``det`` fed each value with its learning rate (None: without), as the engine feeds it."""
+    if lrs is None:
+        return sd.detector_flags(det, values)
+    update = det.update
+    return np.array([update(i, x, lr=lr) is not None for i, (x, lr) in enumerate(zip(values.tolist(), lrs.tolist()))],
+                    dtype=bool)
 
 
-def ours_two_sided_flags(values: np.ndarray, signal: str) -> np.ndarray:
+def preset(signal: str, **kwargs: float | bool | None) -> SpikeDetector:
+    return SpikeDetector.loss(**kwargs) if signal == "loss" else SpikeDetector.grad_norm(**kwargs)
+
+
+def ours_flags(values: np.ndarray, signal: str, lrs: np.ndarray | None = None) -> np.ndarray:
+    """The callbacks' detectors, fed the learning rate (the engine passes the optimizer's)."""
+    return lr_detector_flags(preset(signal), values, lrs)
+
+
+def ours_without_lr_flags(values: np.ndarray, signal: str, lrs: np.ndarray | None = None) -> np.ndarray:
+    """A reference row: ours without the learning rate (a loop that does not pass it; no schedule restart seen)."""
+    return lr_detector_flags(preset(signal), values, None)
+
+
+def ours_two_sided_flags(values: np.ndarray, signal: str, lrs: np.ndarray | None = None) -> np.ndarray:
     """A reference row, not a default: two-sided noise and no start rule (on the loss, its defaults: the same as
     ours)."""
-    preset = SpikeDetector.loss if signal == "loss" else SpikeDetector.grad_norm
-    return sd.detector_flags(preset(rising_noise=False, start_ratio=None), values)
+    return lr_detector_flags(preset(signal, rising_noise=False, start_ratio=None), values, lrs)
 
 
-def ours_ratio_only_flags(values: np.ndarray, signal: str) -> np.ndarray:
+def ours_ratio_only_flags(values: np.ndarray, signal: str, lrs: np.ndarray | None = None) -> np.ndarray:
     """A reference row, not a default: ours with ``gross_z=0`` (the gross rule's ratio alone, no noise bar)."""
-    det = SpikeDetector.loss(gross_z=0.0) if signal == "loss" else SpikeDetector.grad_norm(gross_z=0.0)
-    return sd.detector_flags(det, values)
+    return lr_detector_flags(preset(signal, gross_z=0.0), values, lrs)
 
 
 def olmo_flags(values: np.ndarray, window: int = OLMO_WINDOW, sigma: float = OLMO_SIGMA) -> np.ndarray:
@@ -203,16 +233,17 @@ def cosmos_flags(values: np.ndarray, factor: float = COSMOS_FACTOR, window: int 
     return flags
 
 
-Rule = Callable[[np.ndarray, str], "np.ndarray | None"]
+Rule = Callable[[np.ndarray, str, "np.ndarray | None"], "np.ndarray | None"]
 RULES: dict[str, Rule] = {
     "ours": ours_flags,
+    "ours, without the learning rate (reference)": ours_without_lr_flags,
     "ours, gross_z=0 (reference)": ours_ratio_only_flags,
     "ours, two-sided noise, no start rule (reference)": ours_two_sided_flags,
-    "Lightning": lambda v, s: sd.lightning_flags(v),
-    f"median/MAD k={MAD_K:g}": lambda v, s: sd.median_mad_flags(v, MAD_K),
-    "OLMo-core 6σ/128": lambda v, s: olmo_flags(v),
-    "llm.c 6σ/64 kept out": lambda v, s: llmc_flags(v),
-    "cosmos 10x median": lambda v, s: cosmos_flags(v) if s == "grad_norm" else None,
+    "Lightning": lambda v, s, lr: sd.lightning_flags(v),
+    f"median/MAD k={MAD_K:g}": lambda v, s, lr: sd.median_mad_flags(v, MAD_K),
+    "OLMo-core 6σ/128": lambda v, s, lr: olmo_flags(v),
+    "llm.c 6σ/64 kept out": lambda v, s, lr: llmc_flags(v),
+    "cosmos 10x median": lambda v, s, lr: cosmos_flags(v) if s == "grad_norm" else None,
 }
 
 
@@ -269,7 +300,7 @@ def score_corpus(series: list[Series]) -> dict[str, dict[str, CorpusScore]]:
     out: dict[str, dict[str, CorpusScore]] = {}
     for name, rule in RULES.items():
         for s in series:
-            flags = rule(s.values, s.signal)
+            flags = rule(s.values, s.signal, s.lrs)
             if flags is None:
                 continue
             score_series(out.setdefault(name, {}).setdefault(s.signal, CorpusScore()), s, flags)
@@ -288,10 +319,66 @@ class SyntheticScore:
         return 1e4 * self.benign / max(self.clean, 1)
 
 
-def score_synthetic(traces: list[sd.Trace], rule: Rule) -> SyntheticScore | None:
+def restart_trace(seed: int, steps: int, family: str) -> tuple[sd.Trace, np.ndarray]:
+    """A trace of ``spike_detection.py`` (its events and clean steps) under a cosine schedule with warm restarts,
+    and that schedule: every 300-1000 steps the learning rate returns from at most 1% of its peak to the peak
+    (half of the cycles through a linear warm-up of up to 50 steps), and the loss jumps with it by 5% to 100%
+    (log-uniform) over the warm-up and up to 5 more steps, then settles back over 10-300 steps. The jump is
+    clean: a rule that flags it raises a false alarm. ``restarts`` builds on the tuning traces, ``restarts,
+    held out`` on held-out ones of fresh seeds."""
+    base, offset = RESTART_FAMILIES[family]
+    trace = sd.make_trace(offset + seed, steps, base)
+    rng = np.random.default_rng(7_000_003 + offset + seed)
+    lrs, factor = np.empty(steps), np.ones(steps)
+    peak, start = 10.0 ** rng.uniform(-5.0, -3.0), 0
+    while start < steps:
+        period = int(rng.integers(300, 1001))
+        warm = int(rng.integers(1, 51)) if rng.random() < 0.5 else 1
+        floor = peak * rng.uniform(0.0, 0.01)
+        k = np.arange(min(period, steps - start))
+        cosine = floor + 0.5 * (peak - floor) * (1.0 + np.cos(np.pi * k / period))
+        lrs[start: start + len(k)] = cosine * np.minimum(1.0, (k + 1) / warm)
+        if start > 0:
+            size = math.exp(rng.uniform(math.log(0.05), 0.0))
+            rise = warm + int(rng.integers(0, 6))
+            tau = math.exp(rng.uniform(math.log(10.0), math.log(300.0)))
+            j = np.arange(steps - start)
+            factor[start:] *= 1.0 + size * np.minimum(1.0, (j + 1) / rise) * np.exp(-np.maximum(j - rise, 0) / tau)
+        start += len(k)
+    return dataclasses.replace(trace, values=trace.values * factor), lrs
+
+
+def cluster_trace(seed: int, steps: int) -> tuple[sd.Trace, None]:
+    """A held-out trace of ``spike_detection.py`` (fresh seeds) where each corrupted batch is followed by two more
+    of the same size (its deviation from the values around it, added), 2 to 60 steps apart: a cluster of bad
+    batches (one bad data shard read over consecutive batches). The second and third are events of their own
+    (``cluster_2nd``, ``cluster_3rd``); a follower that would land on an event's or a NaN's steps is left out."""
+    trace = sd.make_trace(CLUSTER_SEEDS + seed, steps, "heldout")
+    rng = np.random.default_rng(CLUSTER_SEEDS + 7 + seed)
+    values, clean, events = trace.values.copy(), trace.clean.copy(), list(trace.events)
+    for event in trace.events:
+        if event.kind != "corrupted_batch":
+            continue
+        p = event.onset
+        around = np.concatenate([values[max(p - 3, 0): p], values[p + 1: p + 4]])
+        deviation = values[p] - float(np.nanmedian(around))
+        q = p
+        for kind in ("cluster_2nd", "cluster_3rd"):
+            q += int(rng.integers(2, 61))
+            end = min(q + sd.REGION_MARGIN, steps - 1)
+            if q >= steps or not (clean[q: end + 1].all() and np.isfinite(values[q: end + 1]).all()):
+                break
+            values[q] += deviation
+            clean[q: end + 1] = False
+            events.append(sd.Event(kind, q, q, q, end, event.peak_sigma))
+    return dataclasses.replace(trace, values=values, events=events, clean=clean, hard=trace.hard & clean,
+                               grey=trace.grey & clean), None
+
+
+def score_synthetic(traces: list[tuple[sd.Trace, np.ndarray | None]], rule: Rule) -> SyntheticScore | None:
     out = SyntheticScore()
-    for trace in traces:
-        flags = rule(trace.values, "loss")
+    for trace, lrs in traces:
+        flags = rule(trace.values, "loss", lrs)
         if flags is None:
             return None
         out.recall.add(trace, flags)
@@ -339,7 +426,8 @@ def synthetic_table(results: dict[str, dict[str, SyntheticScore | None]]) -> lis
 
 def kind_table(results: dict[str, dict[str, SyntheticScore | None]]) -> list[str]:
     """Recall per kind of synthetic event, the families pooled."""
-    kinds = ["corrupted_batch", "spike_recovery", "nan_step", "fast_explosion", "slow_explosion"]
+    kinds = ["corrupted_batch", "cluster_2nd", "cluster_3rd", "spike_recovery", "nan_step", "fast_explosion",
+             "slow_explosion"]
     lines = ["| rule | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
     for name, per in results.items():
         scores = [s for s in per.values() if s is not None]
@@ -364,7 +452,7 @@ def event_table(series: list[Series]) -> list[str]:
             window = (s.steps >= lo) & (s.steps <= hi)
             cells = []
             for rule in RULES.values():
-                flags = rule(s.values, s.signal)
+                flags = rule(s.values, s.signal, s.lrs)
                 hits = np.nonzero(window & flags)[0] if flags is not None else []
                 cells.append("n/a" if flags is None else (str(int(s.steps[hits[0]])) if len(hits) else "missed"))
             lines.append(f"| {s.run} | {event['kind']} | {s.signal} | {lo}-{hi} | " + " | ".join(cells) + " |")
@@ -400,8 +488,10 @@ def main(argv: list[str] | None = None) -> dict:
     series = load_series()
     corpus = score_corpus(series)
     synthetic: dict[str, dict[str, SyntheticScore | None]] = {name: {} for name in RULES}
-    for family in FAMILIES:
-        traces = [sd.make_trace(seed, args.steps, family) for seed in range(args.traces)]
+    for family in FAMILIES + tuple(RESTART_FAMILIES) + (CLUSTER_FAMILY,):
+        traces = [restart_trace(seed, args.steps, family) if family in RESTART_FAMILIES
+                  else cluster_trace(seed, args.steps) if family == CLUSTER_FAMILY
+                  else (sd.make_trace(seed, args.steps, family), None) for seed in range(args.traces)]
         for name, rule in RULES.items():
             synthetic[name][family] = score_synthetic(traces, rule)
 

@@ -7,7 +7,9 @@ Not CI. A stack of ``Linear(2048, 2048)`` layers with ``--params`` million param
 so its two moments exist) is snapshotted into a :class:`~stable_attn.monitor.actions.recovery.SnapshotRing` kept in
 memory (``snapshot_memory_limit=None``) and one kept on disk (``0``), in a temporary folder; the table gives a
 snapshot's bytes, the time to take it (the training thread waits for it, once every ``spacing`` steps) and to
-read it back at a rollback (the best of ``--repeats``). On a GPU the take also copies the state to the host.
+read it back at a rollback (the best of ``--repeats``): into a staging copy, verified (the file's manifest and
+CRC-32 checksums, then shapes, dtypes and finiteness against the model) as a recovery does before it restores.
+On a GPU the take also copies the state to the host.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def main() -> None:
                 ring.take(state)
                 takes.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                ring.entries[0].load()
+                ring.entries[0].load(state)
                 loads.append(time.perf_counter() - t)
                 size = ring.snapshot_bytes or 0
                 ring.clear()

@@ -201,30 +201,57 @@ COMMON_MAX_HEADS = 128
 HEADS_PER_QUERY = 16
 
 
+# The layouts attention() takes (its layout= argument); None is "bhnd" with the wrong-layout check
+LAYOUTS = {"bhnd": "[B, H, N, D] (SDPA's, the default)", "bnhd": "[B, N, H, D] (FlashAttention's)"}
+
+
+def layout_problem(layout: Any) -> Problem | None:
+    """What is wrong with ``attention()``'s ``layout`` argument, or None."""
+    if layout is None or (isinstance(layout, str) and layout in LAYOUTS):
+        return None
+    accepted = ", ".join(f"{name!r} ({what})" for name, what in LAYOUTS.items())
+    return Problem(ValueError, f"layout={layout!r} is not supported; use {accepted} or None (the default: 'bhnd', "
+                               "with the check that warns when the shapes look like the other one)")
+
+
+def both_layouts_fit(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Whether q, k that :func:`dense_problem` accepts as ``[B, H, N, D]`` would be a valid call read as
+    ``[B, N, H, D]`` too: its heads ``q.shape[2]`` a multiple of ``k.shape[2]``, at least 2 of them, and with
+    ``causal`` no query without a key. Then only the shapes' sizes (:func:`layout_doubt`) or the caller can tell."""
+    H, Nq = q.shape[1], q.shape[2]
+    Hkv, Nk = k.shape[1], k.shape[2]
+    return Nq >= 2 and Nk >= 1 and Nq % Nk == 0 and (not causal or H <= Hkv)
+
+
 def layout_doubt(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
     """Why q, k of a call that :func:`dense_problem` accepts as ``[B, H, N, D]`` look like FlashAttention's
     ``[B, N, H, D]`` instead (a phrase for a WARNING), or None. Shapes only: no tensor data is read.
 
-    Only when the other reading is a valid call too (its heads ``q.shape[2]`` a multiple of ``k.shape[2]``,
-    at least 2 of them, and with ``causal`` no query without a key) and one of these holds:
+    Only when the other reading is a valid call too (:func:`both_layouts_fit`) and one of these holds:
 
     - ``causal`` with ``Nq > Nk`` leaves the first ``Nq - Nk`` query rows of every head without a key (their
       output is zeros): what FlashAttention's GQA tensors ``[B, N, Hq, D]``, ``[B, N, Hkv, D]`` give;
+    - without ``causal``, the same GQA tensors: as many heads for q as for k, ``Nq > Nk`` queries and keys no more
+      than :data:`COMMON_MAX_HEADS` (head counts), and more heads than queries (the heads are a sequence axis);
     - more than :data:`COMMON_MAX_HEADS` / 2 heads and at least :data:`HEADS_PER_QUERY` times as many heads as
       queries per head (or more than :data:`COMMON_MAX_HEADS` heads and 8 times).
 
-    Decoding (``Nq == 1``), GQA prompts (``Hq != Hkv`` with ``causal``), long sequences with few heads and
-    short prompts of models with up to 64 heads never raise it.
+    Decoding (``Nq == 1``), GQA prompts (``Hq != Hkv`` with ``causal``), long sequences with few heads, short
+    prompts of models with up to 64 heads and cross-attention with fewer heads than queries never raise it.
+    Multi-head self-attention whose tokens and heads could trade places (``[1, 32, 16, D]``: 32 heads of 16 tokens,
+    or 16 heads of 32 tokens) cannot be told from its shapes: ``attention(layout=...)`` says which, and
+    ``set_layout_check("error")`` makes every such call say it.
     """
+    if not both_layouts_fit(q, k, causal):
+        return None
     _, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    other_valid = Nq >= 2 and Nk >= 1 and Nq % Nk == 0 and (not causal or H <= Hkv)
-    if not other_valid:
-        return None
     read = f"{H} heads of {Nq} queries over {Nk} keys"
     if causal and Nq > Nk:
         return (f"{read}, and causal leaves {Nq - Nk} of every head's {Nq} query rows without a key (their output "
                 "is zeros)")
+    if not causal and Nq > Nk and H == Hkv and Nq <= COMMON_MAX_HEADS and H > Nq:
+        return f"{read}: fewer keys than queries in every head, as a GQA model's heads would give"
     if (H > COMMON_MAX_HEADS // 2 and H >= HEADS_PER_QUERY * Nq) or (H > COMMON_MAX_HEADS and H >= 8 * Nq):
         return f"{read}: more heads than models use, with few queries each"
     return None

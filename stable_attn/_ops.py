@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ._checks import interpreting, output_like
-from .options import Options, op_schema
+from .options import BLOCK_N, Options, op_schema
 from .stats import STATS_ENTROPY, AttentionStats, RowStats, stats_level
 
 logger = logging.getLogger("stable_attn")
@@ -45,19 +45,21 @@ REASONS = ("backend", "pv_fp32", "kernel-gap", "attn_mask", "empty", "size", "cp
 
 
 def backend_rule(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch.Tensor | None = None,
-                 pv_fp32: bool = False, *, cuda: bool, v: torch.Tensor | None = None) -> tuple[str, str | None]:
+                 pv_fp32: bool = False, *, cuda: bool, v: torch.Tensor | None = None,
+                 key_block: int = BLOCK_N) -> tuple[str, str | None]:
     """The one rule of which implementation serves a call: ``("triton", None)`` or ``("torch", reason)``, the
     reason one of :data:`REASONS`. ``cuda``: whether the call's tensors are on a CUDA device (the serving check of
     the transformers integration and ``explain()`` ask what would serve there). ``q`` / ``k``: ``[B, ...]``, one
     batch element per first index (a packed call as one batch element), the head dim last; ``v``: its head dim
-    (``kernel-gap``: what the kernels do not implement, :func:`triton_gap`). Logs and raises nothing:
+    (``kernel-gap``: what the kernels do not implement, :func:`triton_gap`); ``key_block``: the partition
+    (``Options.key_block``), whose K and V tiles must fit the kernels' shared memory. Logs and raises nothing:
     :func:`resolve_backend` does, for the calls that run.
     """
     if backend == "torch":
         return "torch", "backend"
     if pv_fp32:  # a comparison variant (stable-attn replay, the numerics lab): the kernels keep P-bar V in bf16
         return "torch", "pv_fp32"
-    if triton_gap(q, v) is not None:
+    if triton_gap(q, v, key_block) is not None:
         return "torch", "kernel-gap"
     if has_attn_mask:
         return "torch", "attn_mask"
@@ -76,29 +78,44 @@ def _elements_per_batch(q: torch.Tensor, k: torch.Tensor | None) -> int:
 
 # What the Triton kernels do not serve yet: the PyTorch path serves it (stabilized), logged once
 TRITON_MAX_HEAD_DIM = 256
+# One K tile plus one V tile of a key block must fit in shared memory with room for the query tile (A100: 163 KiB)
+MAX_KV_TILE_BYTES = 128 * 1024
 
 
-def triton_gap(q: torch.Tensor, v: torch.Tensor | None) -> str | None:
+def kv_tile_bytes(key_block: int, d: int, dv: int, element_size: int) -> int:
+    """Bytes of one K and one V tile of ``key_block`` keys, each head dim padded to a power of two >= 16 (as
+    ``triton_launch.head_block`` pads it)."""
+    return key_block * sum(max(16, 1 << (x - 1).bit_length()) for x in (d, dv)) * element_size
+
+
+def triton_gap(q: torch.Tensor, v: torch.Tensor | None, key_block: int = BLOCK_N) -> str | None:
     """Why the Triton kernels cannot serve these inputs (a phrase for the one-time log line), or None. Learned
-    sinks they serve (forward, decode; the backward needs nothing for them)."""
-    if v is not None and v.shape[-1] != q.shape[-1]:
-        return f"a value head dim {v.shape[-1]} apart from the query's {q.shape[-1]}"
-    if max(q.shape[-1], 0 if v is None else v.shape[-1]) > TRITON_MAX_HEAD_DIM:
-        return f"head dim {max(q.shape[-1], v.shape[-1] if v is not None else 0)} > {TRITON_MAX_HEAD_DIM}"
+    sinks they serve (forward, decode; the backward needs nothing for them), and a value head dim apart from the
+    query's (each up to :data:`TRITON_MAX_HEAD_DIM`), where the ``key_block``-key K and V tiles fit
+    (:data:`MAX_KV_TILE_BYTES`: float32 at head dim 256 fits 64-key blocks, not the default 128)."""
+    d = q.shape[-1]
+    dv = d if v is None else v.shape[-1]
+    if max(d, dv) > TRITON_MAX_HEAD_DIM:
+        return f"head dim {max(d, dv)} > {TRITON_MAX_HEAD_DIM}"
+    tiles = kv_tile_bytes(key_block, d, dv, q.element_size())
+    if tiles > MAX_KV_TILE_BYTES:
+        dims = f"head dim {d}" if dv == d else f"head dims {d} / {dv}"
+        return (f"{str(q.dtype).removeprefix('torch.')} at {dims} with {key_block}-key blocks (K and V tiles of "
+                f"{tiles} bytes, above the kernels' {MAX_KV_TILE_BYTES}; a smaller block_n fits)")
     return None
 
 
 def resolve_backend(backend: str, q: torch.Tensor, has_attn_mask: bool, k: torch.Tensor | None = None,
-                    pv_fp32: bool = False, v: torch.Tensor | None = None) -> str:
+                    pv_fp32: bool = False, v: torch.Tensor | None = None, key_block: int = BLOCK_N) -> str:
     """Pick the implementation (:func:`backend_rule`), saying once where the PyTorch path serves a call on a CUDA
     device (or one that asked for Triton). Never drops the stabilization: what Triton cannot serve goes to torch."""
     if pv_fp32 and backend == "triton":
         raise ValueError("pv_fp32=True with backend='triton' is not supported: the Triton kernels compute "
                          "P-bar V in the input dtype; use backend='auto' or 'torch' (the PyTorch path serves it)")
-    impl, reason = backend_rule(backend, q, has_attn_mask, k, pv_fp32, cuda=q.is_cuda, v=v)
+    impl, reason = backend_rule(backend, q, has_attn_mask, k, pv_fp32, cuda=q.is_cuda, v=v, key_block=key_block)
     if backend == "triton" or q.is_cuda:
         if reason == "kernel-gap":
-            gap = triton_gap(q, v)
+            gap = triton_gap(q, v, key_block)
             log_once(f"gap {gap}", f"stable_attn: {gap} is served by the PyTorch path (stabilized, slower than the "
                      "Triton kernel, which does not implement it)", logging.WARNING)
         elif reason == "pv_fp32":

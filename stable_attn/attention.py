@@ -13,7 +13,15 @@ import logging
 import torch
 
 from . import _ops
-from ._checks import dense_problem, layout_doubt, raise_problem, unit_last_stride
+from ._checks import (
+    Problem,
+    both_layouts_fit,
+    dense_problem,
+    layout_doubt,
+    layout_problem,
+    raise_problem,
+    unit_last_stride,
+)
 from ._ops import autocast_inputs, check_stats, draw_seed, resolve_backend
 from .kernels import reference, reference_decode
 from .kernels.decode_plan import takes_decode
@@ -31,7 +39,7 @@ def _decode(q, k, attn_mask, opts: Options, with_stats: int) -> bool:
 
 def _forward(q, k, v, sinks, key_padding_mask, attn_mask, opts: Options, with_stats: int,
              ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
-    # resolve_backend sent what the kernels lack (Dv != D, D > 256) to the PyTorch path
+    # resolve_backend sent what the kernels lack (D or Dv > 256) to the PyTorch path
     if _decode(q, k, attn_mask, opts, with_stats):
         if opts.backend == "triton":
             from .kernels import triton_decode
@@ -62,15 +70,39 @@ _attention_fwd, _attention_bwd = _ops.define(
 )
 
 
-def warn_layout(q: torch.Tensor, k: torch.Tensor, causal: bool, flash: bool = False) -> None:
-    """One WARNING per shape when the ``[B, H, N, D]`` q, k that :func:`attention` receives look like
-    FlashAttention's ``[B, N, H, D]`` (:func:`_checks.layout_doubt`). ``flash``: the caller is
-    ``flash_attn_func``, which passes the transposes of its own ``[B, N, H, D]`` inputs; the message then
-    speaks of those (and :func:`attention`'s own check of the same call stays silent: same key)."""
-    doubt = layout_doubt(q, k, causal)
-    if doubt is None:
+# What the wrong-layout check does with a doubt (set_layout_check): one process-wide mode
+LAYOUT_CHECKS = ("warn", "error", "off")
+_layout_check = ["warn"]
+
+
+def set_layout_check(mode: str) -> str:
+    """How :func:`attention` (called without ``layout=``) and :func:`stable_attn.flash_attn_func` treat inputs whose
+    shapes look like the other layout (:func:`stable_attn._checks.layout_doubt`): ``"warn"`` (the default: one
+    WARNING per shape), ``"error"`` (strict: a ValueError; and an :func:`attention` call without ``layout=`` whose
+    shapes fit both layouts, which no shape rule can tell apart, must then say its layout) or ``"off"``. Returns
+    the previous mode. Calls that pass ``layout=`` are never checked: they said what their tensors are."""
+    if mode not in LAYOUT_CHECKS:
+        raise ValueError(f"mode={mode!r} is not supported; use one of {', '.join(map(repr, LAYOUT_CHECKS))}")
+    previous, _layout_check[0] = _layout_check[0], mode
+    return previous
+
+
+def check_layout(q: torch.Tensor, k: torch.Tensor, causal: bool, flash: bool = False) -> None:
+    """The wrong-layout check (:func:`set_layout_check`) of the ``[B, H, N, D]`` q, k that :func:`attention` receives
+    without ``layout=``. ``flash``: the caller is ``flash_attn_func``, which passes the transposes of its own
+    ``[B, N, H, D]`` inputs; the message then speaks of those (its layout is its API's: no ambiguity rule)."""
+    mode = _layout_check[0]
+    if mode == "off":
         return
+    doubt = layout_doubt(q, k, causal)
     B, H, N = q.shape[0], q.shape[1], q.shape[2]
+    if doubt is None:
+        if mode == "error" and not flash and both_layouts_fit(q, k, causal):
+            raise ValueError(
+                f"stable_attn.attention: q {tuple(q.shape)} and k {tuple(k.shape)} fit both layouts ({H} heads of {N} "
+                f"tokens as [B, H, N, D], or {N} heads of {H} tokens as [B, N, H, D]) and set_layout_check('error') "
+                "asks such calls to say which: pass layout='bhnd' or layout='bnhd'")
+        return
     fix = "q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)"
     if flash:  # the caller's tensors are the transposes: its N is our H, its H our N
         given, shapes, layout = "stable_attn.flash_attn_func", (q.transpose(1, 2).shape, k.transpose(1, 2).shape), \
@@ -79,11 +111,21 @@ def warn_layout(q: torch.Tensor, k: torch.Tensor, causal: bool, flash: bool = Fa
                   f"takes that layout, or pass {fix}")
     else:
         given, shapes, layout = "stable_attn.attention", (q.shape, k.shape), "[B, H, N, D]"
-        advice = (f"If they are FlashAttention's [B, N, H, D] (batch {B}, {H} tokens, {N} heads), call "
-                  f"stable_attn.flash_attn_func, which takes that layout, or pass {fix}")
-    _ops.log_once(f"layout {tuple(q.shape)} {tuple(k.shape)} {causal}",
-                  f"{given} reads q {tuple(shapes[0])} and k {tuple(shapes[1])} as {layout}: {doubt}. {advice} "
-                  "(logged once per shape)", logging.WARNING)
+        advice = (f"If they are FlashAttention's [B, N, H, D] (batch {B}, {H} tokens, {N} heads), pass "
+                  f"layout='bnhd' (or {fix}); if they are [B, H, N, D], pass layout='bhnd' to say so")
+    message = f"{given} reads q {tuple(shapes[0])} and k {tuple(shapes[1])} as {layout}: {doubt}. {advice}"
+    if mode == "error":
+        raise ValueError(f"{message} (set_layout_check('error'))")
+    _ops.log_once(f"layout {tuple(q.shape)} {tuple(k.shape)} {causal}", f"{message} (logged once per shape)",
+                  logging.WARNING)
+
+
+def _in_bnhd_terms(problem: Problem | None) -> Problem | None:
+    """A refusal of the transposes of ``layout='bnhd'`` inputs, saying that its shapes are the transposes'."""
+    if problem is None:
+        return None
+    return Problem(problem.error, f"stable_attn.attention(layout='bnhd'): q, k, v given as [B, N, H, D], checked as "
+                                  f"their [B, H, N, D] transposes: {problem.message}")
 
 
 def attention(
@@ -105,6 +147,7 @@ def attention(
     block_n: int | None = DEFAULTS["block_n"],
     pv_fp32: bool = DEFAULTS["pv_fp32"],
     sinks: torch.Tensor | None = None,
+    layout: str | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with the dynamic-max fix (Qiu & Yao, ICLR 2026).
 
@@ -116,7 +159,7 @@ def attention(
         q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``, v: ``[B, Hkv, Nk, Dv]`` with ``Hq % Hkv == 0``
             (GQA/MQA); ``Dv`` may differ from ``D`` (multi-head latent attention: nothing is padded); the
             output is ``[B, Hq, Nq, Dv]``. dtypes bfloat16, float16, float32; ``D, Dv <= 512`` (the Triton
-            kernels serve ``D == Dv <= 256``; the rest goes to the PyTorch path, logged once).
+            kernels serve ``D, Dv <= 256``; the rest goes to the PyTorch path, logged once).
         causal: causal mask aligned bottom-right when ``Nq != Nk`` (query i sees keys
             ``j <= i + Nk - Nq``), as FlashAttention >= 2.1 and KV-cache decoding.
         scale: score scale, default ``1/sqrt(D)``.
@@ -150,16 +193,33 @@ def attention(
             weights sum to ``1 - P(sink)``. Differentiable (``d sinks`` from the backward). The rule sees the
             sink as the row's first entry, in a key block of its own (docs/ALGORITHM.md, "Learned sinks").
             Both backends serve it (the Triton forward and decode kernels start each row from the sink).
+        layout: ``"bhnd"`` (q, k, v and the output ``[B, H, N, D]``, SDPA's), ``"bnhd"`` (``[B, N, H, D]``,
+            FlashAttention's: the op runs on the transposed views, nothing is copied, and the output comes back
+            ``[B, Nq, Hq, Dv]``) or None (the default): ``"bhnd"``, with a check that warns once per shape when the
+            shapes look like ``[B, N, H, D]`` (an error under ``set_layout_check("error")``, which also refuses
+            calls whose shapes fit both layouts without ``layout=``). Masks are the same in both layouts.
 
     A call that needs no gradient with at most 16 queries against at least two key blocks (no ``attn_mask``,
     no dropout, no ``stats``: a ``generate()`` step) takes the decode path on both backends: the keys split
     into runs of whole key blocks, the rule per run, the runs merged in fp32 (docs/ALGORITHM.md, "Decode:
     split keys"; kernels/decode_plan.py).
     """
+    raise_problem(layout_problem(layout))
+    if layout == "bnhd":
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+            raise_problem(_in_bnhd_terms(dense_problem(q, k, v)))  # the rank and type errors, as they are
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        raise_problem(_in_bnhd_terms(dense_problem(*autocast_inputs(q, k, v), key_padding_mask, attn_mask, sinks)))
+        out = attention(q, k, v, causal=causal, scale=scale,
+                        key_padding_mask=key_padding_mask, attn_mask=attn_mask, window=window, softcap=softcap,
+                        dropout_p=dropout_p, stabilize=stabilize, beta=beta, stats=stats, backend=backend,
+                        block_n=block_n, pv_fp32=pv_fp32, sinks=sinks, layout="bhnd")
+        return out.transpose(1, 2)
     q, k, v = autocast_inputs(q, k, v)
     raise_problem(dense_problem(q, k, v, key_padding_mask, attn_mask, sinks))
-    if not torch.compiler.is_compiling():  # a log call would break the graph; eager calls are where shapes go wrong
-        warn_layout(q, k, causal)
+    # a log call would break the graph; eager calls are where shapes go wrong
+    if layout is None and not torch.compiler.is_compiling():
+        check_layout(q, k, causal)
     opts = Options.create(head_dim=q.shape[-1], causal=causal, scale=scale, window=window, softcap=softcap,
                           dropout_p=dropout_p, stabilize=stabilize, beta=beta, backend=backend, block_n=block_n,
                           pv_fp32=pv_fp32)
@@ -167,7 +227,7 @@ def attention(
     # no backward will be asked for: a short query may take the decode path (_decode)
     needs_grad = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     opts = opts.replace(forward_only=not (torch.is_grad_enabled() and needs_grad))
-    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32, v)
+    impl = resolve_backend(opts.backend, q, attn_mask is not None, k, opts.pv_fp32, v, opts.key_block)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.contiguous()  # the kernels index it as [b * Nk + j]
     q, k, v = unit_last_stride(q, k, v)

@@ -22,6 +22,26 @@ LOG2E = 1.4426950408889634
 FP32_MIN_NORMAL = 2.0**-126
 FP32_MAX = float(torch.finfo(torch.float32).max)
 
+# How the kernels form a tile's base-2 scores (their SOFTCAP compile-time constant; score_form chooses).
+SCORES_FUSED = 0  # the products x = q.k; P-bar = exp2(fma(x, qk_scale2, -r)), rounded once
+SCORES_CAPPED = 1  # softcap: tanh(x * scale / softcap) * softcap * log2(e); P-bar = exp2(s2 - r)
+SCORES_SCALED = 2  # s2 = fl(x * qk_scale2) first; P-bar = exp2(s2 - r): scales over FUSED_SCALE_MAX
+
+# The largest qk_scale2 = scale * log2(e) whose products the kernels scale inside P-bar's fma. That form
+# subtracts an fp32 offset r from the exact product x * qk_scale2; r itself is off by up to 2^-24 of it, and
+# P-bar = exp2 of that error overflows fp32 once it passes 2^7, at |x * qk_scale2| >= 2^31 (about 1e9 x 2 with
+# unit-scale q and k). Up to this bound a row's products may reach 2^23 before that; above it the scores are
+# rounded first (two roundings, as with softcap), which stays finite wherever fp32 holds the scores.
+FUSED_SCALE_MAX = 256.0
+
+
+def score_form(softcap: bool, qk_scale2: float) -> int:
+    """The kernels' score form (``SCORES_*``) for a call with or without softcap at ``qk_scale2``."""
+    if softcap:
+        return SCORES_CAPPED
+    return SCORES_FUSED if qk_scale2 <= FUSED_SCALE_MAX else SCORES_SCALED
+
+
 # Stabilization modes, as integers so they can be compile-time constants of a kernel.
 MODE_OFF = 0  # plain FlashAttention-2: subtract the running max
 MODE_EXACT = 1  # our rule: exact trigger, minimum shift, capped shift

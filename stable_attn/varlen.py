@@ -230,7 +230,7 @@ def attention_varlen(
                           pv_fp32=pv_fp32)
     check_stats(stats)
     # as one batch element: the whole packed tensor must fit the kernels' 32-bit offsets
-    impl = resolve_backend(opts.backend, q[None], False, k[None], opts.pv_fp32, v)
+    impl = resolve_backend(opts.backend, q[None], False, k[None], opts.pv_fp32, v, opts.key_block)
     q, k, v = unit_last_stride(q, k, v)
     return _ops.run(_varlen_fwd, q, k, v, sinks, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                     draw_seed(opts.dropout_p), opts, impl, stats)

@@ -222,7 +222,7 @@ def test_flash_attention_layout_passed_as_bhnd_warns_once_naming_both_layouts(ca
     assert len(warned) == 1, warned
     assert "[B, H, N, D]" in warned[0] and "128 heads of 4 queries over 2 keys" in warned[0]
     assert "2 of every head's 4 query rows without a key" in warned[0]
-    assert "flash_attn_func" in warned[0] and "batch 2, 128 tokens, 4 heads" in warned[0]
+    assert "layout='bnhd'" in warned[0] and "batch 2, 128 tokens, 4 heads" in warned[0]
     # multi-head tensors of the same mistake leave no row without a key: the head count gives them away
     for shape in ((2, 128, 4, 8), (1, 1024, 16, 8), (1, 4096, 8, 8), (1, 256, 32, 8)):
         t = torch.randn(*shape)
@@ -276,3 +276,60 @@ def test_the_layout_check_does_not_break_a_compiled_graph():
     q, k = torch.randn(2, 128, 4, 8), torch.randn(2, 128, 2, 8)
     compiled = torch.compile(lambda q, k: stable_attn.attention(q, k, k, causal=True), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k), stable_attn.attention(q, k, k, causal=True))
+
+
+def test_layout_bnhd_is_the_same_op_on_the_transposes_and_says_so_in_its_errors():
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 24, h, 8, generator=g) for h in (4, 2, 2))  # [B, N, H, D], GQA
+    mask = torch.rand(2, 24, generator=g) > 0.2
+    out = stable_attn.attention(q, k, v, layout="bnhd", causal=True, key_padding_mask=mask)
+    want = stable_attn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                 key_padding_mask=mask)
+    assert out.shape == (2, 24, 4, 8)
+    assert torch.equal(out, want.transpose(1, 2))
+    with pytest.raises(ValueError, match=r"layout='bshd' is not supported; use 'bhnd' \(\[B, H, N, D\].*'bnhd'"):
+        stable_attn.attention(q, k, v, layout="bshd")
+    with pytest.raises(ValueError, match=r"layout='bnhd'\): q, k, v given as \[B, N, H, D\].*key_padding_mask"):
+        stable_attn.attention(q, k, v, layout="bnhd", key_padding_mask=mask[:, :5])
+
+
+def test_a_declared_layout_is_not_second_guessed(caplog):
+    q, k = torch.randn(2, 128, 4, 8), torch.randn(2, 128, 2, 8)  # the doubt of the test above, declared
+    from stable_attn import _ops
+
+    _ops._logged_once.clear()
+    with caplog.at_level(logging.WARNING, logger="stable_attn"):
+        stable_attn.attention(q, k, k, causal=True, layout="bhnd")
+    assert not [r for r in caplog.records if "reads q" in r.getMessage()]
+
+
+def test_the_strict_mode_raises_on_a_doubt_and_on_shapes_that_fit_both_layouts():
+    with pytest.raises(ValueError, match=r"mode='strict' is not supported; use one of 'warn', 'error', 'off'"):
+        stable_attn.set_layout_check("strict")
+    square = torch.randn(1, 32, 16, 8)  # [B, N=32, H=16, D] read as 32 heads of 16 tokens: no shape rule tells
+    assert _checks.layout_doubt(square, square, True) is None
+    previous = stable_attn.set_layout_check("error")
+    try:
+        q, k = torch.randn(2, 128, 4, 8), torch.randn(2, 128, 2, 8)
+        with pytest.raises(ValueError, match=r"reads q \(2, 128, 4, 8\).*set_layout_check\('error'\)"):
+            stable_attn.attention(q, k, k, causal=True)
+        with pytest.raises(ValueError, match=r"fit both layouts \(32 heads of 16 tokens.*or 16 heads of 32 tokens"):
+            stable_attn.attention(square, square, square, causal=True)
+        for layout in ("bhnd", "bnhd"):  # said: served
+            assert stable_attn.attention(square, square, square, causal=True, layout=layout).shape == square.shape
+        decode = torch.randn(1, 32, 1, 8)  # one query: fits one layout only
+        assert stable_attn.attention(decode, square, square, causal=True).shape == decode.shape
+        # the FlashAttention-compatible function's layout is its API's: only a doubt raises
+        assert stable_attn.flash_attn_func(square, square, square, causal=True).shape == square.shape
+        with pytest.raises(ValueError, match=r"flash_attn_func reads q \(2, 4, 128, 8\)"):
+            stable_attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), causal=True)
+    finally:
+        assert stable_attn.set_layout_check(previous) == "error"
+
+
+def test_a_non_causal_gqa_call_in_the_other_layout_warns(caplog):
+    q, k = torch.randn(1, 64, 8, 8), torch.randn(1, 64, 2, 8)  # [B, N, H, D], an encoder with GQA
+    out, warned = _layout_warnings(caplog, q, k, causal=False)
+    assert len(warned) == 1 and "fewer keys than queries in every head" in warned[0], warned
+    # cross-attention with fewer heads than queries stays silent
+    assert _layout_warnings(caplog, torch.randn(1, 8, 64, 8), torch.randn(1, 8, 16, 8), causal=False)[1] == []

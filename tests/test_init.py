@@ -47,6 +47,69 @@ def test_import_registers_with_transformers_without_lightning():
     assert out.strip() == "[]"
 
 
+HEAVY = ("transformers", "lightning", "pytorch_lightning", "lightning_fabric", "triton", "torch._dynamo")
+
+
+def test_import_loads_neither_transformers_nor_lightning_and_registers_when_transformers_loads():
+    out = _python(f"""
+        import sys
+        import torch
+        import stable_attn
+        print(sorted(m for m in {HEAVY!r} if m in sys.modules))
+        from transformers import LlamaForCausalLM  # the model code loads: the registration happens then
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+        from stable_attn.integrations import transformers as hf
+        for name in ("stable_attn", "stable-attn"):
+            assert AttentionInterface()[name] is hf.stable_attn_attention_forward
+            assert AttentionMaskInterface()[name] is hf.stable_attn_mask
+        print(sum(type(f).__name__ == "_RegisterAfterLoad" for f in sys.meta_path))
+    """)
+    assert out.split("\n")[:2] == ["[]", "0"]
+
+
+def test_import_after_transformers_registers_at_once():
+    out = _python("""
+        import sys
+        import transformers.masking_utils
+        import stable_attn
+        from transformers.modeling_utils import AttentionInterface
+        waiting = sum(type(f).__name__ == "_RegisterAfterLoad" for f in sys.meta_path)
+        print("stable_attn" in AttentionInterface(), waiting)
+    """)
+    assert out.strip() == "True 0"
+
+
+def test_importing_the_integration_first_registers_once_it_is_imported():
+    """transformers then loads inside our integration's import: the integration registers at its end."""
+    out = _python("""
+        import sys
+        import stable_attn
+        from stable_attn.integrations.transformers import swap
+        from transformers.modeling_utils import AttentionInterface
+        from stable_attn.integrations.transformers import stable_attn_attention_forward as ours
+        waiting = sum(type(f).__name__ == "_RegisterAfterLoad" for f in sys.meta_path)
+        print(AttentionInterface()["stable-attn"] is ours, waiting)
+    """)
+    assert out.strip() == "True 0"
+
+
+def test_command_help_loads_neither_transformers_nor_lightning():
+    out = _python(f"""
+        import contextlib, io, sys
+        sys.argv = ["stable-attn", "--help"]
+        from stable_attn.cli import main
+        with contextlib.redirect_stdout(io.StringIO()) as text:
+            try:
+                main()
+            except SystemExit as e:
+                assert e.code == 0, e.code
+        assert "report" in text.getvalue()
+        print(sorted(m for m in {HEAVY!r} if m in sys.modules))
+    """)
+    assert out.strip() == "[]"
+
+
 def test_attention_works_without_transformers():
     out = _python(BLOCK_TRANSFORMERS + """
 import torch

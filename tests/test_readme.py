@@ -1,5 +1,7 @@
-"""README runs as written: every ```python block, pasted alone into a fresh interpreter namespace, runs; its
-first screen states the default spike action that MonitorConfig holds; its commands stay the ones CI runs.
+"""README runs as written and says what the code does: every ```python block, pasted alone into a fresh
+interpreter namespace in a temporary folder, runs, prints what its `# prints:` comments say, and does what its
+other comments claim; the quoted start-up lines, the main job's summary and the speed sentence are held to the
+code and the committed benchmark output; its commands stay the ones CI runs.
 
 No block is skipped: README has no marker for blocks that cannot run on a CPU, and every block runs here (the
 long main job is a ```bash block; its own test is tests/examples/test_train_gpt2.py).
@@ -7,62 +9,64 @@ long main job is a ```bash block; its own test is tests/examples/test_train_gpt2
 
 from __future__ import annotations
 
-import logging
 import re
-from pathlib import Path
 
 import pytest
-import torch
+from doc_blocks import ROOT, blocks, quoted_lines, run, text_blocks
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = ROOT / "README.md"
 FIRST_SCREEN_LINES = 45
+MAX_LINES = 250
+BLOCKS = blocks(README)
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
-
-
-def _python_blocks() -> list[tuple[int, str]]:
-    """Every python block with the README line its code starts on."""
-    text = README.read_text()
-    return [(text[:m.start(1)].count("\n") + 1, m.group(1)) for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
-
-
-PYTHON_BLOCKS = _python_blocks()
-
-
-def test_readme_has_the_python_blocks_this_file_runs():
+def test_readme_is_short_and_has_the_blocks_this_file_checks():
+    assert len(README.read_text().splitlines()) <= MAX_LINES
     # the regex sees every fence that opens a python block (a changed fence would make a block invisible)
-    assert len(PYTHON_BLOCKS) == README.read_text().count("```python\n") >= 8
+    assert len(BLOCKS) == README.read_text().count("```python\n") == 5
 
 
-@pytest.mark.parametrize("line, code", PYTHON_BLOCKS, ids=[f"line{line}" for line, _ in PYTHON_BLOCKS])
-def test_every_python_block_runs_as_pasted(line, code, tmp_path, monkeypatch, caplog):
-    monkeypatch.chdir(tmp_path)  # blocks write "out", "tiny-llama", lightning_logs
-    threads = torch.get_num_threads()
-    scope: dict = {"__name__": "__readme__"}
-    try:
-        with caplog.at_level(logging.WARNING, logger="stable_attn"):
-            exec(compile(code, f"README.md:{line}", "exec"), scope)
-    finally:
-        torch.set_num_threads(threads)
-    if "callbacks=[StableAttentionCallback(" in code:  # the three-step block: defaults as on the first screen
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_every_python_block_runs_as_pasted_and_prints_what_it_says(block, tmp_path, monkeypatch, caplog, capsys):
+    calls = []
+    if 'attn_implementation="stable_attn")  # from_pretrained' in block.code:  # count the op's calls per layer
+        from stable_attn.integrations.transformers import attention_function
+
+        real = attention_function.attention
+        monkeypatch.setattr(attention_function, "attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ran = run(block, tmp_path, monkeypatch, caplog, capsys)
+    scope = ran.scope
+    if calls:  # "every attention layer ran stable_attn's op": 2 layers, one forward
+        assert len(calls) == scope["cfg"].num_hidden_layers
+        assert all(p.grad is not None for p in scope["model"].parameters())
+    if "callbacks=[StableAttentionCallback(" in block.code:  # the Lightning block: README's quoted start-up lines
         from stable_attn.monitor.config import ACTION_WORDS, MonitorConfig
 
-        assert scope["trainer"].global_step == 8
-        assert scope["model"].config._attn_implementation == "stable_attn"
+        trainer = scope["trainer"]
+        assert trainer.global_step == 8
+        assert trainer.lightning_module.model.config._attn_implementation == "stable_attn"
         default = MonitorConfig.default("on_spike")
-        assert any(r.getMessage().startswith(f"StableAttentionCallback: on a spike: {ACTION_WORDS[default]} "
-                                             f"(on_spike={default!r}, the default;") for r in caplog.records)
-        (callback,) = (c for c in scope["trainer"].callbacks if type(c).__name__ == "StableAttentionCallback")
-        assert callback.engine._qk is not None and callback.engine._qk.tau == 100.0  # the one qk_clip line
-    if "set_attn_implementation" in code:  # the switch README gives for generating with sdpa works both ways
-        assert scope["model"].config._attn_implementation == "stable_attn"
-        scope["model"].set_attn_implementation("sdpa")
-        assert scope["model"].config._attn_implementation == "sdpa"
-    if "patch_sdpa()" in code:  # served inside the block, put back after it
-        assert not hasattr(torch.nn.functional.scaled_dot_product_attention, "stable_attn_patch")
-        assert scope["y"].shape == scope["x"].shape
+        assert any(m.startswith(f"StableAttentionCallback: on a spike: {ACTION_WORDS[default]} "
+                                f"(on_spike={default!r}, the default;") for m in ran.logs)
+        startup = text_blocks(README, "## What you will see")[0]
+        for quoted in quoted_lines(startup):
+            assert any(m.startswith(quoted) for m in ran.logs), (quoted, ran.logs)
+        (callback,) = (c for c in trainer.callbacks if type(c).__name__ == "StableAttentionCallback")
+        assert callback.engine._qk is not None and callback.engine._qk.tau == 100.0  # qk_clip=100.0
+        assert (tmp_path / "lightning_logs").is_dir()  # the block wrote into the temporary folder
+    if "StableAttentionTrainerCallback(" in block.code:  # the Trainer block's comments
+        assert scope["trainer"].state.global_step == 8
+        assert scope["model"].config._attn_implementation == "stable_attn"  # switched at train begin
+        assert (tmp_path / "out" / "trainer_state.json").is_file()
+    if "stable_attn.attention(q, k, v" in block.code:  # the op: GQA and per-head statistics
+        stats = scope["stats"]
+        heads = scope["q"].shape[1]
+        assert scope["k"].shape[1] == 2 and heads == 8
+        for name in ("saturation", "max_logit", "sink_mass"):
+            assert getattr(stats, name).shape[-1] == heads, name
+    if "flash_attn_varlen_func(" in block.code:  # shapes as the comments say (tests/integrations/test_flash_compat.py
+        assert scope["out"].shape == scope["q"].shape == (2, 128, 4, 64)  # checks the values)
+        assert scope["out1"].shape == (256, 4, 64)
 
 
 def test_first_screen_states_the_default_spike_action_and_the_start_up_line():
@@ -75,12 +79,32 @@ def test_first_screen_states_the_default_spike_action_and_the_start_up_line():
     assert "**Speed.** GPU: not measured yet (docs/BENCHMARKS.md" in first
 
 
-def test_readme_quotes_the_report_levels_the_plots_draw():
-    from stable_attn.report.plots import LEVELS
-
-    (sat,), (floor, alarm) = ([v for v, _ in LEVELS[stat]] for stat in ("saturation", "max_logit"))
+def test_speed_sentence_is_the_committed_benchmark_output():
+    """README's generate() ratios are the range of the wall ratios benchmarks/generate_speed.py wrote."""
     text = " ".join(README.read_text().split())
-    assert f"early-warning detectors' levels drawn (saturation {sat:g}; max logit {floor:g} and {alarm:g})" in text
+    m = re.search(r"`generate\(\)` is ([\d.]+)x to ([\d.]+)x slower than `sdpa` \(`benchmarks/generate_speed.py`\)",
+                  text)
+    assert m, "README's generate() sentence changed; hold it to benchmarks/results/generate_speed_cpu.txt"
+    output = (ROOT / "benchmarks" / "results" / "generate_speed_cpu.txt").read_text()
+    ratios = [float(r) for r in re.findall(r"^\w+\s+[\d.]+\s+[\d.]+\s+\d+\s+\d+\s+([\d.]+)x", output, flags=re.M)]
+    assert len(ratios) == 2 and (float(m.group(1)), float(m.group(2))) == (min(ratios), max(ratios))
+
+
+def test_main_job_summary_is_what_the_example_prints():
+    """The quoted end of the main job has the lines, labels and alert kinds `format_summary` prints today."""
+    from stable_attn.monitor.names import ALERT_KINDS
+    from stable_attn.report.summary import LayerSummary, RunSummary, format_summary
+
+    (quoted,) = re.findall(r"```\n(final train loss:.*?)```", README.read_text(), flags=re.S)
+    lines = quoted.strip().splitlines()
+    loss = re.match(r"final train loss: ([\d.]+) \(step (\d+)\)", lines[0])
+    val = re.match(r"final val loss: +([\d.]+) \(step (\d+)\)", lines[1])
+    saturation = re.findall(r"L(\d+)=([\d.]+)", lines[3])
+    summary = RunSummary(
+        final_train_loss=(int(loss.group(2)), float(loss.group(1))), last_finite_train_loss=None,
+        final_val_loss=(int(val.group(2)), float(val.group(1))), alert_counts=dict.fromkeys(ALERT_KINDS, 0),
+        layers=[LayerSummary(f"layer{i}", float(s), None, None, None, None, None) for i, s in saturation])
+    assert format_summary(summary).splitlines() == lines
 
 
 def test_readme_troubleshooting_names_the_misspelling_transformers_does_not_hint_at():
@@ -100,8 +124,9 @@ def test_readme_troubleshooting_names_the_misspelling_transformers_does_not_hint
 
 
 def test_readme_starts_with_the_two_commands():
-    first = _blocks("bash")[0].strip().splitlines()
+    first = blocks(README, "bash")[0].code.strip().splitlines()
     assert first[0].startswith("# run the main job") and "examples/train_gpt2.py" in first[1]
     assert '".[examples,trainer]"' in first[1]  # the Trainer block needs accelerate
     assert first[2] == "# run the tests" and "pytest" in first[3]
-    assert "run the tests" in (README.parent / ".ci" / "run").read_text()
+    assert "run the tests" in (ROOT / ".ci" / "run").read_text()
+

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..attention import attention, warn_layout
+from ..attention import attention, check_layout
 from ..options import DEFAULTS, Stabilize
 from ..stats import AttentionStats
 from ..varlen import attention_varlen
@@ -128,13 +128,13 @@ def flash_attn_func(
                          "in the layout [B, N, H, D]")
     causal, window = window_arguments(window_size, causal)
     softmax_scale, softcap = _scalars(softmax_scale, softcap, fn)
-    if not torch.compiler.is_compiling():  # before attention(), whose own check of this call then stays silent
-        warn_layout(q.transpose(1, 2), k.transpose(1, 2), causal, flash=True)
+    if not torch.compiler.is_compiling():  # its layout is its API's: attention() is told it (layout='bhnd')
+        check_layout(q.transpose(1, 2), k.transpose(1, 2), causal, flash=True)
     try:
         out = attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale,
             window=window, softcap=softcap, dropout_p=dropout_p, stabilize=stabilize, beta=beta,
-            stats=stats, backend=backend,
+            stats=stats, backend=backend, layout="bhnd",
         )
     except (ValueError, TypeError) as err:  # its shapes are the [B, H, N, D] transposes of the caller's
         raise type(err)(f"{fn} (q, k, v given as [B, N, H, D], seen by stable_attn.attention as their "

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._checks import layout_doubt
 from .._checks import sdpa_problem as unsupported_reason
 from ..attention import attention
 from ..options import DEFAULTS, Stabilize, model_options
@@ -58,6 +59,12 @@ def _warn_once(reason: str) -> None:
             stacklevel=3,
         )
 
+
+
+def _sdpa_layout(query: torch.Tensor, key: torch.Tensor, causal: bool) -> str | None:
+    """None (``attention()``'s wrong-layout check runs) where the shapes look like ``[B, N, H, D]``, else ``"bhnd"``:
+    sdpa's callers cannot say their layout, so the strict mode's rule for shapes that fit both does not apply."""
+    return None if layout_doubt(query, key, causal) is not None else "bhnd"
 
 class SdpaPatch:
     """One installed patch (what :func:`patch_sdpa` returns); also a context manager.
@@ -94,7 +101,7 @@ class SdpaPatch:
                 attn_mask = torch.ones(Nq, Nk, dtype=torch.bool, device=query.device).tril()
                 causal = False
             return attention(query, key, value, causal=causal, scale=scale, attn_mask=attn_mask,
-                             dropout_p=float(dropout_p), **options)
+                             dropout_p=float(dropout_p), layout=_sdpa_layout(query, key, causal), **options)
 
         scaled_dot_product_attention.stable_attn_patch = self
         return scaled_dot_product_attention

@@ -84,9 +84,11 @@ class Problem:
         """Whether the forward keeps the products ``x = q.k`` unscaled and forms ``P-bar`` as
         ``exp2(fma_f32(x, qk_scale2, -r))``, rounded once, as the kernel does (docs/ALGORITHM.md,
         "Rounding points"): everywhere but softcap and an additive ``attn_mask`` (which the kernel
-        never sees), whose scores are not ``x * qk_scale2``."""
+        never sees), whose scores are not ``x * qk_scale2``, and scales over ``rules.FUSED_SCALE_MAX``, whose
+        scores are rounded first (the kernel's ``SCORES_SCALED``)."""
         am = self.attn_mask
-        return self.opts.softcap is None and (am is None or am.dtype == torch.bool)
+        fused = rules.score_form(self.opts.softcap is not None, self.opts.qk_scale2) == rules.SCORES_FUSED
+        return fused and (am is None or am.dtype == torch.bool)
 
     def scores(self, q_c, k_b, q0, q1, j0, j1, scaled: bool = True):
         """Base-2 scores of a tile, ``[B, Hkv, G, cq, bn]``, fp32, masked entries ``-inf``.

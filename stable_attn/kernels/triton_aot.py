@@ -79,6 +79,7 @@ class Variant:
     block_n: int = BLOCK_N
     features: bool = False  # window, softcap, key padding mask (not with varlen) and dropout all on
     varlen: bool = False  # packed sequences (forward_varlen / backward_varlen)
+    value_dim: int | None = None  # V's head dim where it differs from head_dim (multi-head latent attention)
 
     @property
     def mode_name(self) -> str:
@@ -88,7 +89,8 @@ class Variant:
     def name(self) -> str:
         mode = self.mode_name
         dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
-        parts = [self.kind, dt, f"D{self.head_dim}", "causal" if self.causal else "full"]
+        dims = f"D{self.head_dim}" if self.value_dim in (None, self.head_dim) else f"D{self.head_dim}v{self.value_dim}"
+        parts = [self.kind, dt, dims, "causal" if self.causal else "full"]
         if self.kind == "fwd":
             parts += [mode, {0: "nostats", 1: "stats", 2: "stats+entropy"}[int(self.stats)]]
         if self.kind == "decode":
@@ -136,8 +138,9 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
         names = ("Q", "DO") if streams_q else ("K", "V")  # fwd and bwd_dq stream K and V
         rows = ((consts["BLOCK_M"],) * 2 if streams_q else  # or of one head of [total, H, D]
                 (consts.get("TILE_N", consts["BLOCK_N"]), consts["BLOCK_N"]))  # the forward's K: a whole key tile
-        descriptors = {n: (r, 1, consts["BLOCK_D"]) if v.varlen else (1, 1, r, consts["BLOCK_D"])
-                       for n, r in zip(names, rows)}
+        # the second stream (dO, V) has the value head dim
+        cols = (consts["BLOCK_D"], consts.get("BLOCK_DV", consts["BLOCK_D"]))
+        descriptors = {n: (r, 1, c) if v.varlen else (1, 1, r, c) for n, r, c in zip(names, rows, cols)}
     sig, attrs = _signature(fn, v.dtype, consts, descriptors)
     return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), opts
 
@@ -145,19 +148,24 @@ def source(v: Variant) -> tuple[ASTSource, dict]:
 def _constants(v: Variant) -> tuple[dict, dict]:
     """The compile-time constants and compile options of a variant: the launchers' own
     (``triton_launch.launch_constants``), for TMA-compatible strides on a GPU (no interpreter)."""
-    if v.kind == "bwd_pre":
-        return dict(HEAD_D=v.head_dim, BLOCK_D=head_block(v.head_dim), BLOCK_M=64), dict(num_warps=4, num_stages=1)
+    dv = v.value_dim or v.head_dim
+    if v.kind == "bwd_pre":  # delta = rowsum(dO * O): over the value head dim
+        return dict(HEAD_D=dv, BLOCK_D=head_block(dv), BLOCK_M=64), dict(num_warps=4, num_stages=1)
     f = v.features
     if v.kind == "decode":  # one new token of G query heads per KV head, the key padding mask transformers passes
         if v.varlen:
             raise ValueError("the decode kernel takes no packed sequences (varlen=False)")
         return decode_constants(v.head_dim, v.dtype, v.cc, groups=DECODE_GROUPS, nq=1, causal=v.causal, window=f,
-                                softcap=f, kpm=True, mode=v.mode, block_n=v.block_n)
+                                softcap=f, kpm=True, mode=v.mode, block_n=v.block_n, value_dim=v.value_dim)
     if v.kind in ("bwd_fused", "bwd_fused_atomic"):
+        if dv != v.head_dim:
+            raise ValueError("the fused backward has no value head dim of its own (the launchers take the two "
+                             "kernels for Dv != D)")
         return fused_constants(v.head_dim, v.dtype, v.cc, atomic=v.kind == "bwd_fused_atomic", causal=v.causal,
                                window=f, softcap=f, dropout=f, kpm=None if v.varlen else f)
     return launch_constants(v.kind, v.head_dim, v.dtype, v.cc, causal=v.causal, window=f, softcap=f, dropout=f,
-                            kpm=None if v.varlen else f, mode=v.mode, stats=v.stats, block_n=v.block_n)
+                            kpm=None if v.varlen else f, mode=v.mode, stats=v.stats, block_n=v.block_n,
+                            value_dim=v.value_dim)
 
 
 def compile_variant(v: Variant):
@@ -260,15 +268,18 @@ def steady_loop(instrs: list[tuple[int, str]]) -> Loop:
     return min(inner, key=lambda lp: (lp.sass, lp.start))
 
 
-def iteration_flops(kind: str, block_m: int, block_n: int, block_d: int) -> int:
-    """Tensor FLOPs of one loop iteration over a ``block_m x block_n`` score tile at padded head dim.
+def iteration_flops(kind: str, block_m: int, block_n: int, block_d: int, block_dv: int | None = None) -> int:
+    """Tensor FLOPs of one loop iteration over a ``block_m x block_n`` score tile at padded head dim ``block_d``
+    (``block_dv``: V's, where it differs; the products with V or dO run over it).
 
     fwd and decode: ``S = Q K^T`` and ``P V``; dK/dV: ``S^T``, ``dP^T = V dO^T``, ``dV += P^T dO``, ``dK += dS^T Q``;
     dQ: ``S``, ``dP = dO V^T``, ``dQ += dS K``; fused (dK/dV's four and ``dQ_j = dS K``): 5. Each product
     is ``2 * m * n * d``.
     """
-    gemms = {"fwd": 2, "decode": 2, "bwd_dkdv": 4, "bwd_dq": 3, "bwd_fused": 5, "bwd_fused_atomic": 5}[kind]
-    return gemms * 2 * block_m * block_n * block_d
+    # (products over the query's head dim, over V's)
+    gemms = {"fwd": (1, 1), "decode": (1, 1), "bwd_dkdv": (2, 2), "bwd_dq": (2, 1), "bwd_fused": (3, 2),
+             "bwd_fused_atomic": (3, 2)}[kind]
+    return 2 * block_m * block_n * (gemms[0] * block_d + gemms[1] * (block_dv or block_d))
 
 
 def tiling(v: Variant) -> tuple[int, int, int]:
@@ -296,7 +307,8 @@ def describe(v: Variant, cubin_dir: str | None = None) -> dict:
                               check=True).stdout
     fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump))
     block_m, block_n, warps = tiling(v)
-    row = dict(variant=v.name, kernel=v.kind, d=v.head_dim, dtype=_encode(v)["dtype"], causal=v.causal,
+    row = dict(variant=v.name, kernel=v.kind, d=v.head_dim, dv=v.value_dim or v.head_dim, dtype=_encode(v)["dtype"],
+               causal=v.causal,
                mode=v.mode_name if v.kind in ("fwd", "decode") else None, stats=v.stats, cc=v.cc, block_m=block_m,
                block_n=block_n, warps=warps, shared=kernel.metadata.shared, limit=SHARED_LIMIT[v.cc],
                regs=int(fields["REG"]), stack=int(fields["STACK"]), local=int(fields["LOCAL"]),
@@ -306,7 +318,8 @@ def describe(v: Variant, cubin_dir: str | None = None) -> dict:
     looped = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic", "decode")
     if v.kind in looped and v.dtype != torch.float32:  # fp32 runs no tensor cores
         loop = steady_loop(parse_sass(sass_of(cubin)))
-        mma_clk = iteration_flops(v.kind, block_m, block_n, head_block(v.head_dim)) / TENSOR_FLOP_PER_CLK
+        mma_clk = iteration_flops(v.kind, block_m, block_n, head_block(v.head_dim),
+                                  head_block(v.value_dim or v.head_dim)) / TENSOR_FLOP_PER_CLK
         issue_clk = warps * loop.sass / ISSUE_PER_CLK
         row.update(loop_sass=loop.sass, loop_mma=loop.mma, mma_clk=mma_clk, issue_clk=issue_clk,
                    R=issue_clk / mma_clk)

@@ -16,6 +16,7 @@ import triton
 
 from .. import rules
 from .._checks import interpreting
+from .._ops import MAX_KV_TILE_BYTES, kv_tile_bytes
 from ..options import BLOCK_N, Options
 from ..stats import STATS_ENTROPY, RowStats
 from . import triton_launch as launch
@@ -30,9 +31,6 @@ from .triton_backward import (
 from .triton_backward_fused import backward_fused, backward_mode
 from .triton_forward import attn_fwd_kernel, attn_fwd_varlen_kernel
 from .triton_launch import BwdConfig, FwdConfig, Packed
-
-# One K tile plus one V tile must fit in shared memory with room for the query tile (A100: 163 KiB).
-_MAX_KV_TILE_BYTES = 128 * 1024
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
@@ -80,20 +78,24 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed
     launch.check_heads(Hq)
     dtype = q.dtype
     block_n = opts.key_block
-    block_d = launch.head_block(D)
-    if 2 * block_n * block_d * q.element_size() > _MAX_KV_TILE_BYTES:
-        raise ValueError(f"block_n={block_n} with head dim {D} ({dtype}) needs K and V tiles of "
-                         f"{2 * block_n * block_d * q.element_size()} bytes, more than the {_MAX_KV_TILE_BYTES} "
-                         f"bytes of shared memory the kernel may use; use a smaller block_n (the default is {BLOCK_N})")
+    Dv = v.shape[-1]  # the value head dim: apart from D in multi-head latent attention (never padded to D)
+    block_d, block_dv = launch.head_block(D), launch.head_block(Dv)
+    kv_bytes = kv_tile_bytes(block_n, D, Dv, q.element_size())
+    if kv_bytes > MAX_KV_TILE_BYTES:  # the ops send these calls to the PyTorch path (_ops.triton_gap)
+        dims = f"head dim {D}" if Dv == D else f"head dims {D} (q, k) and {Dv} (v)"
+        raise ValueError(f"block_n={block_n} with {dims} ({dtype}) needs K and V tiles of {kv_bytes} bytes, more "
+                         f"than the {MAX_KV_TILE_BYTES} bytes of shared memory the kernel may use; use a smaller "
+                         f"block_n (the default is {BLOCK_N})")
     with_stats = int(with_stats)  # a stats.STATS_* level (True: the row statistics without the entropy)
     consts, compile_opts = launch.launch_constants(
         "fwd", D, dtype, launch.capability(q.device), **launch.feature_flags(opts),
         kpm=(key_padding_mask is not None) if packed is None else None, mode=opts.mode, stats=with_stats,
         block_n=block_n, forced_block_n=opts.key_block_given, tma=launch.tma_compatible(k, v),
-        upcast=interpreting(), config=config, sinks=sinks is not None)
+        upcast=interpreting(), config=config, sinks=sinks is not None, value_dim=Dv)
     block_n, tile_n = consts["BLOCK_N"], consts["TILE_N"]
 
-    out = launch.empty_like(q)
+    # the output has v's head dim (contiguous when it differs from q's: _checks.output_like)
+    out = launch.empty_like(q) if Dv == D else launch.empty((*q.shape[:-1], Dv), dtype, q.device)
     lse2 = launch.empty(rows, torch.float32, q.device)
     if with_stats:
         st = RowStats.empty(rows, q.device, alloc=launch.empty, entropy=with_stats == STATS_ENTROPY)
@@ -115,7 +117,7 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed
     n_m = triton.cdiv(Nq, consts["BLOCK_M"])
     # with TMA K and V go in as descriptors (the kernels read the pointers otherwise)
     describe = launch.descriptor if packed is None else launch.packed_descriptor
-    k_in, v_in = (describe(k, tile_n, block_d), describe(v, block_n, block_d)) if consts["TMA"] else (k, v)
+    k_in, v_in = (describe(k, tile_n, block_d), describe(v, block_n, block_dv)) if consts["TMA"] else (k, v)
     if packed is None:
         kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
         kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
@@ -136,10 +138,11 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """FlashAttention-2 backward from the saved ``out`` and base-2 ``lse2``: ``(dq, dk, dv)``.
 
     Two kernels (dK/dV, dQ) by default; ``STABLE_ATTN_BACKWARD=fused`` (or ``fused-atomic``) runs the
-    fused prototype of ``triton_backward_fused.py`` instead (opt-in: docs/ARCHITECTURE.md says why).
+    fused prototype of ``triton_backward_fused.py`` instead (opt-in: docs/ARCHITECTURE.md says why), where v's head
+    dim is q's (the prototype has no value head dim of its own: the two kernels serve the rest).
     """
     mode = backward_mode()
-    if mode != "two-kernel":
+    if mode != "two-kernel" and v.shape[-1] == q.shape[-1]:
         return backward_fused(do, q, k, v, out, lse2, key_padding_mask, opts, atomic=mode == "fused-atomic",
                               config=config)
     return _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, None)
@@ -160,7 +163,7 @@ def backward_varlen(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """
     packed = launch.packed_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mode = backward_mode()  # STABLE_ATTN_BACKWARD, as in backward()
-    if mode != "two-kernel":
+    if mode != "two-kernel" and v.shape[-1] == q.shape[-1]:
         return backward_fused(do, q, k, v, out, lse2, None, opts, atomic=mode == "fused-atomic", config=config,
                               packed=packed)
     return _backward(do, q, k, v, out, lse2, None, opts, config, packed)
@@ -179,10 +182,11 @@ def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: Pa
         B, Nq, Nk = packed.batch, packed.max_q, packed.max_k
     launch.check_heads(Hq)
     dtype = q.dtype
-    block_d = launch.head_block(D)
+    Dv = v.shape[-1]  # dO, O, V and dV have v's head dim; q, dQ, K and dK q's
+    block_d, block_dv = launch.head_block(D), launch.head_block(Dv)
     kernel = dict(head_dim=D, dtype=dtype, cc=launch.capability(q.device), **launch.feature_flags(opts),
                   kpm=(key_padding_mask is not None) if packed is None else None,
-                  tma=launch.tma_compatible(q, k, v, do), upcast=interpreting(), config=config)
+                  tma=launch.tma_compatible(q, k, v, do), upcast=interpreting(), config=config, value_dim=Dv)
     # each gradient kernel's constexprs and compile options, in one dict (one BwdConfig for both)
     dkdv_consts, dq_consts = ({**c, **o} for c, o in (launch.launch_constants(kind, **kernel)
                                                       for kind in ("bwd_dkdv", "bwd_dq")))
@@ -202,11 +206,11 @@ def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: Pa
     describe = launch.descriptor if packed is None else launch.packed_descriptor
     m1, n2 = dkdv_consts["BLOCK_M"], dq_consts["BLOCK_N"]
     if dkdv_consts["TMA"]:
-        dkdv.update(Q=describe(q, m1, block_d), DO=describe(do, m1, block_d))
+        dkdv.update(Q=describe(q, m1, block_d), DO=describe(do, m1, block_dv))
     if dq_consts["TMA"]:
-        dqk.update(K=describe(k, n2, block_d), V=describe(v, n2, block_d))
-    pre = dict(Out=out, DO=do, Delta=delta, **launch.strides("o", out), **launch.strides("do", do), Hq=Hq, HEAD_D=D,
-               BLOCK_D=block_d, BLOCK_M=64)
+        dqk.update(K=describe(k, n2, block_d), V=describe(v, n2, block_dv))
+    pre = dict(Out=out, DO=do, Delta=delta, **launch.strides("o", out), **launch.strides("do", do), Hq=Hq, HEAD_D=Dv,
+               BLOCK_D=block_dv, BLOCK_M=64)
     if packed is not None:
         _backward_varlen(packed, Hq, Hkv, q.shape[0], pre, dkdv, dqk)
         return dq, dk, dv

@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import TMA_PACKED, key_range, load_tile, round_to, scores_tile, tanh_f32, varlen_bounds
+from .triton_tiles import CAPPED, TMA_PACKED, key_range, load_tile, round_to, scores_tile, tanh_f32, varlen_bounds
 
 
 @triton.jit
@@ -79,35 +79,40 @@ def attn_bwd_preprocess_varlen(Out, DO, Delta, CuQ, stride_oh, stride_on, stride
 
 @triton.jit
 def dkdv_block(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
-               offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
+               offs_d, offs_dv, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e,
+               scale,
                seed, drop_p, keep_scale, drop_head,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+               HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, DTYPE: tl.constexpr,
+               UPCAST: tl.constexpr, PREC: tl.constexpr,
                TMA: tl.constexpr):
     """One query block's contribution to dK, dV of a key block, in transposed ``[BLOCK_N, BLOCK_M]`` tiles."""
     dk, dv, _ = dkdv_step(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
-                          offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e,
-                          scale, seed, drop_p, keep_scale, drop_head, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT,
-                          HEAD_D, BLOCK_D, BLOCK_M, DTYPE, UPCAST, PREC, TMA)
+                          offs_d, offs_dv, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale,
+                          cap_log2e, scale, seed, drop_p, keep_scale, drop_head, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM,
+                          DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, BLOCK_M, DTYPE, UPCAST, PREC, TMA)
     return dk, dv
 
 
 @triton.jit
 def dkdv_step(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0, offs_n,
-              offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
+              offs_d, offs_dv, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e,
+              scale,
               seed, drop_p, keep_scale, drop_head,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
               HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+              HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, DTYPE: tl.constexpr,
+              UPCAST: tl.constexpr, PREC: tl.constexpr,
               TMA: tl.constexpr):
     """:func:`dkdv_block`'s arithmetic, also returning ``dS * scale`` rounded to the input dtype
     (``[BLOCK_N, BLOCK_M]``, the operand of ``dS^T Q``), which the fused backward
-    (``triton_backward_fused.py``) multiplies by K for its dQ: one place for the rounding points."""
+    (``triton_backward_fused.py``) multiplies by K for its dQ: one place for the rounding points. ``dO`` (and V,
+    dV) have the value head dim ``HEAD_DV`` (``offs_dv``), q and K the query's ``HEAD_D``."""
     offs_m = start_m + offs_m0
     row_ok = offs_m < Nq
     q = load_tile(Q, q_ptrs, b, h, start_m, stride_qn, offs_m0, offs_d, Nq, BLOCK_M, HEAD_D, BLOCK_D, TMA)
-    do = load_tile(DO, do_ptrs, b, h, start_m, stride_don, offs_m0, offs_d, Nq, BLOCK_M, HEAD_D, BLOCK_D, TMA)
+    do = load_tile(DO, do_ptrs, b, h, start_m, stride_don, offs_m0, offs_dv, Nq, BLOCK_M, HEAD_DV, BLOCK_DV, TMA)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -116,9 +121,11 @@ def dkdv_step(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr
     delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
 
     x = tl.dot(k, tl.trans(q), input_precision=PREC)
-    if SOFTCAP:
+    if SOFTCAP == CAPPED:
         t = tanh_f32(x * cap_scale)
         s = t * cap_log2e
+    elif SOFTCAP:  # huge scales: the scores rounded first, as the forward's (rules.SCORES_SCALED)
+        s = x * qk_scale2
     else:  # the unscaled products, scaled inside the fma below, as the forward does
         s = x
     if HAS_KPM:
@@ -147,7 +154,7 @@ def dkdv_step(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr
     p_cast = round_to(p_drop, DTYPE, UPCAST)
     dv = tl.dot(p_cast, do, dv, input_precision=PREC)
     ds = p * dp
-    if SOFTCAP:
+    if SOFTCAP == CAPPED:
         ds = ds * (1.0 - t * t)
     ds_cast = round_to(ds * scale, DTYPE, UPCAST)
     dk = tl.dot(ds_cast, q, dk, input_precision=PREC)
@@ -192,8 +199,10 @@ def dkdv_program(
     seed, drop_p, keep_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """dK, dV of one key block; with ``TMA``, ``Q`` and ``DO`` are descriptors (block ``[1, 1, BLOCK_M, BLOCK_D]``).
+    """dK, dV of one key block; with ``TMA``, ``Q`` and ``DO`` are descriptors (blocks ``[1, 1, BLOCK_M, BLOCK_D]``
+    and ``[1, 1, BLOCK_M, BLOCK_DV]``). ``HEAD_DV``: V's head dim (``triton_forward.fwd_program``).
 
     ``VARLEN``: a key block of sequence ``b`` of packed tensors, offsets as in ``triton_forward.fwd_program``
     (``TMA`` is then ``TMA_PACKED``). The query rows a descriptor reads past the sequence's end belong to
@@ -213,13 +222,17 @@ def dkdv_program(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     kv_mask = offs_n[:, None] < Nk
     if HEAD_D != BLOCK_D:
         kv_mask = kv_mask & (offs_d[None, :] < HEAD_D)
+    v_mask = kv_mask
+    if HEAD_DV != HEAD_D:
+        v_mask = (offs_n[:, None] < Nk) & (offs_dv[None, :] < HEAD_DV)
     k = tl.load(K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh
                 + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + (k_start * stride_vn if VARLEN else b64 * stride_vb) + hkv * stride_vh
-                + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+                + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=v_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -230,7 +243,7 @@ def dkdv_program(
     q_lo, mid_lo, mid_hi, q_hi = query_range(start_n, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for g in range(0, G):
         h = hkv * G + g
         if TMA:
@@ -240,7 +253,7 @@ def dkdv_program(
             q_ptrs = (Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
                       + offs_m0[:, None] * stride_qn + offs_d[None, :])
             do_ptrs = (DO + (q_start * stride_don if VARLEN else b64 * stride_dob) + h * stride_doh
-                       + offs_m0[:, None] * stride_don + offs_d[None, :])
+                       + offs_m0[:, None] * stride_don + offs_dv[None, :])
         row0 = h.to(tl.int64) * total_q + q_start if VARLEN else (b64 * Hq + h) * Nq
         lse_ptr = Lse + row0
         delta_ptr = Delta + row0
@@ -248,28 +261,31 @@ def dkdv_program(
         drop_head = h.to(tl.int64) * Nq * Nk if VARLEN else row0 * Nk
         for start_m in range(q_lo, mid_lo, BLOCK_M):
             dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, tile_b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
-                                offs_m0, offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window,
+                                offs_m0, offs_n, offs_d, offs_dv, stride_qn, stride_don, Nq, Nk, pos_offset, window,
                                 qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, drop_head, True,
-                                CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE, UPCAST,
+                                CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV,
+                                BLOCK_M, DTYPE, UPCAST,
                                 PREC, TMA)
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, tile_b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
-                                offs_m0, offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window,
+                                offs_m0, offs_n, offs_d, offs_dv, stride_qn, stride_don, Nq, Nk, pos_offset, window,
                                 qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, drop_head, False,
-                                CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE, UPCAST,
+                                CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV,
+                                BLOCK_M, DTYPE, UPCAST,
                                 PREC, TMA)
         if WINDOW:  # without a window every query block past the diagonal sees the whole key block
             for start_m in range(mid_hi, q_hi, BLOCK_M):
                 dk, dv = dkdv_block(dk, dv, k, v, kp, Q, DO, tile_b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
-                                    offs_m0, offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window,
+                                    offs_m0, offs_n, offs_d, offs_dv, stride_qn, stride_don, Nq, Nk, pos_offset, window,
                                     qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, drop_head,
-                                    True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE,
+                                    True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV,
+                                    BLOCK_DV, BLOCK_M, DTYPE,
                                     UPCAST, PREC, TMA)
 
     tl.store(DK + (k_start * stride_dkn if VARLEN else b64 * stride_dkb) + hkv * stride_dkh
              + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk, DTYPE, UPCAST).to(DTYPE), mask=kv_mask)
     tl.store(DV + (k_start * stride_dvn if VARLEN else b64 * stride_dvb) + hkv * stride_dvh
-             + offs_n[:, None] * stride_dvn + offs_d[None, :], round_to(dv, DTYPE, UPCAST).to(DTYPE), mask=kv_mask)
+             + offs_n[:, None] * stride_dvn + offs_dv[None, :], round_to(dv, DTYPE, UPCAST).to(DTYPE), mask=v_mask)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "b_first", "seed"])
@@ -281,13 +297,15 @@ def attn_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Program ``(key block, kv head, batch - b_first)`` of ``[B, H, N, D]`` tensors."""
     dkdv_program(Q, K, V, KPM, DO, Lse, Delta, DK, DV, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                  stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh,
                  stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None,
                  b_first, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, CAUSAL, WINDOW, SOFTCAP,
-                 HAS_KPM, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
+                 HAS_KPM, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC, TMA, HEAD_DV,
+                 BLOCK_DV)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
@@ -299,6 +317,7 @@ def attn_bwd_dkdv_varlen_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Program ``(key block, kv head, sequence)`` of packed tensors; with ``TMA``, ``Q`` and ``DO`` are
     descriptors over ``[total_q, Hq, D]`` (block ``[BLOCK_M, 1, BLOCK_D]``)."""
@@ -310,27 +329,28 @@ def attn_bwd_dkdv_varlen_kernel(
                  stride_vn, 0, stride_doh, stride_don, 0, stride_dkh, stride_dkn, 0, stride_dvh, stride_dvn, 0, Hq, G,
                  Nq, Nk, window, q_start, k_start, total_q, 0, qk_scale2, cap_scale, cap_log2e, scale, seed + b,
                  drop_p, keep_scale, CAUSAL, WINDOW, SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
-                 DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False)
+                 DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False, HEAD_DV, BLOCK_DV)
 
 
 @triton.jit
 def dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d,
-             stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed, drop_p,
+             offs_dv, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale, seed,
+             drop_p,
              keep_scale, drop_row, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
              SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, HEAD_D: tl.constexpr,
-             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
-             PREC: tl.constexpr, TMA: tl.constexpr):
-    """One key block's contribution to dQ of a query block."""
+             BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+             DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+    """One key block's contribution to dQ of a query block (V: the value head dim ``HEAD_DV``, ``offs_dv``)."""
     offs_n = start_n + offs_n0
     if TMA or MASK:
         k = load_tile(K, k_ptrs, b, hkv, start_n, stride_kn, offs_n0, offs_d, Nk, BLOCK_N, HEAD_D, BLOCK_D, TMA)
-        v = load_tile(V, v_ptrs, b, hkv, start_n, stride_vn, offs_n0, offs_d, Nk, BLOCK_N, HEAD_D, BLOCK_D, TMA)
+        v = load_tile(V, v_ptrs, b, hkv, start_n, stride_vn, offs_n0, offs_dv, Nk, BLOCK_N, HEAD_DV, BLOCK_DV, TMA)
         if TMA == TMA_PACKED and MASK:  # key rows past the sequence are the next one's: zeros, so that an
             k = tl.where((offs_n < Nk)[:, None], k, 0.0)  # inf or NaN there cannot reach dQ (through 0 * NaN)
             v = tl.where((offs_n < Nk)[:, None], v, 0.0)
-    elif HEAD_D != BLOCK_D:
+    elif HEAD_D != BLOCK_D or HEAD_DV != BLOCK_DV:
         k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_D, other=0.0)
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_d[None, :] < HEAD_D, other=0.0)
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < HEAD_DV, other=0.0)
     else:
         k = tl.load(k_ptrs + start_n * stride_kn)
         v = tl.load(v_ptrs + start_n * stride_vn)
@@ -355,7 +375,7 @@ def dq_block(dq, q, do, lse, delta, K, V, b, hkv, k_ptrs, v_ptrs, kpm_ptrs, star
         keep = tl.rand(seed, drop_row[:, None] + offs_n[None, :].to(tl.int64)) >= drop_p
         dp = tl.where(keep, dp * keep_scale, 0.0)
     ds = p * (dp - delta[:, None])
-    if SOFTCAP:
+    if SOFTCAP == CAPPED:
         ds = ds * (1.0 - t * t)
     ds_cast = round_to(ds * scale, DTYPE, UPCAST)
     return tl.dot(ds_cast, k, dq, input_precision=PREC)
@@ -370,8 +390,10 @@ def dq_program(
     seed, drop_p, keep_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """dQ of one query block; with ``TMA``, ``K`` and ``V`` are descriptors (block ``[1, 1, BLOCK_N, BLOCK_D]``).
+    """dQ of one query block; with ``TMA``, ``K`` and ``V`` are descriptors (blocks ``[1, 1, BLOCK_N, BLOCK_D]`` and
+    ``[1, 1, BLOCK_N, BLOCK_DV]``); dO and V have the value head dim ``HEAD_DV``.
 
     ``VARLEN``: a query block of sequence ``b`` of packed tensors, offsets as in ``triton_forward.fwd_program``
     (``TMA`` is then ``TMA_PACKED``). Key rows a descriptor reads past the sequence's end (the next
@@ -390,14 +412,18 @@ def dq_program(
     offs_m = q_lo + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Nq
     q_mask = row_ok[:, None]
     if HEAD_D != BLOCK_D:
         q_mask = q_mask & (offs_d[None, :] < HEAD_D)
+    do_mask = q_mask
+    if HEAD_DV != HEAD_D:
+        do_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
     q = tl.load(Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
                 + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(DO + (q_start * stride_don if VARLEN else b64 * stride_dob) + h * stride_doh
-                 + offs_m[:, None] * stride_don + offs_d[None, :], mask=q_mask, other=0.0)
+                 + offs_m[:, None] * stride_don + offs_dv[None, :], mask=do_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -411,7 +437,7 @@ def dq_program(
         k_ptrs = (K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh
                   + offs_n0[:, None] * stride_kn + offs_d[None, :])
         v_ptrs = (V + (k_start * stride_vn if VARLEN else b64 * stride_vb) + hkv * stride_vh
-                  + offs_n0[:, None] * stride_vn + offs_d[None, :])
+                  + offs_n0[:, None] * stride_vn + offs_dv[None, :])
     kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
     drop_row = (h.to(tl.int64) * Nq + offs_m) * Nk if VARLEN else row_ptr * Nk  # varlen: the sequence alone
 
@@ -420,19 +446,21 @@ def dq_program(
     if WINDOW:  # blocks cut by the window's left edge (lo == mid_lo == 0 without a window)
         for start_n in range(lo, mid_lo, BLOCK_N):
             dq = dq_block(dq, q, do, lse, delta, K, V, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-                          offs_n0, offs_d, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale,
+                          offs_n0, offs_d, offs_dv, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale,
                           cap_log2e, scale, seed, drop_p, keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP,
-                          HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
+                          HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         dq = dq_block(dq, q, do, lse, delta, K, V, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
-                      offs_d, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
+                      offs_d, offs_dv, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e,
+                      scale,
                       seed, drop_p, keep_scale, drop_row, False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D,
-                      BLOCK_D, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
+                      BLOCK_D, HEAD_DV, BLOCK_DV, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
     for start_n in range(mid_hi, hi, BLOCK_N):
         dq = dq_block(dq, q, do, lse, delta, K, V, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m, offs_n0,
-                      offs_d, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e, scale,
+                      offs_d, offs_dv, stride_kn, stride_vn, Nk, pos_offset, window, qk_scale2, cap_scale, cap_log2e,
+                      scale,
                       seed, drop_p, keep_scale, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, HEAD_D,
-                      BLOCK_D, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
+                      BLOCK_D, HEAD_DV, BLOCK_DV, BLOCK_N, DTYPE, UPCAST, PREC, TMA)
     tl.store(DQ + (q_start * stride_dqn if VARLEN else b64 * stride_dqb) + h * stride_dqh
              + offs_m[:, None] * stride_dqn + offs_d[None, :], round_to(dq, DTYPE, UPCAST).to(DTYPE), mask=q_mask)
 
@@ -446,13 +474,14 @@ def attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors."""
     dq_program(Q, K, V, KPM, DO, Lse, Delta, DQ, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
                stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first, qk_scale2, cap_scale, cap_log2e, scale,
                seed, drop_p, keep_scale, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M,
-               BLOCK_N, DTYPE, UPCAST, PREC, TMA)
+               BLOCK_N, DTYPE, UPCAST, PREC, TMA, HEAD_DV, BLOCK_DV)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
@@ -463,6 +492,7 @@ def attn_bwd_dq_varlen_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Program ``(query block, head, sequence)`` of packed tensors; with ``TMA``, ``K`` and ``V`` are
     descriptors over ``[total_k, Hkv, D]`` (block ``[BLOCK_N, 1, BLOCK_D]``)."""
@@ -474,4 +504,4 @@ def attn_bwd_dq_varlen_kernel(
                stride_vn, 0, stride_doh, stride_don, 0, stride_dqh, stride_dqn, 0, Hq, G, Nq, Nk, window, q_start,
                k_start, total_q, 0, qk_scale2, cap_scale, cap_log2e, scale, seed + b, drop_p, keep_scale, CAUSAL,
                WINDOW, SOFTCAP, False, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, DTYPE, UPCAST, PREC,
-               TMA_PACKED if TMA else False)
+               TMA_PACKED if TMA else False, HEAD_DV, BLOCK_DV)

@@ -65,9 +65,11 @@ def fused_step(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_pt
     """One query block: dK, dV as ``dkdv_block`` does (4 products), plus this key block's dQ partial
     ``dS K`` (the fifth), stored to (or, ``ATOMIC``, added into) the fp32 rows at ``dq_base``."""
     dk, dv, ds_cast = dkdv_step(dk, dv, k, v, kp, Q, DO, b, h, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m0,
-                                offs_n, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2, cap_scale,
-                                cap_log2e, scale, seed, drop_p, keep_scale, drop_head, MASK, CAUSAL, WINDOW, SOFTCAP,
-                                HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, BLOCK_M, DTYPE, UPCAST, PREC, TMA)
+                                offs_n, offs_d, offs_d, stride_qn, stride_don, Nq, Nk, pos_offset, window, qk_scale2,
+                                cap_scale, cap_log2e, scale, seed, drop_p, keep_scale, drop_head, MASK, CAUSAL, WINDOW,
+                                SOFTCAP, HAS_KPM, DROPOUT, HEAD_D, BLOCK_D, HEAD_D, BLOCK_D, BLOCK_M, DTYPE, UPCAST,
+                                PREC,
+                                TMA)
     dq = tl.dot(tl.trans(ds_cast), k, input_precision=PREC)
     rows = start_m + offs_m0
     mask = (rows < Nq)[:, None]
@@ -270,6 +272,8 @@ def fused_constants(head_dim: int, dtype: torch.dtype, cc: int, *, atomic: bool 
     (``triton_launch.launch_constants("bwd_dkdv", ...)``, the one place they are chosen) plus ``ATOMIC``.
     ``features``: the other keyword arguments of ``launch_constants`` (causal, window, ...)."""
     consts, opts = launch.launch_constants("bwd_dkdv", head_dim, dtype, cc, **features)
+    for name in ("HEAD_DV", "BLOCK_DV"):  # V's head dim is the query's here (the launchers send Dv != D elsewhere)
+        consts.pop(name)
     return dict(consts, ATOMIC=atomic), opts
 
 

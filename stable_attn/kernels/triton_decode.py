@@ -62,10 +62,13 @@ def attn_decode_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, MODE: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Program ``(split * row blocks + row block, KV head, batch - b_first)``: the partial of one split for
     ``BLOCK_M`` packed rows (query head ``hkv * G + g``, query ``i``) of ``[B, H, N, D]`` tensors. ``HAS_SINKS``:
-    the first split starts from the learned sink's state (``reference_decode.partials``), the others do not."""
+    the first split starts from the learned sink's state (``reference_decode.partials``), the others do not.
+    ``HEAD_DV``: V's head dim (the partials' and the output's), ``BLOCK_DV`` its tile
+    (``triton_forward.fwd_program``)."""
     n_rb = tl.cdiv(G * Nq, BLOCK_M)
     split_id = tl.program_id(0) // n_rb
     rb = tl.program_id(0) % n_rb
@@ -81,26 +84,31 @@ def attn_decode_kernel(
     h = hkv * G + g
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     q_mask = row_ok[:, None]
     if HEAD_D != BLOCK_D:
         q_mask = q_mask & (offs_d[None, :] < HEAD_D)
+    acc_mask = q_mask  # the partial's rows and V's head-dim columns
+    if HEAD_DV != HEAD_D:
+        acc_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
     q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + offs_i[:, None] * stride_qn + offs_d[None, :],
                 mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     k_ptrs = K + b64 * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b64 * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    v_ptrs = V + b64 * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_dv[None, :]
     kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
     drop_row = offs_i.to(tl.int64)  # unused: no dropout here
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     r_i = tl.full([BLOCK_M], -FP32_MAX, tl.float32)  # the initial offset: every split starts here
-    if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, False):
+    ROW_D: tl.constexpr = BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV  # the widest tile (fwd_program)
+    if (MODE == MODE_EXACT) and tensor_core_row_sum(ROW_D, False):
         # one accumulator (triton_launch.row_sum_parts: measured on the training forward's tiles only)
         l_i = tc_row_sum_zeros(BLOCK_M, 1)
     else:
         l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m2_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # unused: no statistics
     fixed = tl.zeros([BLOCK_M], tl.int32)
     ent_i = tl.zeros([BLOCK_M], tl.float32)
@@ -108,7 +116,7 @@ def attn_decode_kernel(
     if HAS_SINKS:
         first = (split_id + tl.zeros([BLOCK_M], tl.int32)) == 0  # only the first split counts the sink
         _, r_i, l_i, ent_l = sink_start(Sinks, h, row_ok & first, r_i, l_i, ent_l, 1,
-                                        (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, False))
+                                        (MODE == MODE_EXACT) and tensor_core_row_sum(ROW_D, False))
 
     # the visible blocks of all Nq queries (MAX_QUERIES rows: at worst one more block in the masked
     # stretches, the same bits), cut to this split's keys [s0, s1)
@@ -118,24 +126,27 @@ def attn_decode_kernel(
     if WINDOW:  # cut by the window's left edge (masked)
         acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_blocks(
             m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, b, hkv, k_ptrs, v_ptrs, kpm_ptrs,
-            tl.maximum(lo, s0), tl.minimum(mid_lo, s1), offs_i, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2,
-            cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2, max_shift2, beta, 0, 0.0, drop_row,
-            True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, 0, False, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, False)
+            tl.maximum(lo, s0), tl.minimum(mid_lo, s1), offs_i, offs_n0, offs_d, offs_dv, stride_kn, stride_vn,
+            qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2, max_shift2, beta, 0, 0.0,
+            drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, 0, False, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE,
+            UPCAST, PREC, False)
     acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_blocks(  # seen in full by every row (unmasked)
         m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, b, hkv, k_ptrs, v_ptrs, kpm_ptrs,
-        tl.maximum(mid_lo, s0), tl.minimum(mid_hi, s1), offs_i, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2,
-        cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2, max_shift2, beta, 0, 0.0, drop_row,
-        False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, 0, False, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, False)
+        tl.maximum(mid_lo, s0), tl.minimum(mid_hi, s1), offs_i, offs_n0, offs_d, offs_dv, stride_kn, stride_vn,
+        qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2, max_shift2, beta, 0, 0.0, drop_row,
+        False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, 0, False, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST,
+        PREC, False)
     acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_blocks(  # cut by the diagonal or the end of the keys
         m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, b, hkv, k_ptrs, v_ptrs, kpm_ptrs,
-        tl.maximum(mid_hi, s0), tl.minimum(hi_al, s1), offs_i, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2,
-        cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2, max_shift2, beta, 0, 0.0, drop_row,
-        True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, 0, False, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, False)
-    if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, False):
+        tl.maximum(mid_hi, s0), tl.minimum(hi_al, s1), offs_i, offs_n0, offs_d, offs_dv, stride_kn, stride_vn,
+        qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2, max_shift2, beta, 0, 0.0, drop_row,
+        True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, 0, False, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST, PREC,
+        False)
+    if (MODE == MODE_EXACT) and tensor_core_row_sum(ROW_D, False):
         l_i = tc_row_sum_total(l_i)
 
     part = ((b64 * Hq + h) * Nq + offs_i) * n_splits + split_id  # partial (b, h, i, split)
-    tl.store(Acc + part[:, None] * HEAD_D + offs_d[None, :], acc, mask=q_mask)
+    tl.store(Acc + part[:, None] * HEAD_DV + offs_dv[None, :], acc, mask=acc_mask)
     tl.store(Lsum + part, l_i, mask=row_ok)
     tl.store(Roff + part, r_i, mask=row_ok)
     tl.store(Mmax + part, m_i, mask=row_ok)
@@ -179,20 +190,24 @@ def block_rows(groups: int, nq: int) -> int:
 
 
 def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int, nq: int, causal: bool,
-                     window: bool, softcap: bool, kpm: bool, mode: int, block_n: int, upcast: bool = False,
-                     sinks: bool = False) -> tuple[dict, dict]:
+                     window: bool, softcap: int, kpm: bool, mode: int, block_n: int, upcast: bool = False,
+                     sinks: bool = False, value_dim: int | None = None) -> tuple[dict, dict]:
     """``(constexprs, compile options)`` of :func:`attn_decode_kernel`: what :func:`forward` launches and what
     ``triton_aot`` compiles (benchmarks/kernel_resources.py ``--kernels decode``). ``block_n``: the rule's key
-    block (``Options.key_block``), never retiled here: the decode kernel walks the partition block by block."""
+    block (``Options.key_block``), never retiled here: the decode kernel walks the partition block by block.
+    ``value_dim``: V's head dim where it differs from ``head_dim`` (``HEAD_DV``; warps and stages by the wider)."""
+    head_dv = head_dim if value_dim is None else value_dim
     consts = dict(CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, HAS_KPM=kpm, MODE=mode, HEAD_D=head_dim,
                   BLOCK_D=launch.head_block(head_dim), BLOCK_M=block_rows(groups, nq), BLOCK_N=block_n,
-                  DTYPE=launch.TL_DTYPE[dtype], UPCAST=upcast, PREC=launch.precision(dtype, upcast), HAS_SINKS=sinks)
+                  DTYPE=launch.TL_DTYPE[dtype], UPCAST=upcast, PREC=launch.precision(dtype, upcast), HAS_SINKS=sinks,
+                  HEAD_DV=head_dv, BLOCK_DV=launch.head_block(head_dv))
+    wide_d = max(consts["BLOCK_D"], consts["BLOCK_DV"])
     # 8 warps where a K tile is 128 x 128 or more: with 4, the 128-key blocks at D = 128 took 255 registers and
     # spilled (stabilize off, sm_90: benchmarks/decode_resources.py)
-    warps = 8 if block_n * consts["BLOCK_D"] >= 128 * 128 else 4
+    warps = 8 if block_n * wide_d >= 128 * 128 else 4
     # the pipeline holds num_stages - 1 K/V tile pairs in shared memory: fewer stages where they would not fit
     # (D = 256: 3 stages took 268 KiB on sm_90, 2 stages 140 KiB on sm_120; benchmarks/kernel_resources.py)
-    kv_bytes = 2 * block_n * consts["BLOCK_D"] * torch.finfo(dtype).bits // 8
+    kv_bytes = block_n * (consts["BLOCK_D"] + consts["BLOCK_DV"]) * torch.finfo(dtype).bits // 8
     limit = launch.SHARED_LIMIT.get(cc, launch.SHARED_LIMIT[120])
     stages = 3 if launch.tile_generation(cc) == 90 else 2
     while stages > 1 and (stages - 1) * kv_bytes + _DECODE_SHARED_EXTRA > limit:
@@ -209,6 +224,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     q, k, v = launch.dense_last(q), launch.dense_last(k), launch.dense_last(v)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    Dv = v.shape[-1]  # the value head dim (the partials' and the output's)
     G = Hq // Hkv
     if Hkv > launch.MAX_GRID_Y:
         raise ValueError(f"Hkv={Hkv} KV heads: the decode kernel launches one grid row per KV head and CUDA allows "
@@ -221,11 +237,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     upcast = interpreting()
     consts, compile_opts = decode_constants(
         D, q.dtype, launch.capability(q.device), groups=G, nq=Nq, causal=opts.causal, window=opts.window is not None,
-        softcap=opts.softcap is not None, kpm=key_padding_mask is not None, mode=opts.mode, block_n=block_n,
-        upcast=upcast, sinks=sinks is not None)
-    acc = launch.empty((B, Hq, Nq, S, D), torch.float32, q.device)
+        softcap=launch.score_form(opts), kpm=key_padding_mask is not None, mode=opts.mode, block_n=block_n,
+        upcast=upcast, sinks=sinks is not None, value_dim=Dv)
+    acc = launch.empty((B, Hq, Nq, S, Dv), torch.float32, q.device)
     l_s, r_s, m_s = (launch.empty((B, Hq, Nq, S), torch.float32, q.device) for _ in range(3))
-    out = launch.empty((B, Hq, Nq, D), q.dtype, q.device)
+    out = launch.empty((B, Hq, Nq, Dv), q.dtype, q.device)
     lse2 = launch.empty((B, Hq, Nq), torch.float32, q.device)
     tie2, min_shift2, max_shift2 = rules.rule_constants(q.dtype, opts.mode)
     sc = launch.kernel_scalars(opts, q.dtype)
@@ -244,7 +260,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     if B * Hq * Nq > 0:
         attn_decode_combine_kernel[(B * Hq * Nq,)](
             Acc=acc, Lsum=l_s, Roff=r_s, Mmax=m_s, Out=out, Lse=lse2, **launch.strides("o", out), Hq=Hq, Nq=Nq,
-            n_splits=S, HEAD_D=D, BLOCK_D=consts["BLOCK_D"], BLOCK_S=triton.next_power_of_2(S), DTYPE=consts["DTYPE"],
+            n_splits=S, HEAD_D=Dv, BLOCK_D=consts["BLOCK_DV"], BLOCK_S=triton.next_power_of_2(S), DTYPE=consts["DTYPE"],
             UPCAST=upcast, num_warps=4, **launch.FWD_COMPILE_OPTIONS,  # no contraction: the mirror rounds each step
         )
     if return_partials:

@@ -340,31 +340,34 @@ def fwd_pv(acc, p_cast, alpha, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, o
 
 @triton.jit
 def fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s, top1, top2, kv_mask, tile_b, hkv, v_ptrs, start_n,
-               offs_n0, offs_d,
+               offs_n0, offs_d, offs_dv,
                stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                MASK: tl.constexpr, SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
-               DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
-               UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+               DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
+               BLOCK_DV: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+               TMA: tl.constexpr):
     """The online-softmax step of one block of the partition: ``fwd_decide``, ``fwd_weights``, ``fwd_pv``; the
-    updated row state."""
+    updated row state. ``kv_mask``: the V tile's (``offs_dv``, ``HEAD_DV``: the value head dim, apart from the
+    query's ``HEAD_D`` in multi-head latent attention)."""
     m_blk, m_new, r_new, m2_i, fixed = fwd_decide(m_i, r_i, m2_i, fixed, s, top1, top2, qk_scale2, tie2, min_shift2,
                                                   max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
     p_cast, alpha, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s, m_blk, r_i, r_new, start_n, offs_n0,
                                                    qk_scale2, seed,
-                                            drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, BLOCK_D, DTYPE,
-                                            UPCAST, PREC)
-    acc = fwd_pv(acc, p_cast, alpha, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d, stride_vn, Nk, MASK,
-                 HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
+                                            drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT,
+                                            BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV, DTYPE, UPCAST, PREC)
+    acc = fwd_pv(acc, p_cast, alpha, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_dv, stride_vn, Nk, MASK,
+                 HEAD_DV, BLOCK_DV, UPCAST, PREC, TMA)
     return acc, l_i, m_new, r_new, m2_i, fixed, ent_i, ent_l
 
 
 @triton.jit
 def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-              offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+              offs_n0, offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
               tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
               HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
-              HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+              HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
+              BLOCK_DV: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
               PREC: tl.constexpr, TMA: tl.constexpr):
     """One key block of the online softmax for ``BLOCK_M`` rows; returns the updated row state.
 
@@ -373,21 +376,24 @@ def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_p
     s, kv_mask = fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
                             qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP,
                             HAS_KPM, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
+    if HEAD_DV != HEAD_D:  # the V tile's own columns
+        kv_mask = kv_tile_mask(start_n + offs_n0, offs_dv, Nk, HEAD_DV, BLOCK_DV)
     return fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s, None, None, kv_mask, tile_b, hkv, v_ptrs,
                       start_n,
-                      offs_n0, offs_d, stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed,
-                      drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC,
-                      TMA)
+                      offs_n0, offs_d, offs_dv, stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed,
+                      drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE,
+                      UPCAST, PREC, TMA)
 
 
 @triton.jit
 def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
              offs_t0,
-             offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+             offs_n0, offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
              tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
              MASK: tl.constexpr, BOTH: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
              SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
-             DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
+             DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
+              BLOCK_DV: tl.constexpr, DTYPE: tl.constexpr,
              UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     """Two key blocks of the partition, ``start_n`` and ``start_n + BLOCK_N``, from one key tile of
     ``TILE_N = 2 * BLOCK_N`` rows: one score product for both, then in key order the two blocks'
@@ -412,7 +418,7 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_pt
         t2b = None
     else:
         t1a, t2a, t1b, t2b = halves_top2(s, offs_n0.shape[0])
-    mask_a = kv_tile_mask(start_n + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D)
+    mask_a = kv_tile_mask(start_n + offs_n0, offs_dv, Nk, HEAD_DV, BLOCK_DV)  # the V tile's
     if BOTH:
         start_b = start_n + offs_n0.shape[0]
         mb_a, m_i, r_a, m2_i, fixed = fwd_decide(m_i, r_i, m2_i, fixed, s_a, t1a, t2a, qk_scale2, tie2, min_shift2,
@@ -421,34 +427,36 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_pt
                                                  max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
         p_a, alpha_a, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s_a, mb_a, r_i, r_a, start_n, offs_n0,
                                                       qk_scale2, seed,
-                                               drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, BLOCK_D,
-                                               DTYPE, UPCAST, PREC)
+                                               drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT,
+                                               BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV, DTYPE, UPCAST, PREC)
         p_b, alpha_b, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s_b, mb_b, r_a, r_b, start_b, offs_n0,
                                                       qk_scale2, seed,
-                                               drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, BLOCK_D,
-                                               DTYPE, UPCAST, PREC)
+                                               drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT,
+                                               BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV, DTYPE, UPCAST, PREC)
         r_i = r_b
-        acc = fwd_pv(acc, p_a, alpha_a, mask_a, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_d, stride_vn, Nk,
-                     MASK, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
-        acc = fwd_pv(acc, p_b, alpha_b, kv_tile_mask(start_b + offs_n0, offs_d, Nk, HEAD_D, BLOCK_D), tile_b,
-                     hkv, v_ptrs, start_b, offs_n0, offs_d, stride_vn, Nk, MASK, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
+        acc = fwd_pv(acc, p_a, alpha_a, mask_a, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_dv, stride_vn, Nk,
+                     MASK, HEAD_DV, BLOCK_DV, UPCAST, PREC, TMA)
+        acc = fwd_pv(acc, p_b, alpha_b, kv_tile_mask(start_b + offs_n0, offs_dv, Nk, HEAD_DV, BLOCK_DV), tile_b,
+                     hkv, v_ptrs, start_b, offs_n0, offs_dv, stride_vn, Nk, MASK, HEAD_DV, BLOCK_DV, UPCAST, PREC,
+                     TMA)
     else:
         acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_update(
             acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s_a, t1a, t2a, mask_a, tile_b, hkv, v_ptrs, start_n,
-            offs_n0, offs_d,
+            offs_n0, offs_d, offs_dv,
             stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK,
-            SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+            SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST, PREC, TMA)
     return acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l
 
 
 @triton.jit
 def fwd_blocks(m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi,
                offs_m, offs_n0,
-               offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
+               offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
                min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
-               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
+              BLOCK_DV: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
                PREC: tl.constexpr, TMA: tl.constexpr):
     """The blocks ``[lo, hi)`` of the partition in key order, one ``fwd_block`` each (``fwd_stretch`` of a
     one-block key tile); returns the row state in ``fwd_block``'s order.
@@ -461,9 +469,9 @@ def fwd_blocks(m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_
     for start_n in range(lo, hi, offs_n0.shape[0]):
         acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_block(
             acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n, offs_m,
-            offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+            offs_n0, offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-            MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+            MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE,
             UPCAST, PREC, TMA)
     return acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l
 
@@ -471,11 +479,12 @@ def fwd_blocks(m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_
 @triton.jit
 def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi,
                 offs_m, offs_t0,
-                offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
+                offs_n0, offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window,
                 tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
                 MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                 HAS_KPM: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
-                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
+              BLOCK_DV: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr,
                 PREC: tl.constexpr, TMA: tl.constexpr):
     """The blocks ``[lo, hi)`` of the partition in key order: one per ``fwd_block`` where the key tile is one
     block (``offs_t0`` is ``offs_n0``: ``fwd_blocks``), else two per ``fwd_tile`` and an odd last one alone
@@ -486,26 +495,28 @@ def fwd_stretch(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k
         acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_blocks(
             m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, lo, hi, offs_m,
             offs_n0,
-            offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
+            offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
             min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE,
-            STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+            STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST, PREC, TMA)
     else:
         tiles_hi = lo + (hi - lo) // TILE_N * TILE_N
         for start_n in range(lo, tiles_hi, TILE_N):
             acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_tile(
                 acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, start_n,
                 offs_m,
-                offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+                offs_t0, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk,
+                pos_offset,
                 window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, True, CAUSAL, WINDOW,
-                SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+                SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST, PREC, TMA)
         if MASK:
             if tiles_hi < hi:
                 acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_tile(
                     acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_ptrs, v_ptrs, kpm_ptrs, tiles_hi,
                     offs_m,
-                    offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk,
+                    offs_t0, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk,
                     pos_offset, window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK, False,
-                    CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC,
+                    CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE,
+                    UPCAST, PREC,
                     TMA)
     return acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l
 
@@ -541,10 +552,12 @@ def fwd_program(
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """The program of both forward kernels: ``BLOCK_M`` query rows of one (batch or sequence, head).
     ``HAS_SINKS``: ``Sinks`` holds one fp32 learned-sink logit per query head (:func:`sink_start`).
+    ``HEAD_DV``: V's head dim (and the output's), ``BLOCK_DV`` its power-of-two tile; they equal ``HEAD_D`` and
+    ``BLOCK_D`` but in multi-head latent attention, where V is never padded to the query's head dim.
 
     Dense: batch ``b`` of ``[B, H, N, D]`` tensors, rows ``(b, h, i)`` of ``[B, Hq, Nq]``. ``VARLEN``:
     sequence ``b`` of packed ``[total, H, D]`` tensors, its rows from ``q_start`` and keys from
@@ -562,10 +575,14 @@ def fwd_program(
     offs_m = q_lo + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Nq
     q_mask = row_ok[:, None]
     if HEAD_D != BLOCK_D:
         q_mask = q_mask & (offs_d[None, :] < HEAD_D)
+    o_mask = q_mask  # the output's rows and V's head-dim columns
+    if HEAD_DV != HEAD_D:
+        o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
     b64 = b.to(tl.int64)
     q_ptrs = (Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
               + offs_m[:, None] * stride_qn + offs_d[None, :])
@@ -580,7 +597,7 @@ def fwd_program(
         k_ptrs = (K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh
                   + offs_n0[:, None] * stride_kn + offs_d[None, :])
         v_ptrs = (V + (k_start * stride_vn if VARLEN else b64 * stride_vb) + hkv * stride_vh
-                  + offs_n0[:, None] * stride_vn + offs_d[None, :])
+                  + offs_n0[:, None] * stride_vn + offs_dv[None, :])
     kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
     # dropout counter of (b, h, i, 0), as reference.dropout_keep (varlen: of the sequence alone, b = 0)
     drop_row = ((h.to(tl.int64) * Nq + offs_m) * Nk if VARLEN else ((b64 * Hq + h) * Nq + offs_m) * Nk)
@@ -589,11 +606,13 @@ def fwd_program(
     # the offset subtracted before exp2; before the row's first key -FP32_MAX, below every finite score, so
     # the first key block takes its own max (reference.py, docs/ALGORITHM.md "Rounding points")
     r_i = tl.full([BLOCK_M], -FP32_MAX, tl.float32)
-    if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
+    # the widest tile (q, K or V, the accumulator) decides whether the tensor-core row sum fits beside them
+    ROW_D: tl.constexpr = BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV
+    if (MODE == MODE_EXACT) and tensor_core_row_sum(ROW_D, DROPOUT):
         l_i = tc_row_sum_zeros(BLOCK_M, ROW_SUM_PARTS)  # the row sum, as tensor-core accumulators
     else:
         l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m2_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # second-largest score (statistics)
     fixed = tl.zeros([BLOCK_M], tl.int32)
     ent_i = tl.zeros([BLOCK_M], tl.float32)  # the entropy's running sums (statistics, fwd_weights)
@@ -602,7 +621,7 @@ def fwd_program(
     if HAS_SINKS:
         sink2, r_i, l_i, ent_l = sink_start(Sinks, h + tl.zeros([BLOCK_M], tl.int32), row_ok, r_i, l_i, ent_l,
                                             ROW_SUM_PARTS,
-                                            (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT))
+                                            (MODE == MODE_EXACT) and tensor_core_row_sum(ROW_D, DROPOUT))
 
     lo, mid_lo, mid_hi, hi_al = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     if TILE_N > BLOCK_N:  # two blocks of the partition per key tile: K and the padding mask span the tile
@@ -628,27 +647,27 @@ def fwd_program(
         acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_stretch(
             acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, lo, mid_lo,
             offs_m,
-            offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+            offs_t0, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
             window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-            True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+            True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE,
             UPCAST, PREC, TMA)
     acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_stretch(  # seen in full by every row (unmasked)
         acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, mid_lo, full_hi,
         offs_m,
-        offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+        offs_t0, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
         window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-        False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+        False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE,
         UPCAST, PREC, TMA)
     # cut by the causal diagonal or the end of the keys (masked)
     acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_stretch(
         acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, kt_ptrs, v_ptrs, kpmt_ptrs, full_hi, hi_al,
         offs_m,
-        offs_t0, offs_n0, offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
+        offs_t0, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset,
         window, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
-        True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE,
+        True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE,
         UPCAST, PREC, TMA)
 
-    if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
+    if (MODE == MODE_EXACT) and tensor_core_row_sum(ROW_D, DROPOUT):
         l_i = tc_row_sum_total(l_i)
     seen = m_i > float("-inf")
     # a row that sees no key outputs zeros; every other row has l > 0 (paper mode: the floor). A NaN query
@@ -660,8 +679,8 @@ def fwd_program(
         o = acc / l_i[:, None]
     o = tl.where(written[:, None], o, 0.0)
     o_ptrs = (Out + (q_start * stride_on if VARLEN else b64 * stride_ob) + h * stride_oh
-              + offs_m[:, None] * stride_on + offs_d[None, :])
-    tl.store(o_ptrs, round_to(o, DTYPE, UPCAST).to(DTYPE), mask=q_mask)
+              + offs_m[:, None] * stride_on + offs_dv[None, :])
+    tl.store(o_ptrs, round_to(o, DTYPE, UPCAST).to(DTYPE), mask=o_mask)
     lse = tl.where(written, r_i + tl.log2(l_i), float("inf"))
     row_ptr = (h.to(tl.int64) * total_q + q_start + offs_m) if VARLEN else (b64 * Hq + h) * Nq + offs_m
     tl.store(Lse + row_ptr, lse, mask=row_ok)
@@ -714,16 +733,16 @@ def attn_fwd_kernel(
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors; with ``TMA``, ``K`` and ``V``
-    are descriptors (blocks ``[1, 1, TILE_N, BLOCK_D]`` and ``[1, 1, BLOCK_N, BLOCK_D]``)."""
+    are descriptors (blocks ``[1, 1, TILE_N, BLOCK_D]`` and ``[1, 1, BLOCK_N, BLOCK_DV]``)."""
     fwd_program(Q, K, V, KPM, Out, Lse, StSat, StFixed, StMax, StSink, StEnt, Sinks,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_ob, stride_oh, stride_on, stride_kpmb, Hq, G, Nq, Nk, window, None, None, None, b_first,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed, drop_p, keep_frac,
                 CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT, False, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N,
-                TILE_N, DTYPE, UPCAST, PREC, TMA, ROW_SUM_PARTS, HAS_SINKS)
+                TILE_N, DTYPE, UPCAST, PREC, TMA, ROW_SUM_PARTS, HAS_SINKS, HEAD_DV, BLOCK_DV)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "window", "total_q", "seed"])
@@ -737,12 +756,12 @@ def attn_fwd_varlen_kernel(
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Program ``(query block, head, sequence)`` of packed ``[total, H, D]`` tensors (FlashAttention's
     varlen layout); the grid covers the longest sequence and the other programs end here at once.
     With ``TMA``, ``K`` and ``V`` are descriptors over ``[total_k, Hkv, D]`` (blocks ``[TILE_N, 1, BLOCK_D]``
-    and ``[BLOCK_N, 1, BLOCK_D]``):
+    and ``[BLOCK_N, 1, BLOCK_DV]``):
     key rows they read past the sequence's end (the next sequence's) lie in the masked stretch, where
     ``P-bar = 0`` (exact zeros for finite inputs, as in the dense case).
     Dropout of sequence ``b``: the mask attention() draws on the sequence alone with ``seed + b``."""
@@ -755,4 +774,5 @@ def attn_fwd_varlen_kernel(
                 0, stride_oh, stride_on, 0, Hq, G, Nq, Nk, window, q_start, k_start, total_q, 0,
                 qk_scale2, cap_scale, cap_log2e, tie2, sat2, min_shift2, max_shift2, beta, seed + b, drop_p,
                 keep_frac, CAUSAL, WINDOW, SOFTCAP, False, MODE, STATS, DROPOUT, True, HEAD_D, BLOCK_D, BLOCK_M,
-                BLOCK_N, TILE_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False, ROW_SUM_PARTS, HAS_SINKS)
+                BLOCK_N, TILE_N, DTYPE, UPCAST, PREC, TMA_PACKED if TMA else False, ROW_SUM_PARTS, HAS_SINKS,
+                HEAD_DV, BLOCK_DV)

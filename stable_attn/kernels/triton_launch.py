@@ -295,31 +295,42 @@ def kernel_scalars(opts: Options, dtype: torch.dtype) -> dict:
 
 def feature_flags(opts: Options) -> dict:
     """The optional features of ``opts`` as :func:`launch_constants` takes them."""
-    return dict(causal=opts.causal, window=opts.window is not None, softcap=opts.softcap is not None,
+    return dict(causal=opts.causal, window=opts.window is not None, softcap=score_form(opts),
                 dropout=opts.dropout_p > 0)
 
 
+def score_form(opts: Options) -> int:
+    """The kernels' ``SOFTCAP`` constant for ``opts``: how a tile's scores are formed (``rules.SCORES_*``)."""
+    return rules.score_form(opts.softcap is not None, opts.qk_scale2)
+
+
 def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, causal: bool, window: bool,
-                     softcap: bool, dropout: bool, kpm: bool | None, mode: int = rules.MODE_EXACT,
+                     softcap: int, dropout: bool, kpm: bool | None, mode: int = rules.MODE_EXACT,
                      stats: int = False, block_n: int = BLOCK_N, forced_block_n: bool = False, tma: bool = True,
                      upcast: bool = False, config: FwdConfig | BwdConfig | None = None, sinks: bool = False,
-                     ) -> tuple[dict, dict]:
+                     value_dim: int | None = None) -> tuple[dict, dict]:
     """``(constexprs, compile options)`` of the kernel ``kind`` (``"fwd"``, ``"bwd_dkdv"`` or ``"bwd_dq"``, dense
     or varlen): what the launchers below pass and what ``triton_aot`` compiles (benchmarks/kernel_resources.py
     measures it), derived in this one place so that the two cannot disagree.
 
-    ``window``, ``softcap``, ``dropout``: whether each feature is on; ``kpm``: whether a key padding mask
+    ``window``, ``dropout``: whether each feature is on; ``softcap``: the score form (``rules.SCORES_*``, from
+    :func:`score_form`; a bool says softcap or the fused products); ``kpm``: whether a key padding mask
     is (dense kernels), ``None`` for the varlen kernels, which take none. ``block_n``: the key partition
     (``Options.key_block``), ``forced_block_n`` when the user set it; ``tma``: the strides TMA accepts;
     ``upcast``: the interpreter's fp32 operands; ``sinks``: learned sinks (the forward's ``HAS_SINKS``; the
-    backward needs nothing for them). ``config`` overrides the tiling (tests); the forward's
+    backward needs nothing for them); ``value_dim``: V's head dim where it differs from ``head_dim`` (multi-head
+    latent attention: ``HEAD_DV``, padded to its own power of two ``BLOCK_DV``; the tiles are chosen by the wider
+    of the two). ``config`` overrides the tiling (tests); the forward's
     is checked here (its ``tile_n``: one or two blocks of the partition). ``cc``: the GPU's compute
     capability (major * 10 + minor); its :func:`tile_generation` picks the tile table's row.
     """
-    block_d = head_block(head_dim)
+    head_dv = head_dim if value_dim is None else value_dim
+    block_d, block_dv = head_block(head_dim), head_block(head_dv)
     gen = tile_generation(cc)  # the tile table's row for this GPU
     consts = dict(CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, DROPOUT=dropout, HEAD_D=head_dim, BLOCK_D=block_d,
-                  DTYPE=TL_DTYPE[dtype], UPCAST=upcast, PREC=precision(dtype, upcast))
+                  DTYPE=TL_DTYPE[dtype], UPCAST=upcast, PREC=precision(dtype, upcast), HEAD_DV=head_dv,
+                  BLOCK_DV=block_dv)
+    block_d = max(block_d, block_dv)  # the tiles' row: the wider head dim
     if kpm is not None:
         consts["HAS_KPM"] = kpm
     if kind == "fwd":

@@ -17,6 +17,8 @@ from .. import rules
 
 # A jit function reads only globals that are tl.constexpr instances.
 TWO_LOG2E = tl.constexpr(2.0 * rules.LOG2E)
+# SOFTCAP, the kernels' score form (rules.SCORES_*): 0 the products, 1 softcap, 2 scores scaled first
+CAPPED = tl.constexpr(rules.SCORES_CAPPED)
 
 
 @triton.jit
@@ -80,15 +82,16 @@ def scores_tile(q, k, offs_m, offs_n, kp, qk_scale2, cap_scale, cap_log2e, Nk, p
                 HAS_KPM: tl.constexpr, PREC: tl.constexpr):
     """Base-2 scores ``[BLOCK_M, BLOCK_N]`` of a tile (fp32, invisible entries ``-inf``) and tanh or None.
 
-    ``kp`` is the key padding mask of the block (bool ``[BLOCK_N]``) when ``HAS_KPM``. ``qk_scale2=None``
-    (without softcap): the unscaled products ``x = q.k``, masked alike (the forward scales them inside
-    its ``exp2(fma(x, qk_scale2, -r))``, see ``fwd_block``).
+    ``kp`` is the key padding mask of the block (bool ``[BLOCK_N]``) when ``HAS_KPM``. ``SOFTCAP`` is the score
+    form (``rules.SCORES_*``; only ``CAPPED`` applies tanh). ``qk_scale2=None`` (without softcap): the unscaled
+    products ``x = q.k``, masked alike (the forward scales them inside its ``exp2(fma(x, qk_scale2, -r))``, see
+    ``fwd_block``).
     """
     if k is None:  # q already holds the products (the sink's score in the epilogue)
         x = q
     else:
         x = tl.dot(q, tl.trans(k), input_precision=PREC)
-    if SOFTCAP:
+    if SOFTCAP == CAPPED:
         t = tanh_f32(x * cap_scale)
         s2 = t * cap_log2e
     elif qk_scale2 is None:

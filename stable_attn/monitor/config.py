@@ -59,6 +59,15 @@ def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) ->
         raise ValueError(f"{name}={value!r} is not supported; use {accepted}")
 
 
+# The arguments only on_spike="recover" reads (monitor/actions/recovery.py)
+RECOVER_ONLY = ("rollback_steps", "snapshot_memory_limit", "skip_batches", "lr_factor", "lr_steps", "max_recoveries",
+                "cooldown_steps")
+_WHAT_IT_DOES = {
+    "skip": " (it drops the spiking step's update and skips no batches)",
+    "rollback": " (it restores the last snapshot and skips no batches)",
+}
+
+
 def check_qk_clip(tau: Any, alpha: Any, attention_stats: bool = True) -> None:
     """QK-Clip's arguments: ``tau`` None or a finite number > 0, ``alpha`` in [0, 1]; it reads the statistics."""
     import math
@@ -229,7 +238,20 @@ class MonitorConfig:
                 raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
         config = cls(**options)
         object.__setattr__(config, "given", frozenset(options))  # a named feature must cover something (coverage.py)
+        config._check_recover_only(options)
         return config
+
+    def _check_recover_only(self, options: Mapping[str, Any]) -> None:
+        """An argument only ``on_spike="recover"`` reads, given another value than its default under another action,
+        would be ignored: refused instead. (Its default is let through: a Trainer callback rebuilt from
+        ``trainer_state.json`` passes every saved argument.)"""
+        if self.on_spike == "recover":
+            return
+        for name in RECOVER_ONLY:
+            if name in options and options[name] != self.default(name):
+                raise ValueError(f"{name}={options[name]!r} takes effect only with on_spike='recover', and this run "
+                                 f"has on_spike={self.on_spike!r}{_WHAT_IT_DOES.get(self.on_spike, '')}: use "
+                                 f"on_spike='recover', or leave {name} out")
 
     # ------------------------------------------------------------ reading one
     @classmethod

@@ -126,6 +126,7 @@ class MonitorEngine:
         self._streak = NotTrainingStreak(config.not_training_after, config.not_training_stop_after)
         self._phases = PhaseNotes()
         self._swapped: dict[int, torch.nn.Module] = {}  # the models prepared so far, by id
+        self._switch_watch: Any = None  # a SwitchWatch once a run sets up (transformers imported then)
         self._checkpointing_undo: list[Any] = []  # config.use_cache and the dynamo switch, put back by end_run
         self.sdpa_patch: Any = None  # the patch_sdpa() handle while F.scaled_dot_product_attention is patched
         self._every = 1
@@ -137,6 +138,8 @@ class MonitorEngine:
         self._spiked = False
         self._acted = False  # this step's update was dropped
         self._stopping = False  # this step stops the run (the action's or the not-training streak's)
+        self._taken = "warn"  # the step's verdict's word (what its action does, as decided)
+        self._resolved: dict[str, Any] | None = None  # what the step's action did, once it ran (the alerts' outcome)
         # QK-Clip (qk_clip=): the weight edits live in qk_clip.py; the engine feeds it each step's max logits
         self._qk = QKClip(config.qk_clip, config.qk_clip_alpha) if config.qk_clip is not None else None
         self._qk_modules: dict[str, torch.nn.Module] = {}
@@ -185,6 +188,7 @@ class MonitorEngine:
         and patch ``F.scaled_dot_product_attention`` once if ``patch_sdpa``; ``stage`` names the run."""
         self.world = world
         self._run.rank, self._run.size = world.rank, world.size
+        self._run.all_gather = self._gather_host if world.size > 1 else None
         self._root = root
         self.desk.evidence.watch(root)
         self._swap_models(root)
@@ -200,9 +204,17 @@ class MonitorEngine:
                 log.warning("%s: torch.nn.functional.scaled_dot_product_attention now runs stable_attn (backend %s) "
                             "until the end of %s", self.name, world.backend, stage)
 
+    def _gather_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (on the host), through the world's collective on its device."""
+        assert self.world.all_gather is not None
+        return self.world.all_gather(tensor.to(self.world.device)).cpu()
+
     def _swap_models(self, root: torch.nn.Module) -> None:
         # imported here: the engine imports no transformers until a run sets up
-        from ..integrations.transformers.swap import prepare_models
+        from ..integrations.transformers.swap import SwitchWatch, prepare_models
+
+        if self._switch_watch is None:
+            self._switch_watch = SwitchWatch()
 
         prepared = prepare_models(root, swap=self.config.swap, stats=self.config.attention_stats,
                                   prepared=self._swapped.values())
@@ -220,12 +232,14 @@ class MonitorEngine:
         if self._qk is not None:
             self._qk_modules.update(prepared.modules)
             self._qk.setup(self._qk_modules)  # raises on a layout it cannot edit, naming the module class
+        self._switch_watch.add(prepared.models)
         if self.world.is_zero:
             found = ", ".join(type(m).__name__ for m in prepared.models.values())
             what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.config.swap else \
                 "monitoring %d transformers model(s) [%s] (attention not switched)"
-            log.warning("%s: " + what + ": %d attention layer(s), backend %s",
-                        self.name, len(prepared.models), found, prepared.attention_layers, self.world.backend)
+            log.warning("%s: " + what + ": %d attention layer(s) (%s), backend %s",
+                        self.name, len(prepared.models), found, prepared.attention_layers, prepared.implementations(),
+                        self.world.backend)
 
     def start(self, log_dir: str, log_every_n_steps: int, stop_path: Callable[[int], str] | None = None) -> None:
         """The run starts: alert channels open on rank zero, writing the JSONL file in ``log_dir``.
@@ -252,6 +266,7 @@ class MonitorEngine:
     def end_run(self, when: str) -> None:
         """Close the alert channels (within one webhook timeout in all), say what they did not deliver,
         put back ``F.scaled_dot_product_attention`` and switch statistics off. Idempotent."""
+        self.desk.defer = False
         self.desk.flush(self._facts())  # a step that raised after its spike was judged: without its statistics
         self.desk.close(self.config.checked()["webhook_timeout"], when)
         patch, self.sdpa_patch = self.sdpa_patch, None
@@ -308,11 +323,15 @@ class MonitorEngine:
         self._step = step
         self._loss = None
         self._acted = self._stopping = False
+        self._resolved = None
+        self._taken = "warn"
         self.step_batches = []
         self._diagnosis = None
         self._alerts_at_start = self.alert_count
         self._monitor_now = monitor if monitor is not None else self._every > 0 and (step + 1) % self._every == 0
         self._watch.enable(self._monitor_now)
+        if self._monitor_now and self._switch_watch is not None and self.world.is_zero:
+            self._switch_watch.warn(self.name)  # a model switched away from stable_attn since setup
         if self._qk is not None:  # QK-Clip reads the max logits of every step; the entropy only when monitored
             for s in (self.layers.stats if self.layers is not None else {}).values():
                 s.enabled, s.with_entropy = True, self._monitor_now
@@ -376,6 +395,7 @@ class MonitorEngine:
             lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else math.nan
         judged = self._judge.judge(step, rows, has_norm=grad_norm is not None, scaler=scaler, lr=lr)
         verdict = judged.verdict
+        self._taken = verdict.action
         self.desk.evidence.record(step, rows, judged, optimizer, params)
         self.last = judged.last
         self._run.lr = self.last.get(names.LR)
@@ -392,7 +412,9 @@ class MonitorEngine:
                                        is_zero=self.world.is_zero, log_dir=self.log_dir, bundles=self.replay_bundles,
                                        name=self.name)
         stop_path = self._run.stop_checkpoint(step) if verdict.stop else None
-        self.desk.defer = self._monitor_now and self.layers is not None and len(self.layers) > 0
+        # The step's alerts wait for end_step: its attention statistics, and what its action did (a recovery may
+        # fall back to an older snapshot or stop), which their outcome tells.
+        self.desk.defer = True
         for event, message in judged.spikes:
             self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=self._watch.most_changed(),
                                         action=verdict.action, message=message.lstrip("; "), checkpoint=stop_path,
@@ -400,7 +422,6 @@ class MonitorEngine:
                                         else None))
         for alert in judged.alerts:
             self._emit(alert)
-        self.desk.defer = False
         if verdict.drop:
             # No gradients, no update: torch optimizers skip parameters whose .grad is None.
             optimizer.zero_grad(set_to_none=True)
@@ -443,19 +464,24 @@ class MonitorEngine:
                 self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=self._watch.most_changed(),
                                             action="warn", message=""))
             metrics[names.ALERT_COUNT] = float(self.alert_count)
-        self.desk.flush(self._facts())
         if clipped:
             metrics = {**(metrics or {}), **clipped}
         self._run.skip_lag = self.skip_lag
         done = self.action.after_step(step, state, self._acted)
         if done.rolled_back_to is not None:
             self.rollbacks.append((step, done.rolled_back_to))
+        stopping = self._stopping or done.stop
+        stop = self._run.stop_checkpoint(step) if stopping else None
+        self._resolved = {"taken": "stop" if stopping else self._taken, "rolled_back_to": done.rolled_back_to,
+                          "skipping_batches": list(done.skipping) if done.skipping is not None else None,
+                          "stopped": stopping, "checkpoint": stop}
+        self.desk.defer = False
+        self.desk.flush(self._facts())
         for alert in done.alerts:
             self._emit(alert)
-        stop = None
-        if self._stopping:
-            self._stopping = False
-            stop = self.stop_checkpoint = self._run.stop_checkpoint(step)
+        self._stopping = False
+        if stop is not None:
+            self.stop_checkpoint = stop
             if self.world.is_zero:
                 log.warning("%s: stopped training at step %d; checkpoint %s", self.name, step, stop)
         self._watch.enable(False)
@@ -465,7 +491,8 @@ class MonitorEngine:
     def _facts(self) -> StepFacts:
         """What the alerts' evidence needs to know of the step now (read only when rank zero delivers)."""
         return StepFacts(data_position=self.data_position if self.desk.is_open else None, world_size=self.world.size,
-                         layers=self.layers, restores_to=self.action.restores_to, stopping=self._stopping)
+                         layers=self.layers, restores_to=self.action.restores_to, stopping=self._stopping,
+                         resolved=self._resolved)
 
     def _emit(self, alert: Alert) -> None:
         """Count the alert on every rank (the count is shown and logged); rank zero's desk delivers it."""

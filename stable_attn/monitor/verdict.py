@@ -270,11 +270,13 @@ class StepJudge:
                                   for rank, r in enumerate(rows) if r.has_loss}}
         if has_norm:
             baselines[names.GRAD_NORM] = {rank: getattr(norm_det[rank], "baseline", None) for rank in range(world)}
-        loss_events = [(rank, loss_det[rank].update(step, r.loss)) for rank, r in enumerate(rows) if r.has_loss]
+        # The learning rate lets each detector see a schedule restart (SpikeDetector.lr_restart_ratio).
+        loss_events = [(rank, loss_det[rank].update(step, r.loss, lr=lr)) for rank, r in enumerate(rows)
+                       if r.has_loss]
         norm_events = []
         # A GradScaler (fp16 AMP) meets inf gradients by design and skips those steps itself.
         if has_norm:
-            norm_events = [(rank, norm_det[rank].update(step, r.grad_norm)) for rank, r in enumerate(rows)
+            norm_events = [(rank, norm_det[rank].update(step, r.grad_norm, lr=lr)) for rank, r in enumerate(rows)
                            if not (scaler and not math.isfinite(r.grad_norm))]
         loss_events = [(rank, e) for rank, e in loss_events if e is not None]
         norm_events = [(rank, e) for rank, e in norm_events if e is not None]

@@ -114,5 +114,5 @@ def test_short_benchmark_scores_every_rule_on_every_signal(tmp_path, capsys):
     assert corpus["ours"]["loss"]["caught"] >= 2 and corpus["ours"]["grad_norm"]["caught"] >= 2
     assert corpus["cosmos 10x median"]["grad_norm"]["caught"] >= 2
     for name, per in summary["synthetic"].items():
-        assert set(per) == set(rr.FAMILIES)
+        assert set(per) == set(rr.FAMILIES) | set(rr.RESTART_FAMILIES) | {rr.CLUSTER_FAMILY}
         assert all((s is None) == name.startswith("cosmos") for s in per.values())

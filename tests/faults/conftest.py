@@ -6,7 +6,8 @@ import sys
 import pytest
 
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for folder in ("callbacks", "trainer"):  # callback_lm (Lightning) and trainer_lm (transformers.Trainer)
+# callback_lm (Lightning), trainer_lm (transformers.Trainer) and this folder's ring_loop
+for folder in ("callbacks", "trainer", "faults"):
     if os.path.join(_TESTS, folder) not in sys.path:
         sys.path.insert(0, os.path.join(_TESTS, folder))
 

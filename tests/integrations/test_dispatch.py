@@ -36,9 +36,10 @@ def served(monkeypatch) -> list[str]:
     """The implementation ``attention()`` picks for each call as if its tensors were on a CUDA device."""
     picks: list[str] = []
 
-    def resolve(backend, q, has_attn_mask, k=None, pv_fp32=False, v=None):
+    def resolve(backend, q, has_attn_mask, k=None, pv_fp32=False, v=None, key_block=_ops.BLOCK_N):
         cuda = [None if t is None else t.as_subclass(_OnCuda) for t in (k, v)]
-        picks.append(_ops.resolve_backend(backend, q.as_subclass(_OnCuda), has_attn_mask, cuda[0], pv_fp32, cuda[1]))
+        picks.append(_ops.resolve_backend(backend, q.as_subclass(_OnCuda), has_attn_mask, cuda[0], pv_fp32, cuda[1],
+                                          key_block))
         return "torch"  # the CPU runs it either way
 
     monkeypatch.setattr(attention_module, "resolve_backend", resolve)
@@ -87,3 +88,43 @@ def test_batch_size_zero_is_served_as_sdpa_serves_it(served):
     assert out.shape == want.transpose(1, 2).shape == (0, 12, 4, 8) and weights is None
     assert served == ["torch"]
     assert calls[0]["path"] == dispatch.PYTORCH and "batch size 0" in calls[0]["reason"]
+
+
+def test_explain_takes_a_tensor_of_input_ids_and_says_in_one_line_what_it_wants(capsys):
+    model = tiny_models.build("llama", "stable_attn", VOCAB)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    rows = stable_attn.explain(model, ids)
+    assert [r["attention"] for r in rows] == ["stable_attn"] * 2 and all(r["path"] for r in rows)
+    assert "its attention layers: all 2 run 'stable_attn'" in capsys.readouterr().out
+    for bad, got in ((ids.float(), "a torch.float32 tensor"), ([ids], "list")):
+        with pytest.raises(TypeError) as info:
+            stable_attn.explain(model, bad)
+        message = str(info.value)
+        assert "\n" not in message and len(message) < 250, message
+        assert "a dict of the model's inputs" in message and "integer tensor of input ids" in message
+        assert message.endswith(f"got {got}")
+
+
+def test_explain_says_which_attention_each_layer_runs_after_a_shared_config_switched_it(capsys):
+    """transformers' from_config keeps the config it is given: an sdpa twin built from it switches the model."""
+    model = tiny_models.build("llama", "stable_attn", VOCAB)
+    twin = type(model)._from_config(model.config, attn_implementation="sdpa")
+    assert twin.config is model.config
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    rows = stable_attn.explain(model, {"input_ids": ids})
+    assert [(r["attention"], r["path"]) for r in rows] == [("sdpa", None)] * 2
+    out = capsys.readouterr().out
+    assert "its attention layers: all 2 run 'sdpa'" in out and "model.layers.0.self_attn: 'sdpa' -- runs 'sdpa'" in out
+    assert "copy.deepcopy(config)" in out
+
+
+def test_a_transformers_model_runs_under_the_strict_layout_check():
+    """transformers hands the attention function [B, H, N, D]: the integration says so, so the strict mode (which
+    refuses a direct call whose shapes fit both layouts without layout=) never refuses a model."""
+    model = tiny_models.build("llama", "stable_attn", VOCAB)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    previous = stable_attn.set_layout_check("error")
+    try:
+        assert model(input_ids=ids).logits.shape == (2, 12, VOCAB)
+    finally:
+        stable_attn.set_layout_check(previous)

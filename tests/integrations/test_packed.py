@@ -282,16 +282,16 @@ def test_trainer_with_flattening_collator_trains_padding_free(monkeypatch, tmp_p
     first_loss = trainer.state.log_history[0]["loss"]
     assert abs(first_loss - want.item() / n_predicted) < 1e-4 * abs(first_loss)
 
-def test_readme_block_runs(monkeypatch):
-    """README's packed-training block runs as written, on the varlen op for every layer."""
+def test_architecture_doc_block_runs(monkeypatch):
+    """docs/ARCHITECTURE.md's packed-training block runs as written, on the varlen op for every layer."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "DataCollatorWithFlattening" in b)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "DataCollatorWithFlattening" in b)
     calls = Calls(monkeypatch)
     scope: dict = {}
-    exec(compile(block, "README.md", "exec"), scope)
+    exec(compile(block, "docs/ARCHITECTURE.md", "exec"), scope)
     assert scope["batch"]["input_ids"].shape == (1, 35)
     assert (calls.varlen, calls.dense, calls.fallback) == (2, 0, 0)
     assert torch.isfinite(scope["loss"]) and all(p.grad is not None for p in scope["model"].parameters())

@@ -6,12 +6,14 @@ head dim 24 against value head dim 16; Gemma 4: a sliding layer of head dim 8 an
 and checked for: fp32 logits and every parameter gradient (no padding, right padding, left
 padding, ragged lengths in one batch); bf16 logits and gradients within bf16 error of the fp32 model;
 greedy ``generate()`` with a KV cache (left-padded ragged prompts) identical to the reference; and a
-switch to ``"stable_attn"`` and back at run time. Tests run on the PyTorch backend (CPU).
+switch to ``"stable_attn"`` and back at run time. Tests run on the PyTorch backend (CPU); DeepSeek-V3 also on
+the Triton kernels under ``TRITON_INTERPRET=1`` (:func:`test_deepseek_v3_on_the_triton_kernels_matches_eager`).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,8 +120,7 @@ def _families() -> list[Family]:
                DeepseekV3Config(**small, num_key_value_heads=4, moe_intermediate_size=16, q_lora_rank=16,
                                 kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                                 n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
-                                topk_group=1),
-               paths=(dispatch.PYTORCH, dispatch.PYTORCH)),
+                                topk_group=1)),
     ]
     if Gemma4ForCausalLM is None:
         return families
@@ -284,6 +285,50 @@ def test_generate_with_kv_cache_matches_reference(name):
         assert calls(stats) == (0 if impl != "stable_attn" else 10 * len(stats))
     assert out["stable_attn"].shape == (3, 22)
     assert torch.equal(out["stable_attn"], out[family.reference])
+
+
+def test_deepseek_v3_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
+    """Multi-head latent attention (q/k head dim 24, v head dim 16, nothing padded) on the Triton kernels (the
+    interpreter): fp32 logits and every gradient as eager's, unpadded and right-padded, and greedy ``generate()``
+    (prefill, then the decode kernel) gives eager's tokens; every call reaches the kernels, none is logged as
+    sent to the PyTorch path."""
+    from stable_attn.kernels import triton_attention, triton_decode
+
+    launches = []
+    for module, name in ((triton_attention, "_forward"), (triton_attention, "_backward"), (triton_decode, "forward")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: launches.append(_name)
+                            or _real(*a, **kw))
+    family = FAMILIES["deepseek_v3"]
+    model = build(family, "eager")
+    w = weights_for()
+    cases = [batch(None), batch("right")]
+    reference = [run(model, ids, mask, w) for ids, mask in cases]
+    model.set_attn_implementation("stable_attn")
+    st.configure(model, backend="triton")
+    with caplog.at_level(logging.INFO, logger="stable_attn"):
+        for (ids, mask), (ref_logits, ref_grads) in zip(cases, reference, strict=True):
+            launches.clear()
+            logits, grads = run(model, ids, mask, w)
+            assert launches == ["_forward"] * 2 + ["_backward"] * 2
+            assert_close_scaled(logits, ref_logits, 1e-4, 1e-5, "deepseek_v3 triton logits")
+            assert_grads_close(grads, ref_grads, 1e-4, family.grad_atol_rel, "deepseek_v3 triton")
+        # 16-key blocks and a 33-token prompt, one row left-padded: the steps after the prefill see at least two
+        # key blocks, so they take the decode kernel (decode_plan.takes_decode)
+        st.configure(model, backend="triton", block_n=16)
+        ids = torch.randint(2, VOCAB, (2, 33), generator=torch.Generator().manual_seed(3))
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        prompt = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True,
+                      pad_token_id=0)
+        launches.clear()
+        with torch.no_grad():
+            ours = model.generate(**prompt)
+        assert launches == ["_forward"] * 2 + ["forward"] * 6  # prefill, then 3 steps x 2 layers on the decode kernel
+    assert not [r for r in caplog.records if "PyTorch path" in r.getMessage()]
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        assert torch.equal(ours, model.generate(**prompt))
 
 
 def test_generate_with_a_static_cache_matches_sdpa(monkeypatch):

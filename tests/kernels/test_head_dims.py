@@ -1,7 +1,8 @@
 """Head dims beyond the common case: a value head dim apart from the query's (multi-head latent attention,
 DeepSeek-V3's 192 / 128) and head dim 512 (Gemma 4's global layers), on the PyTorch path, against the fp64
 oracle: forward, every gradient, GQA, causal, varlen, the decode path, the statistics. Nothing is padded:
-the output has v's head dim. The Triton kernels serve ``D == Dv <= 256``; other calls with
+the output has v's head dim. The Triton kernels serve ``D, Dv <= 256`` (each its own tile, under
+``TRITON_INTERPRET=1`` here, outputs poisoned first: conftest.py); head dims above 256 with
 ``backend="triton"`` go to the PyTorch path with a one-time log line.
 """
 
@@ -15,7 +16,7 @@ from closeness import close
 
 import stable_attn
 from stable_attn import _ops
-from stable_attn.kernels import naive, reference_decode
+from stable_attn.kernels import naive, reference_decode, triton_decode
 from stable_attn.options import Options
 
 DIMS = [(24, 16), (16, 24), (192, 128), (512, 512), (8, 512)]
@@ -69,21 +70,141 @@ def test_varlen_and_decode(D, Dv):
     torch.testing.assert_close(got.double(), naive.attention(q, k, v, causal=True), rtol=1e-5, atol=2e-6)
 
 
-def test_triton_backend_sends_other_head_dims_to_the_pytorch_path(caplog, monkeypatch):
+def test_triton_backend_sends_head_dims_above_256_to_the_pytorch_path(caplog, monkeypatch):
     monkeypatch.setattr(_ops, "_logged_once", set())
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with caplog.at_level(logging.INFO, logger="stable_attn"):
-        for D, Dv in ((24, 16), (24, 16), (512, 512)):
-            q, k, v, _ = _inputs(D, Dv)
+        for D, Dv in ((512, 512), (512, 512), (64, 512)):
+            q, k, v, _ = _inputs(D, Dv, Nq=5, Nk=7)
             got = stable_attn.attention(q, k, v, causal=True, backend="triton")
             assert torch.equal(got, stable_attn.attention(q, k, v, causal=True, backend="torch"))
+        q, _, v, _ = _inputs(24, 16)
+        assert _ops.backend_rule("triton", q, False, cuda=False, v=v) == ("triton", None)
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
-        "stable_attn: a value head dim 16 apart from the query's 24 is served by the PyTorch path (stabilized, slower "
-        "than the Triton kernel, which does not implement it)",
         "stable_attn: head dim 512 > 256 is served by the PyTorch path (stabilized, slower than the Triton kernel, "
         "which does not implement it)",
     ]
+
+
+def test_float32_tiles_too_large_for_the_default_partition_go_to_the_pytorch_path(caplog, monkeypatch):
+    """float32 at head dim 256: K and V tiles of 128 keys (256 KiB) exceed the kernels' shared memory. With the
+    default partition the PyTorch path serves the call (logged once, no error); with ``block_n=64`` the
+    kernels do."""
+    from stable_attn.kernels import triton_attention
+
+    monkeypatch.setattr(_ops, "_logged_once", set())
+    launches = []
+    real = triton_attention._forward
+    monkeypatch.setattr(triton_attention, "_forward", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    q, k, v, _ = _inputs(256, 256, B=1, Hq=2, Hkv=1, Nq=3, Nk=5)
+    with caplog.at_level(logging.INFO, logger="stable_attn"):
+        got = stable_attn.attention(q, k, v, causal=True, backend="triton")
+        assert torch.equal(got, stable_attn.attention(q, k, v, causal=True, backend="torch")) and not launches
+        assert _ops.backend_rule("triton", q, False, cuda=True, v=v) == ("torch", "kernel-gap")
+        small = stable_attn.attention(q, k, v, causal=True, backend="triton", block_n=64)
+        assert launches == [1]
+        _, _, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
+        assert _ops.backend_rule("triton", q.to(torch.bfloat16), False, cuda=True, v=v16) == ("triton", None)
+    torch.testing.assert_close(small.double(), naive.attention(q, k, v, causal=True), rtol=1e-5, atol=2e-6)
+    assert [r.getMessage() for r in caplog.records] == [
+        "stable_attn: float32 at head dim 256 with 128-key blocks (K and V tiles of 262144 bytes, above the kernels' "
+        "131072; a smaller block_n fits) is served by the PyTorch path (stabilized, slower than the Triton kernel, "
+        "which does not implement it)"]
+
+
+# ---------------------------------------------------------------- the Triton kernels, Dv != D (no log line)
+
+TRITON_DIMS = [(24, 16), (16, 40), (192, 128)]
+
+
+def _hard_inputs(D, Dv, dtype, seed, Nq=23, Nk=19):
+    """GQA 4 / 2, odd lengths, Nq > Nk (bottom-right causal: the first Nq - Nk rows see no key), a key padding
+    mask hiding all of batch 1's keys in one row range, and two identical keys at the max of most rows (exact
+    ties, whatever the summation order: the products are equal)."""
+    q, k, v, do = _inputs(D, Dv, Nq=Nq, Nk=Nk, seed=seed)
+    q[..., 0] = 3.0 + q[..., 0].abs()
+    k[:, :, 2, 0] = 4.0
+    k[:, :, 9] = k[:, :, 2]
+    kpm = torch.ones(2, Nk, dtype=torch.bool)
+    kpm[1, 12:] = False
+    return [t.to(dtype) for t in (q, k, v, do)] + [kpm]
+
+
+def _run(backend, q, k, v, do, **kw):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    st = stable_attn.AttentionStats()
+    out = stable_attn.attention(*leaves, stats=st, backend=backend, **kw)
+    out.backward(do)
+    return out.detach(), [t.grad for t in leaves], st
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D, Dv", TRITON_DIMS, ids=[f"{a}-{b}" for a, b in TRITON_DIMS])
+def test_triton_unequal_head_dims_match_the_oracle(D, Dv, dtype, caplog):
+    q, k, v, do, kpm = _hard_inputs(D, Dv, dtype, seed=D + Dv)
+    kw = dict(causal=True, key_padding_mask=kpm, block_n=16)
+    with caplog.at_level(logging.INFO, logger="stable_attn"):
+        out, grads, st = _run("triton", q, k, v, do, **kw)
+    assert not caplog.records  # served by the kernels
+    assert out.shape == (2, 4, 23, Dv) and out.is_contiguous()
+    assert torch.equal(out[:, :, :4], torch.zeros_like(out[:, :, :4]))  # rows that see no key
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    want = naive.attention(*exact, causal=True, key_padding_mask=kpm)
+    want.backward(do.double())
+    ulps = 2 if dtype == torch.float32 else 4
+    close(out, want.detach(), ulps, dtype, "out")
+    for name, g, e in zip(("dq", "dk", "dv"), grads, exact, strict=True):
+        close(g, e.grad, 16 * ulps, dtype, name, floor=1e-5)
+    # the PyTorch path's decisions and statistics (the same partition, the same rule)
+    _, _, ref = _run("torch", q, k, v, do, **kw)
+    assert st.fixed_blocks.tolist() == ref.fixed_blocks.tolist() and ref.fixed_blocks.sum() > 0
+    assert st.saturated_rows.tolist() == ref.saturated_rows.tolist() and ref.saturated_rows.sum() > 0
+    assert st.rows.tolist() == ref.rows.tolist()
+    torch.testing.assert_close(st.max_logit, ref.max_logit, rtol=1e-6, atol=1e-6)
+
+
+def test_triton_unequal_head_dims_with_the_fused_backward_take_the_two_kernels(monkeypatch):
+    """The fused backward prototype has no value head dim of its own: with it selected, Dv != D gets the two
+    kernels' gradients, bit for bit."""
+    q, k, v, do, kpm = _hard_inputs(24, 16, torch.float32, seed=3, Nq=9, Nk=21)
+    _, want, _ = _run("triton", q, k, v, do, causal=True, block_n=16)
+    monkeypatch.setenv("STABLE_ATTN_BACKWARD", "fused")
+    _, got, _ = _run("triton", q, k, v, do, causal=True, block_n=16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("D, Dv", [(24, 16), (16, 40)])
+def test_triton_varlen_and_decode_with_unequal_head_dims(D, Dv):
+    """Packed sequences: each sequence's output and gradients bit for bit the dense kernels' on it alone; the
+    decode kernel: the PyTorch decode path's partials' decisions, and the oracle."""
+    q, k, v, do = _inputs(D, Dv, B=1, Nq=17, Nk=17, seed=5)
+    packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v, do)]
+    leaves = [t.clone().requires_grad_() for t in packed[:3]]
+    cu = torch.tensor([0, 6, 6, 17], dtype=torch.int32)
+    out = stable_attn.attention_varlen(*leaves, cu, cu, 11, 11, causal=True, block_n=16, backend="triton")
+    assert out.shape == (17, 4, Dv)
+    out.backward(packed[3])
+    for s, e in ((0, 6), (6, 17)):
+        alone, grads, _ = _run("triton", *(t[s:e].transpose(0, 1)[None] for t in packed), causal=True, block_n=16)
+        assert torch.equal(out[s:e].detach(), alone[0].transpose(0, 1))
+        for p, g in zip(leaves, grads, strict=True):
+            assert torch.equal(p.grad[s:e], g[0].transpose(0, 1))
+
+    q, k, v, _ = _inputs(D, Dv, Nq=2, Nk=40, seed=6)
+    q, k = ((t * 4).round() / 4 for t in (q, k))  # exact products in any order: the decisions' bits must agree
+    opts = Options.create(head_dim=D, causal=True, block_n=16)
+    want = naive.attention(q, k, v, causal=True)
+    ref_parts = reference_decode.partials(q, k, v, None, opts, 16)
+    _, ref_lse, _ = reference_decode.attention_forward(q, k, v, None, opts, split=16)
+    got, lse, _, parts = triton_decode.forward(q, k, v, None, opts, split=16, return_partials=True)
+    assert got.shape == (2, 4, 2, Dv)
+    assert torch.equal(parts[2], ref_parts[2]) and torch.equal(parts[3], ref_parts[3])  # offsets r, maxima m
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # the public op takes the decode path here
+        out = stable_attn.attention(q, k, v, causal=True, block_n=16, backend="triton")
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-6)
 
 
 def test_bad_head_dims_name_the_argument():

@@ -150,6 +150,10 @@ def test_iteration_flops():
     assert aot.iteration_flops("bwd_dkdv", 64, 128, 128) == 4 * 2 * 64 * 128 * 128
     assert aot.iteration_flops("bwd_dq", 128, 64, 64) == 3 * 2 * 128 * 64 * 64
     assert aot.iteration_flops("bwd_fused", 64, 128, 64) == 5 * 2 * 64 * 128 * 64
+    # a value head dim of its own: P V (fwd), dP and dV (dK/dV), dP (dQ) run over it
+    assert aot.iteration_flops("fwd", 32, 128, 256, 128) == 2 * 32 * 128 * (256 + 128)
+    assert aot.iteration_flops("bwd_dkdv", 16, 32, 256, 128) == 2 * 16 * 32 * (2 * 256 + 2 * 128)
+    assert aot.iteration_flops("bwd_dq", 32, 16, 256, 128) == 2 * 32 * 16 * (2 * 256 + 128)
 
 
 if __name__ == "__main__":

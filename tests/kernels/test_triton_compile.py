@@ -36,6 +36,8 @@ REPRESENTATIVE = [
     Variant("bwd_pre", BF16, 80, True, cc=90, varlen=True),
     Variant("bwd_dkdv", BF16, 128, True, cc=90, varlen=True),
     Variant("bwd_dq", FP16, 64, True, cc=80, features=True, varlen=True),
+    # multi-head latent attention: DeepSeek-V3's q/k head dim 192 against v head dim 128 (V tiled at 128)
+    Variant("fwd", BF16, 192, True, EXACT, True, 90, value_dim=128),
 ]
 
 FULL = [Variant("fwd", dt, d, causal, mode, False, cc)
@@ -50,12 +52,18 @@ FULL += [Variant(kind, dt, d, True, EXACT, True, cc, features=True)
 FULL += [Variant(kind, dt, d, causal, EXACT, kind == "fwd", cc, features=causal, varlen=True)
          for kind, dt, d, causal, cc in itertools.product(("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq"), (BF16, FP16),
                                                           (64, 128, 256), (False, True), (80, 90))]
+# a value head dim apart from the query's, both ways round, dense and packed, every feature on the packed ones
+FULL += [Variant(kind, BF16, d, True, EXACT, kind == "fwd", cc, features=varlen, varlen=varlen, value_dim=dv)
+         for kind, (d, dv), cc, varlen in itertools.product(("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq"),
+                                                           ((24, 16), (16, 40), (192, 128)), (80, 90), (False, True))]
+FULL += [Variant("decode", BF16, d, True, EXACT, cc=cc, value_dim=dv)
+         for (d, dv), cc in itertools.product(((24, 16), (192, 128)), (80, 90))]
 
 
 def check(v: Variant, r: dict) -> None:
     assert r["variant"] == v.name and r["cubin_bytes"] > 0
     assert r["shared"] <= SHARED_LIMIT[v.cc], f"{v.name}: {r['shared']} B shared > {SHARED_LIMIT[v.cc]}"
-    if v.cc == 90 and v.kind == "fwd" and v.head_dim <= 128:
+    if v.cc == 90 and v.kind == "fwd" and v.head_dim <= 128 and v.value_dim is None:
         assert r["wgmma"], f"{v.name}: no Hopper warpgroup MMA in the PTX"
 
 
@@ -228,6 +236,18 @@ SM80 = [Variant("fwd", BF16, d, causal, mode, stats, 80)
 @pytest.mark.slow
 def test_forward_sm80_without_spills():
     for v, r in zip(SM80, describe_in_subprocess(SM80), strict=True):
+        check(v, r)
+        assert r["spill_bytes"] == 0, f"{v.name}: {r['spill_bytes']} B spilled"
+
+
+# DeepSeek-V3's 192 / 128 on sm_90: every kernel it runs, spill-free (docs/BENCHMARKS.md, "A value head dim")
+MLA_SM90 = [Variant("fwd", BF16, 192, True, EXACT, stats, 90, value_dim=128) for stats in (False, True)]
+MLA_SM90 += [Variant(kind, BF16, 192, True, EXACT, cc=90, value_dim=128) for kind in ("bwd_dkdv", "bwd_dq", "decode")]
+
+
+@pytest.mark.slow
+def test_unequal_head_dims_without_spills_on_sm90():
+    for v, r in zip(MLA_SM90, describe_in_subprocess(MLA_SM90), strict=True):
         check(v, r)
         assert r["spill_bytes"] == 0, f"{v.name}: {r['spill_bytes']} B spilled"
 

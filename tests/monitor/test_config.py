@@ -122,3 +122,21 @@ def test_the_start_up_line_says_what_a_spike_does_and_follows_the_one_default():
     assert MonitorConfig(on_spike="skip").spike_line().startswith("on a spike: skip the update")
     with pytest.raises(ValueError, match="name='on_spikes' is not an argument of MonitorConfig"):
         MonitorConfig.default("on_spikes")
+
+
+def test_an_argument_only_recover_reads_is_refused_under_another_action_never_ignored():
+    from stable_attn.callbacks import StableAttentionCallback
+    from stable_attn.monitor.config import RECOVER_ONLY, MonitorConfig
+
+    with pytest.raises(ValueError, match=r"skip_batches=10 takes effect only with on_spike='recover', and this run "
+                                         r"has on_spike='skip' \(it drops the spiking step's update and skips no "
+                                         r"batches\)"):
+        StableAttentionCallback(on_spike="skip", skip_batches=10)
+    for name in RECOVER_ONLY:
+        value = 1 if name != "lr_factor" else 0.5
+        with pytest.raises(ValueError, match=f"{name}={value!r} takes effect only with on_spike='recover'"):
+            MonitorConfig.from_options({"on_spike": "rollback", name: value}, owner="test")
+        assert MonitorConfig.from_options({"on_spike": "recover", name: value}, owner="test").on_spike == "recover"
+    # the defaults pass: a Trainer callback rebuilt from trainer_state.json passes every saved argument
+    saved = MonitorConfig(on_spike="skip").saved()
+    assert MonitorConfig.from_options(saved, owner="test").skip_batches == MonitorConfig.default("skip_batches")

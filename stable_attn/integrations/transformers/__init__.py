@@ -67,13 +67,14 @@ from stable_attn.integrations.transformers.models import (
     detach_stats,
     model_options_of,
 )
-from stable_attn.integrations.transformers.registry import NAME, register
+from stable_attn.integrations.transformers.registry import ALIAS, NAME, register
 from stable_attn.integrations.transformers.swap import find_hf_models as find_hf_models
 from stable_attn.integrations.transformers.swap import prepare_models as prepare_models
 from stable_attn.integrations.transformers.swap import swap_attention as swap_attention
 
 # the public names; the others imported above are importable from here too
 __all__ = [
+    "ALIAS",
     "NAME",
     "StableAttnMask",
     "attach_stats",
@@ -86,3 +87,6 @@ __all__ = [
     "stable_attn_attention_forward",
     "stable_attn_mask",
 ]
+
+# importing the integration registers it (import stable_attn may have left that to this moment: on_import.py)
+register()

@@ -120,7 +120,7 @@ def stable_attn_attention_forward(
         stats = None
     opts = model_options_of(module)
     dispatch.record(module, query, key, opts["backend"], attn_mask=attn_mask, varlen=documents is not None, who=who,
-                    pv_fp32=opts["pv_fp32"], value=value)
+                    pv_fp32=opts["pv_fp32"], value=value, key_block=opts["block_n"])
     common = dict(causal=causal, scale=scaling, window=window, softcap=softcap or None,
                   dropout_p=float(dropout) if module.training else 0.0, stabilize=opts["stabilize"],
                   beta=opts["beta"], stats=stats, backend=opts["backend"], block_n=opts["block_n"],
@@ -132,7 +132,9 @@ def stable_attn_attention_forward(
             q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
             out = attention_varlen(q, k, v, *documents, **common)
             return out.view(B, Nq, *out.shape[1:]), None
-        out = attention(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **common)
+        # transformers hands every backend [B, H, N, D]: no layout check
+        out = attention(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, layout="bhnd",
+                        **common)
     except (ValueError, TypeError) as err:
         raise type(err)(f"stable_attn: {who}: {err}") from err
     return out.transpose(1, 2).contiguous(), None

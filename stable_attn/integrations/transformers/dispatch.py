@@ -5,7 +5,7 @@ the layer on a CUDA device -- the Triton kernels (dense or varlen) or the PyTorc
 
 - warns, once per model and reason, when a layer on a CUDA device is served by the PyTorch path for a
   reason other than being on the CPU (a materialized 4D mask, a problem too large for the kernels' offsets,
-  what the kernels do not implement: a value head dim apart from the query's, head dim > 256),
+  what the kernels do not implement: head dim > 256),
   naming the model, the reason and what to change. The warning works under ``torch.compile(fullgraph=True)``:
   :func:`warn_once` takes constant arguments and dynamo runs it while tracing (no graph break);
 - feeds :func:`stable_attn.explain` (eager runs only), which prints, per layer, the path and the reason.
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..._ops import backend_rule
+from ...options import BLOCK_N
 
 logger = logging.getLogger("stable_attn")
 
@@ -51,8 +52,9 @@ _ADVICE = {
                "attention_mask (or none) and the model's own causal or sliding pattern",
     "size": "more than 2^31 elements of q, k or v in one batch element (beyond the kernels' 32-bit offsets): "
             "use a smaller batch element or shorter sequences",
-    "kernel-gap": "a feature the Triton kernels do not implement yet (a value head dim apart from the query's, or a "
-                  "head dim above 256); the PyTorch path serves it, stabilized and monitored",
+    "kernel-gap": "a feature the Triton kernels do not implement yet (a head dim above 256, or float32 K and V "
+                  "tiles of the key partition beyond the kernels' shared memory: a smaller block_n fits); the "
+                  "PyTorch path serves it, stabilized and monitored",
 }
 
 
@@ -65,12 +67,14 @@ _CONFIGURED = {
 
 
 def serving(query: torch.Tensor, key: torch.Tensor, backend: str, attn_mask: torch.Tensor | None,
-            varlen: bool, pv_fp32: bool = False, value: torch.Tensor | None = None) -> tuple[str, str | None]:
+            varlen: bool, pv_fp32: bool = False, value: torch.Tensor | None = None,
+            key_block: int | None = None) -> tuple[str, str | None]:
     """``(path, reason)``: what serves a layer's call on a CUDA device, and why, if not the fused kernel: the
     ops' own rule (``_ops.backend_rule``), asked for a CUDA device; packed documents count as one batch element
     (their head dim kept last, for the rule's head-dim test)."""
     q, k = (query.reshape(1, -1, query.shape[-1]), key.reshape(1, -1, key.shape[-1])) if varlen else (query, key)
-    impl, reason = backend_rule(backend, q, attn_mask is not None, k, pv_fp32, cuda=True, v=value)
+    impl, reason = backend_rule(backend, q, attn_mask is not None, k, pv_fp32, cuda=True, v=value,
+                                key_block=key_block or BLOCK_N)
     if impl == "triton":
         return (TRITON_VARLEN if varlen else TRITON_DENSE), None
     return PYTORCH, reason
@@ -101,9 +105,9 @@ def _model_key(module: nn.Module) -> str:
 
 def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, backend: str, *,
            attn_mask: torch.Tensor | None, varlen: bool, who: str, pv_fp32: bool = False,
-           value: torch.Tensor | None = None) -> None:
+           value: torch.Tensor | None = None, key_block: int | None = None) -> None:
     """Note which path serves this call; warn once per model and reason when it is slow on a CUDA device."""
-    path, reason = serving(query, key, backend, attn_mask, varlen, pv_fp32, value)
+    path, reason = serving(query, key, backend, attn_mask, varlen, pv_fp32, value, key_block)
     if _recording is not None and not torch.compiler.is_compiling():
         _recording.append({"module": module, "path": path, "reason": _ADVICE.get(reason, _CONFIGURED.get(reason)),
                            "device": query.device.type, "varlen": varlen})

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .. import names
 
 if TYPE_CHECKING:
+    import torch
+
     from ..alerts.alert import Alert
     from .snapshots import Trainables
 
@@ -56,10 +58,13 @@ class Verdict:
 
 @dataclass(frozen=True)
 class StepDone:
-    """What :meth:`Action.after_step` did: the step a rollback restored (None: none) and alerts to deliver."""
+    """What :meth:`Action.after_step` did: the step a rollback restored (None: none), whether the run must stop
+    (a recovery that found no snapshot to restore), the batches a recovery skips, and alerts to deliver."""
 
     rolled_back_to: int | None = None
     alerts: tuple[Alert, ...] = ()
+    stop: bool = False
+    skipping: tuple[int, int] | None = None  # the first and last batch index a recovery skips
 
 
 @dataclass
@@ -75,6 +80,8 @@ class RunContext:
     lr: float | None = None  # the current step's (first group's) learning rate, for alerts
     position: Callable[[], dict[str, Any] | None] = field(default=lambda: None)  # the step's data position
     skip_lag: int = 0  # batches the adapter's stream has drawn past the current one
+    # several ranks: every rank's host tensor, stacked in rank order (the engine's collective); None: one rank
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def is_zero(self) -> bool:

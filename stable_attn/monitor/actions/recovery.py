@@ -10,8 +10,11 @@ On a spike the engine drops the step's update, then (this module):
    and ``rollback_steps + spacing - 1`` steps (to the oldest snapshot, the start of the run or of the resume,
    when the run is younger). The ring holds ``length`` copies of the weights, the optimizer state and the
    schedulers (with AdamW about ``3 x 4 bytes x parameters`` each; 2 copies with the defaults), in host memory,
-   or, when that would take more than ``snapshot_memory_limit`` bytes, as files under ``{log_dir}/recovery``;
-   snapshots newer than the one restored belong to the abandoned trajectory and are dropped;
+   or, when that would take more than ``snapshot_memory_limit`` bytes, as files under ``{log_dir}/recovery``
+   (:mod:`.ring`). The snapshot is verified before anything of it reaches the model; one that fails (missing,
+   unreadable, damaged, not fitting the run; on any rank) is named in the recovery's alert and the next older
+   one is tried; with none left the run stops with a checkpoint, nothing restored. Snapshots newer than the one
+   restored belong to the abandoned trajectory and are dropped;
 2. **skips** the next ``skip_batches`` batches of the epoch (:class:`SkipWindow`: epoch ``E``, batch indices
    ``A..B``, counted as the data loader yields them, skipped batches included). A window ends with its epoch:
    the next epoch reorders the data, so its first batches are not the bad ones. The adapters discard the
@@ -29,169 +32,22 @@ scaling (plain values); the ring is not saved: a resumed run starts it afresh (t
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
-import re
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .. import names
-from ..alerts.alert import Alert
+from ..alerts.alert import Alert, checkpoint_name
 from .base import Action, JudgeStates, RunContext, StepDone, Verdict
-from .snapshots import (
-    Snapshot,
-    Trainables,
-    restore_snapshot,
-    snapshot_from_state,
-    snapshot_state,
-    take_snapshot,
-    tensors_in,
-)
+from .ring import RING_DIR, RingChoice, RingEntry, SnapshotRing, ring_file, ring_layout, snapshot_bytes
+from .snapshots import Trainables, restore_snapshot
 
 __all__ = ["RING_DIR", "LrScale", "Recover", "Recovery", "RingEntry", "SkipStream", "SkipWindow", "SnapshotRing",
            "ring_layout", "snapshot_bytes"]
 
 log = logging.getLogger("stable_attn")
-
-
-def ring_layout(rollback_steps: int, rollback_every: int) -> tuple[int, int]:
-    """``(spacing, length)`` of the snapshot ring: a snapshot every ``spacing`` steps, ``length`` kept."""
-    spacing = min(rollback_every, rollback_steps)
-    return spacing, math.ceil(rollback_steps / spacing) + 1
-
-
-def _to_host(value: Any) -> Any:
-    """``value``'s tensors on the host; those already there are kept (take_snapshot's copies, not the run's)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu")
-    if isinstance(value, dict):
-        return {k: _to_host(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_host(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_host(v) for v in value)
-    return value
-
-
-def snapshot_bytes(snapshot: Snapshot) -> int:
-    """Bytes of the tensors a snapshot holds (weights, optimizer state, schedulers, precision plugin)."""
-    total = 0
-    for name in ("model", "optimizers", "schedulers", "precision"):
-        for _, t in tensors_in(getattr(snapshot, name), name):
-            total += t.numel() * t.element_size()
-    return total
-
-
-#: One snapshot file of the on-disk ring: ``snapshot-step=<step>-rank=<rank>.pt`` under ``{log_dir}/recovery``.
-RING_DIR = "recovery"
-_RING_FILE = re.compile(r"snapshot-step=(\d+)-rank=(\d+)\.pt")
-
-
-@dataclass
-class RingEntry:
-    """One snapshot of the ring, with the loss and gradient-norm detectors as they were then: in host memory
-    (``snapshot``) or in a file (``path``, the snapshot dropped from memory)."""
-
-    step: int
-    snapshot: Snapshot | None
-    detectors: dict[str, list[dict[str, Any]]] | None
-    path: str | None = None
-
-    def load(self) -> Snapshot:
-        """The snapshot, read back from its file if it is on disk (checked as a resumed one is)."""
-        if self.snapshot is not None:
-            return self.snapshot
-        assert self.path is not None
-        return snapshot_from_state(torch.load(self.path, map_location="cpu", weights_only=True))
-
-    def drop(self) -> None:
-        """Delete the entry's file (an entry in memory: nothing to do)."""
-        if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-
-
-class SnapshotRing:
-    """The last ``length`` snapshots, one every ``spacing`` optimizer steps, in host memory, or on disk when
-    they would take more than ``memory_limit`` bytes of it.
-
-    The choice is made at the first snapshot: ``length x`` its bytes against ``memory_limit`` (None: never on
-    disk; 0: always). On disk each snapshot is one ``torch.save`` file in ``directory``, written to a temporary
-    name and renamed (a run killed while writing leaves no half file under the ring's name), deleted when the
-    ring moves past it, when a rollback abandons it and by :meth:`clear`; files of the same rank that an
-    earlier run left there are deleted when the ring starts."""
-
-    def __init__(self, spacing: int, length: int, memory_limit: int | None = None, directory: str | None = None,
-                 rank: int = 0) -> None:
-        self.spacing, self.length = spacing, length
-        self.memory_limit, self.directory, self.rank = memory_limit, directory, rank
-        self.entries: deque[RingEntry] = deque()
-        #: Decided at the first snapshot (None before): whether the snapshots are files.
-        self.on_disk: bool | None = None
-        #: One snapshot's bytes, measured at the first snapshot.
-        self.snapshot_bytes: int | None = None
-
-    def due(self, step: int) -> bool:
-        return step % self.spacing == 0 and not (self.entries and self.entries[-1].step == step)
-
-    def _decide(self, snapshot: Snapshot) -> None:
-        self.snapshot_bytes = snapshot_bytes(snapshot)
-        self.on_disk = self.memory_limit is not None and self.length * self.snapshot_bytes > self.memory_limit
-        if self.on_disk:
-            if self.directory is None:
-                raise ValueError(f"the recovery ring needs {self.length} x {self.snapshot_bytes} bytes, over "
-                                 f"snapshot_memory_limit={self.memory_limit}, and has no directory for its files; "
-                                 "start the engine with a log_dir")
-            os.makedirs(self.directory, exist_ok=True)
-            for name in os.listdir(self.directory):  # an earlier run's files of this rank: never read again
-                match = _RING_FILE.fullmatch(name)
-                if match is not None and int(match.group(2)) == self.rank:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(os.path.join(self.directory, name))
-
-    def take(self, state: Trainables, detectors: dict[str, list[dict[str, Any]]] | None = None) -> None:
-        snapshot = take_snapshot(state)
-        # Host copies: the ring holds several states and must not take the accelerator's memory.
-        for name in ("model", "optimizers", "schedulers", "precision"):
-            setattr(snapshot, name, _to_host(getattr(snapshot, name)))
-        if self.on_disk is None:
-            self._decide(snapshot)
-        entry = RingEntry(snapshot.step, snapshot, detectors)
-        if self.on_disk:
-            assert self.directory is not None
-            entry.path = os.path.join(self.directory, f"snapshot-step={snapshot.step}-rank={self.rank}.pt")
-            partial = entry.path + ".partial"
-            torch.save(snapshot_state(snapshot), partial)
-            os.replace(partial, entry.path)
-            entry.snapshot = None
-        self.entries.append(entry)
-        while len(self.entries) > self.length:
-            self.entries.popleft().drop()
-
-    def target(self, step: int, back: int) -> RingEntry | None:
-        """The newest snapshot taken at least ``back`` steps before ``step`` (else the oldest; None if empty),
-        dropping every newer one (they belong to the trajectory being abandoned)."""
-        if not self.entries:
-            return None
-        chosen = next((e for e in reversed(self.entries) if e.step <= step - back), self.entries[0])
-        while self.entries[-1] is not chosen:
-            self.entries.pop().drop()
-        return chosen
-
-    def clear(self) -> None:
-        """Drop every snapshot (and its file)."""
-        while self.entries:
-            self.entries.pop().drop()
-
-    @property
-    def steps(self) -> list[int]:
-        return [e.step for e in self.entries]
 
 
 @dataclass
@@ -413,15 +269,16 @@ class Recover(Action):
         self._judge: JudgeStates | None = None
         self._decided: tuple[int, Verdict, str] | None = None  # (step, verdict, Recovery.decide's word)
         self._resumed = False
+        self._pending: list[Alert] = []  # the ring's write failures, delivered with the step's end
 
     def start(self, state: Trainables, judge: JudgeStates) -> None:
         self._judge = judge
         resumed, self._resumed = self._resumed, False
         r, run = self.recovery, self.run
         ring = r.ring
-        ring.clear()
-        ring.directory, ring.rank = os.path.join(run.log_dir or ".", RING_DIR), run.rank
+        ring.start(os.path.join(run.log_dir or ".", RING_DIR), run.rank)
         ring.take(state, judge.detector_states())  # the oldest state a recovery can go back to
+        self._read_failures(state.step)
         if run.is_zero:
             log.info("%s: recovery snapshot ring of %d x %.1f MB %s", run.name, ring.length,
                      (ring.snapshot_bytes or 0) / 1e6, f"on disk in {ring.directory} (over snapshot_memory_limit="
@@ -429,6 +286,17 @@ class Recover(Action):
         if resumed and run.is_zero:
             log.warning("%s: recovery snapshot ring starts afresh at global_step %d (the ring is not saved in "
                         "checkpoints); recoveries used: %d of %d", run.name, state.step, r.used, r.max_recoveries)
+
+    def _read_failures(self, step: int) -> None:
+        """The ring's write failures: a WARNING each now (on the rank that met it), an alert at the step's end."""
+        r = self.recovery
+        for path, failure in r.ring.failures:
+            log.warning("%s: the recovery snapshot %s %s", self.run.name, path, failure)
+            said = f"the recovery snapshot {RING_DIR}/{os.path.basename(path)} {failure}"
+            self._pending.append(Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used,
+                                       threshold=r.max_recoveries, lr=self.run.lr, action="warn",
+                                       message=f"rank {self.run.rank}: {said}" if self.run.size > 1 else said))
+        r.ring.failures = []
 
     def decide(self, step: int) -> Verdict:
         decision = self.recovery.decide(step)
@@ -465,32 +333,71 @@ class Recover(Action):
         elif not acted and r.ring.due(state.step):
             assert self._judge is not None
             r.ring.take(state, self._judge.detector_states())
+            self._read_failures(step)
         # for the next optimizer.step() only: installed now, after this step's optimizer and scheduler steps
         # (Lightning runs the step's closure, and so before_optimizer_step, inside optimizer.step())
         r.scale_lr(step + 1, state.optimizers)
-        return done
+        pending, self._pending = self._pending, []
+        return StepDone(rolled_back_to=done.rolled_back_to, stop=done.stop, skipping=done.skipping,
+                        alerts=(*pending, *done.alerts))
 
     def _recover(self, step: int, state: Trainables) -> StepDone:
-        """Roll back to the ring's snapshot ``rollback_steps`` back, open the skip window, alert."""
+        """Restore the newest verified snapshot ``rollback_steps`` back (or older), open the skip window, alert;
+        with none that passed on every rank, stop (nothing restored)."""
         r = self.recovery
-        entry = r.ring.target(step, r.rollback_steps)
-        assert entry is not None and self._judge is not None  # start put the first snapshot in the ring
-        restore_snapshot(state, entry.load())
-        if entry.detectors is not None:
-            self._judge.load_detector_states(entry.detectors)
+        assert self._judge is not None
+        choice = r.ring.choose(step, r.rollback_steps, state, self.run.all_gather)
+        for entry, problem in choice.failed:  # this rank's own files, with their full path
+            log.warning("%s: recovery snapshot %s (step %d) %s: not restored", self.run.name,
+                        entry.path or entry.where, entry.step, problem)
         position = self.run.position() or {}
         epoch, index = position.get("epoch"), position.get("batch_index")
-        begun = r.begin(step, entry.step, epoch, index + 1 + self.run.skip_lag if index is not None else None)
         where = f" (after batch {index} of epoch {epoch}, fingerprint {position.get('fingerprint')})" \
             if index is not None else ""
+        passed = self._passed_over(choice)
+        if choice.entry is None or choice.snapshot is None:
+            checkpoint = self.run.stop_checkpoint(step)
+            outcome = {"taken": "stop", "update_applied": False, "rolled_back_to": None, "skipping_batches": None,
+                       "stopped": True, "checkpoint": checkpoint_name(checkpoint)}
+            alert = Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used,
+                          threshold=r.max_recoveries, lr=self.run.lr, action="stop", checkpoint=checkpoint,
+                          message=f"spike at step {step}{where}: cannot recover: {passed}; no snapshot passed its "
+                                  "check, so nothing was restored and the run stops with a checkpoint (this step's "
+                                  "update dropped)", outcome=outcome)
+            return StepDone(stop=True, alerts=(alert,))
+        entry = choice.entry
+        restore_snapshot(state, choice.snapshot)  # verified: every load in it succeeds, the restore is whole
+        r.ring.keep_through(entry)
+        if entry.detectors is not None:
+            self._judge.load_detector_states(entry.detectors)
+        begun = r.begin(step, entry.step, epoch, index + 1 + self.run.skip_lag if index is not None else None)
         window = r.window
         skipping = [window.start, window.stop - 1] if window is not None else None
         outcome = {"taken": "recover", "update_applied": False, "rolled_back_to": int(entry.step),
                    "skipping_batches": skipping, "stopped": False, "checkpoint": None}
+        fell_back = f"{passed}; fell back to an older snapshot: " if choice.passed_over else ""
         alert = Alert(step=step, kind="recovery", metric=names.RECOVERIES, value=r.used, threshold=r.max_recoveries,
-                      lr=self.run.lr, action="recover", message=f"spike at step {step}{where}: {r.message(begun)}",
-                      outcome=outcome)
-        return StepDone(rolled_back_to=entry.step, alerts=(alert,))
+                      lr=self.run.lr, action="recover", outcome=outcome,
+                      message=f"spike at step {step}{where}: {fell_back}{r.message(begun)}")
+        return StepDone(rolled_back_to=entry.step, alerts=(alert,),
+                        skipping=(skipping[0], skipping[1]) if skipping is not None else None)
+
+    def _passed_over(self, choice: RingChoice) -> str:
+        """The snapshots a recovery could not use, for its alert: this rank's with their problem, another
+        rank's by file name (its own log line says why)."""
+        run, own = self.run, {entry.step: (entry, problem) for entry, problem in choice.failed}
+        said = []
+        for rank, step in choice.passed_over:
+            if step is None:
+                said.append(f"rank {rank} holds no snapshot (its ring is off)" if run.size > 1 else
+                            "the ring holds no snapshot (it was switched off)")
+            elif rank == run.rank and step in own:
+                entry, problem = own[step]
+                said.append(f"{entry.where} (step {step}) {problem}")
+            else:
+                said.append(f"rank {rank}'s {RING_DIR}/{ring_file(step, rank)} (step {step}) failed its check "
+                            f"(rank {rank}'s log says why)")
+        return "; ".join(said)
 
     def state_dict(self) -> dict[str, Any]:
         return {"recovery": self.recovery.state_dict()}

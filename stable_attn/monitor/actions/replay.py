@@ -103,10 +103,11 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     from ...integrations.transformers import attention_modules
+    from ...integrations.transformers.registry import NAMES
 
     hf = _hf_model(model)
     impl = getattr(hf.config, "_attn_implementation", None)
-    if impl != "stable_attn":
+    if impl not in NAMES:
         raise ValueError(f"replay switches the attention arithmetic of 'stable_attn' layers; "
                          f"{type(hf).__name__} runs attn_implementation={impl!r}: load it with "
                          "attn_implementation='stable_attn' (or let the callback swap it)")

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Snapshot", "Trainables", "check_snapshot", "restore_snapshot", "sigint_held", "snapshot_from_state",
-           "snapshot_state", "take_snapshot"]
+__all__ = ["Snapshot", "SnapshotProblem", "Trainables", "check_snapshot", "restore_snapshot", "sigint_held",
+           "snapshot_from_state", "snapshot_problem", "snapshot_state", "take_snapshot"]
 
 
 @dataclass
@@ -146,11 +146,23 @@ _DAMAGED = "the checkpoint's rollback snapshot is damaged"
 _FIX = "resume from a checkpoint this run wrote, or delete its rollback snapshot to start the history afresh"
 
 
-def _refuse(field: str, value: Any, accepted: str, described: str | None = None) -> ValueError:
-    shown = f"a {type(value).__name__}" if isinstance(value, (dict, list, tuple, torch.Tensor)) else repr(value)
-    shown = described or shown
+class SnapshotProblem(ValueError):
+    """A damaged snapshot: :attr:`problem` names the entry and what is wrong with it (the message adds where the
+    snapshot came from, a checkpoint, and what to do); the recovery ring reports ``problem`` with its file."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{_DAMAGED}: {problem}; {_FIX}")
+        self.problem = problem
+
+
+def _described(value: Any) -> str:
+    return f"a {type(value).__name__}" if isinstance(value, (dict, list, tuple, torch.Tensor)) else repr(value)
+
+
+def _refuse(field: str, value: Any, accepted: str, described: str | None = None) -> SnapshotProblem:
+    shown = described or _described(value)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return ValueError(f"{_DAMAGED}: {field} is {shown}, expected {accepted}; {_FIX}")
+    return SnapshotProblem(f"{field} is {shown}, expected {accepted}")
 
 
 def tensors_in(value: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -202,47 +214,55 @@ def snapshot_from_state(state: dict[str, Any]) -> Snapshot:
         raise _refuse("the snapshot", state, "a dict written by snapshot_state")
     missing = [f.name for f in fields(Snapshot) if f.name not in state]
     if missing:
-        raise ValueError(f"rollback snapshot state lacks {missing}; it was not written by snapshot_state")
+        raise SnapshotProblem(f"it lacks {missing} (it was not written by snapshot_state)")
     _check_types(state)
     return Snapshot(**{f.name: state[f.name] for f in fields(Snapshot)})
 
 
 def check_snapshot(snapshot: Snapshot, state: Trainables) -> None:
-    """Raise ValueError, naming the entry, unless ``snapshot`` (loaded from a checkpoint) fits ``state``: the
-    same model entries with the same shapes and dtypes, weights finite wherever the model's are, as many
-    optimizers (with the same parameter groups and sizes) and schedulers. Called at resume, so that a damaged
-    snapshot fails there and not at the first rollback, half-restored."""
+    """Raise ValueError (:class:`SnapshotProblem`), naming the entry, unless ``snapshot`` (loaded from a checkpoint)
+    fits ``state`` (:func:`snapshot_problem`). Called at resume, so that a damaged snapshot fails there and not at
+    the first rollback, half-restored."""
+    problem = snapshot_problem(snapshot, state)
+    if problem is not None:
+        raise SnapshotProblem(problem)
+
+
+def snapshot_problem(snapshot: Snapshot, state: Trainables) -> str | None:
+    """What keeps ``snapshot`` from being restored into ``state`` (None: nothing): the same model entries with the
+    same shapes and dtypes, weights finite wherever the model's are, as many optimizers (with the same parameter
+    groups and sizes, their state shaped like its parameters) and schedulers. Every load a restore does is then
+    sure to succeed, so a restore is never partial."""
     own = state.model.state_dict()
     missing, extra = sorted(set(own) - set(snapshot.model)), sorted(set(snapshot.model) - set(own))
     if missing or extra:
-        raise ValueError(f"{_DAMAGED}: its model entries differ from the model's (missing {missing[:5]}, unexpected "
-                         f"{extra[:5]}); {_FIX}")
+        return f"its model entries differ from the model's (missing {missing[:5]}, unexpected {extra[:5]})"
     for name, t in snapshot.model.items():
         mine = own[name]
         if t.shape != mine.shape or t.dtype != mine.dtype:
-            raise ValueError(f"{_DAMAGED}: model[{name!r}] is {t.dtype} {tuple(t.shape)}, the model's is "
-                             f"{mine.dtype} {tuple(mine.shape)}; {_FIX}")
+            return f"model[{name!r}] is {t.dtype} {tuple(t.shape)}, the model's is {mine.dtype} {tuple(mine.shape)}"
         if t.is_floating_point() and not bool(torch.isfinite(t).all()) and bool(torch.isfinite(mine).all()):
-            raise _refuse(f"model[{name!r}]", t, "finite values like the model's", "a tensor with NaN or inf")
+            return _refuse(f"model[{name!r}]", t, "finite values like the model's", "a tensor with NaN or inf").problem
     for what, saved, live in (("optimizers", snapshot.optimizers, state.optimizers),
                               ("schedulers", snapshot.schedulers, state.schedulers)):
         if len(saved) != len(live):
-            raise ValueError(f"{_DAMAGED}: it holds {len(saved)} {what}, the run has {len(live)}; {_FIX}")
+            return f"it holds {len(saved)} {what}, the run has {len(live)}"
     for i, (saved, opt) in enumerate(zip(snapshot.optimizers, state.optimizers, strict=True)):
         groups = opt.param_groups
         sizes = [len(g["params"]) for g in groups]
         saved_sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in saved["param_groups"]]
         if saved_sizes != sizes:
-            raise ValueError(f"{_DAMAGED}: optimizers[{i}] has parameter groups of sizes {saved_sizes}, the run's "
-                             f"optimizer {sizes}; {_FIX}")
+            return f"optimizers[{i}] has parameter groups of sizes {saved_sizes}, the run's optimizer {sizes}"
         params = [p for g in groups for p in g["params"]]
         ids = [pid for g in saved["param_groups"] for pid in g["params"]]
         index = dict(zip(ids, params, strict=True))
         for pid, entry in saved["state"].items():
             param = index.get(pid)
             if param is None or not isinstance(entry, dict):
-                raise _refuse(f"optimizers[{i}]['state'][{pid!r}]", entry, "the state of one of its parameters")
+                return _refuse(f"optimizers[{i}]['state'][{pid!r}]", entry,
+                               "the state of one of its parameters").problem
             for key, t in entry.items():
                 if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != param.shape:
-                    raise ValueError(f"{_DAMAGED}: optimizers[{i}]['state'][{pid!r}][{key!r}] is {tuple(t.shape)}, "
-                                     f"its parameter is {tuple(param.shape)}; {_FIX}")
+                    return (f"optimizers[{i}]['state'][{pid!r}][{key!r}] is {tuple(t.shape)}, its parameter is "
+                            f"{tuple(param.shape)}")
+    return None

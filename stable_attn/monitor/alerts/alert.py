@@ -102,6 +102,29 @@ def _number(x: Any) -> float | None:
         return None
 
 
+# What the replay's verdict means, for the log line (monitor/actions/replay.py decides it)
+_VERDICT_WORDS = {
+    "numerical": "numerical (a replay with another attention arithmetic did not spike)",
+    "data": "data (every replayed attention arithmetic spiked: look at the batch)",
+    "unclear": "unclear (the replays neither all spiked nor stopped spiking with a fix)",
+}
+
+
+def _diagnosis_words(diagnosis: Mapping[str, Any]) -> str:
+    """The spike's diagnosis (``diagnose_spikes``) in a few words: the verdict, else why there is none."""
+    if diagnosis.get("verdict") is not None:
+        words = f"diagnosis {_VERDICT_WORDS.get(diagnosis['verdict'], diagnosis['verdict'])}"
+    elif diagnosis.get("skipped"):
+        words = f"diagnosis skipped: {diagnosis['skipped']}"
+    elif diagnosis.get("error"):
+        words = f"diagnosis failed: {diagnosis['error']}"
+    else:
+        return "diagnosis: none"
+    if diagnosis.get("bundle"):
+        words += f", replay bundle {diagnosis['bundle']}"
+    return words
+
+
 def _short_evidence(alert: Alert) -> list[str]:
     """The evidence in a few words for the log line: what was done, where in the data, what moved."""
     parts = []
@@ -333,6 +356,8 @@ class Alert:
             parts.append("layers " + ", ".join(f"{name} {change:+.3g}" for name, change in self.layers[:4]))
         parts.append(f"action {self.action}")
         parts.extend(_short_evidence(self))
+        if self.diagnosis:
+            parts.append(_diagnosis_words(self.diagnosis))
         if self.message:
             parts.append(" ".join(self.message.split()))  # one line, whatever the caller passed
         if self.checkpoint is not None:

@@ -27,7 +27,7 @@ class AlertDesk:
         self.dispatcher: AlertDispatcher | None = None
         self.evidence = Evidence()
         self.delivered: dict[str, dict[str, int]] = {}  # per channel: closed channels and earlier runs of a resume
-        self.defer = False  # alerts delivered now wait for the step's attention statistics (flush)
+        self.defer = False  # alerts delivered now wait for the end of their step (flush)
         self._deferred: list[Alert] = []
 
     @property
@@ -42,11 +42,12 @@ class AlertDesk:
 
     def deliver(self, alert: Alert, facts: StepFacts) -> None:
         """``alert`` with its evidence, to every channel; while :attr:`defer` is set, every field but the attention
-        statistics is filled now (the gradients are gone after the step) and it waits for :meth:`flush`."""
+        statistics and the outcome is filled now (the gradients are gone after the step) and it waits for
+        :meth:`flush` (the step's statistics reduced, its action resolved)."""
         if self.dispatcher is None:
             return
         if self.defer:
-            self._deferred.append(self.evidence.fill(alert, facts, leave=("attention",)))
+            self._deferred.append(self.evidence.fill(alert, facts, leave=("attention", "outcome")))
         else:
             self.dispatcher.emit(self.evidence.fill(alert, facts))
 

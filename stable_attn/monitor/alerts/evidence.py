@@ -21,8 +21,10 @@ an alert of the step (docs/ALERTS.md has each field, its unit and when it is nul
 - ``grad_norms``: the 5 parameters with the largest gradient norm, one ``torch._foreach_norm`` over the
   gradients on alert steps only (the every-step norm is one fused total; asking it for per-tensor norms would
   cost every step), once per step however many alerts it raises;
-- ``outcome``: what the action did (update applied or dropped, rolled back to which step, skipping which
-  batches, stopped, the checkpoint's file name).
+- ``outcome``: what the step's action did once it resolved (update applied or dropped, rolled back to which
+  step, skipping which batches, stopped, the checkpoint's file name): the engine holds a step's alerts until its
+  action has run after the optimizer step (a recovery that fell back to an older snapshot, or found none and
+  stopped, is told as it happened, not as it was decided).
 
 "Moved" (:func:`moved`): over the window of monitored steps the engine keeps (``layer_window``), for each
 layer and each of max logit, saturation, sink mass and entropy, the relative change between the oldest and the
@@ -76,6 +78,9 @@ class StepFacts:
     layers: LayerStats | None = None  # the watched attention layers and their recent statistics
     restores_to: int | None = None  # the step a rollback decided at this step goes back to
     stopping: bool = False  # the run stops at the end of this step
+    #: What the step's action did once it resolved (after the optimizer step): ``taken``, ``rolled_back_to``,
+    #: ``skipping_batches``, ``stopped``, ``checkpoint`` (a local path). None before: the alerts of a step wait for it.
+    resolved: dict[str, Any] | None = None
 
 
 def _relative(before: float, after: float, stat: str) -> float:
@@ -194,6 +199,10 @@ class Evidence:
                 self._failed.add(name)
                 log.log(level, "stable_attn: the alert at step %s carries no %s: %s: %s", alert.step, name,
                         type(exc).__name__, exc)
+        resolved = facts.resolved
+        if (alert.checkpoint is None and "outcome" in fields and resolved is not None and self._this_step(alert)
+                and resolved.get("checkpoint") is not None):
+            fields["checkpoint"] = resolved["checkpoint"]  # the step stopped after all (a recovery found nothing)
         return replace(alert, **fields)
 
     def _this_step(self, alert: Alert) -> bool:
@@ -268,6 +277,14 @@ class Evidence:
     def _outcome(self, alert: Alert, facts: StepFacts) -> dict[str, Any]:
         verdict = self._judged.verdict if self._this_step(alert) and self._judged is not None else None
         dropped = verdict.drop if verdict is not None else None
+        resolved = facts.resolved
+        if verdict is not None and resolved is not None:  # the step's outcome, whatever its alert first said
+            checkpoint = resolved.get("checkpoint")
+            return {"taken": resolved["taken"], "update_applied": not dropped,
+                    "rolled_back_to": resolved.get("rolled_back_to"),
+                    "skipping_batches": resolved.get("skipping_batches"),
+                    "stopped": bool(resolved.get("stopped")),
+                    "checkpoint": checkpoint_name(checkpoint) if checkpoint is not None else None}
         rolled_back_to = None
         if verdict is not None and verdict.rollback and facts.restores_to is not None:
             rolled_back_to = int(facts.restores_to)

@@ -32,7 +32,7 @@ def test_ring_layout_always_reaches_rollback_steps_back(steps, every, layout):
         assert kept[0] <= now - steps
 
 
-def test_ring_target_is_the_newest_snapshot_far_enough_back_and_drops_newer_ones():
+def test_ring_chooses_the_newest_snapshot_far_enough_back_and_drops_newer_ones_after():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ring = SnapshotRing(*ring_layout(4, 2))
@@ -43,10 +43,13 @@ def test_ring_target_is_the_newest_snapshot_far_enough_back_and_drops_newer_ones
             ring.take(state(step, model, opt))
     assert ring.steps == [8, 10, 12]
     assert all(t.device.type == "cpu" for t in ring.entries[0].snapshot.model.values())
-    entry = ring.target(13, 4)
-    assert entry.snapshot.step == 8 and float(entry.snapshot.model["weight"][0, 0]) == 8.0
+    assert [e.step for e in ring.candidates(13, 4)] == [8]
+    choice = ring.choose(13, 4, state(13, model, opt))
+    assert choice.snapshot.step == 8 and float(choice.snapshot.model["weight"][0, 0]) == 8.0
+    assert ring.steps == [8, 10, 12]  # nothing dropped before the restore
+    ring.keep_through(choice.entry)
     assert ring.steps == [8]  # 10 and 12 belong to the abandoned trajectory
-    assert ring.target(9, 100).snapshot.step == 8  # too young a run: the oldest one
+    assert ring.choose(9, 100, state(9, model, opt)).snapshot.step == 8  # too young a run: the oldest one
 
 
 def test_ring_over_its_memory_limit_keeps_files_and_restores_the_same_state(tmp_path):
@@ -72,11 +75,12 @@ def test_ring_over_its_memory_limit_keeps_files_and_restores_the_same_state(tmp_
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["snapshot-step=10-rank=1.pt", "snapshot-step=12-rank=1.pt", "snapshot-step=4-rank=0.pt",
                      "snapshot-step=8-rank=1.pt"]  # 0..6 deleted as the ring moved on, the stale file at start
-    entry = ring.target(13, 4)
-    assert entry.step == 8 and entry.detectors == {"loss": [{"step": 8}]}
-    snap = entry.load()
+    choice = ring.choose(13, 4, state(13, model, opt))
+    entry, snap = choice.entry, choice.snapshot
+    assert entry.step == 8 and entry.detectors == {"loss": [{"step": 8}]} and not choice.passed_over
     assert all(torch.equal(snap.model[k], kept[8][k]) for k in kept[8])
     assert snap.optimizers[0]["state"][0]["exp_avg"].shape == (2, 3)
+    ring.keep_through(entry)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot-step=4-rank=0.pt", "snapshot-step=8-rank=1.pt"]
     ring.clear()
     assert [p.name for p in tmp_path.iterdir()] == ["snapshot-step=4-rank=0.pt"]

@@ -1,0 +1,65 @@
+"""Two gloo processes run ring_loop's recovery with only rank 1's ring files damaged, once per case; each rank
+writes ``<case>/rank<r>.json`` (rollbacks, whether it stopped, its recovery alerts' messages, a digest of its final
+weights). Both ranks see the same data, so they stay replicas.
+
+    python ring_ddp_run.py OUT_DIR "rank 1 bad newest" "rank 1 bad all"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# ring_loop (and so stable_attn) is imported in the ranks only: the parent just spawns them.
+
+
+def gather(t: torch.Tensor) -> torch.Tensor:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.stack(out)
+
+
+def damage_for(case: str):
+    from ring_loop import rewrite, truncate, wrong_shape
+
+    def damage(loop) -> None:
+        if loop.rank != 1:
+            return
+        rewrite(loop.file(4), wrong_shape)
+        if case == "rank 1 bad all":
+            truncate(loop.file(2))
+    return damage
+
+
+def rank_main(rank: int, out: str, cases: list[str]) -> None:
+    from ring_loop import RingLoop
+
+    from stable_attn.monitor.engine import World
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank, world_size=2)
+    try:
+        for case in cases:
+            folder = os.path.join(out, case.replace(" ", "_"))
+            loop = RingLoop(os.path.join(folder, "logs"), World(rank=rank, size=2, all_gather=gather))
+            loop.run(damage=damage_for(case))
+            weights = b"".join(v.numpy().tobytes() for v in loop.model.state_dict().values())
+            result = {"rollbacks": [list(r) for r in loop.engine.rollbacks],
+                      "stopped": loop.ends[-1].stop_checkpoint is not None,
+                      "alerts": [a.message for a in loop.alerts if a.kind == "recovery"],
+                      "final": hashlib.sha256(weights).hexdigest()}
+            loop.engine.end_run("at the end of the test")
+            with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=(sys.argv[1], sys.argv[2:]), nprocs=2, join=True)

@@ -1,0 +1,119 @@
+"""SpikeDetector with the learning rate: a schedule restart is followed, not alerted; warm-up, ramps and a
+missing learning rate change nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from stable_attn.monitor import SpikeDetector
+from stable_attn.monitor.detectors import spikes
+from stable_attn.monitor.verdict import RankReading, StepJudge
+
+PERIOD = 400
+
+
+def restarts(seed: int, steps: int = 1600, jump: float = 1.0, warm: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """A falling loss with 1% noise under a cosine schedule restarted every PERIOD steps (through a linear warm-up
+    of ``warm`` steps); at each restart the loss rises by ``jump`` over 5 steps past the warm-up and settles back
+    over about 60 steps. Returns (losses, learning rates)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps)
+    k = t % PERIOD
+    lrs = (1e-6 + 0.5 * (1e-3 - 1e-6) * (1 + np.cos(np.pi * k / PERIOD))) * np.minimum(1.0, (k + 1) / warm)
+    curve = 2.0 + 3.0 * (1 + t / 50.0) ** -0.5
+    rise = np.minimum(1.0, (k + 1) / (warm + 5)) * np.exp(-np.maximum(k - warm - 5, 0) / 60)
+    bump = np.where(t >= PERIOD, jump * rise, 0.0)
+    return curve * (1 + bump) * np.exp(0.01 * rng.standard_normal(steps)), lrs
+
+
+def flags(det: SpikeDetector, values: np.ndarray, lrs: np.ndarray | None) -> list[int]:
+    lr_at = [None] * len(values) if lrs is None else lrs.tolist()
+    return [i for i, (x, lr) in enumerate(zip(values.tolist(), lr_at)) if det.update(i, x, lr=lr) is not None]
+
+
+@pytest.mark.parametrize("warm", [1, 30])
+@pytest.mark.parametrize("seed", range(2))
+def test_a_restart_that_doubles_the_loss_is_followed_with_the_learning_rate(seed: int, warm: int) -> None:
+    values, lrs = restarts(seed, warm=warm)
+    assert flags(SpikeDetector.loss(), values, None)  # without the learning rate: false alarms at the restarts
+    det = SpikeDetector.loss()
+    assert flags(det, values, lrs) == []
+    assert det.restarts == 3 and det.phase == "calibrated"
+    norm = SpikeDetector.grad_norm()
+    assert flags(norm, values, lrs) == [] and norm.restarts == 3
+
+
+@pytest.mark.parametrize("after", [30, 150])
+def test_a_corrupted_batch_after_a_restart_is_still_caught(after: int) -> None:
+    values, lrs = restarts(2)
+    at = PERIOD + after
+    values[at] *= 2.5
+    assert flags(SpikeDetector.loss(), values, lrs) == [at]
+
+
+def test_a_nonfinite_value_during_the_grace_is_flagged() -> None:
+    values, lrs = restarts(3)
+    values[PERIOD + 2] = math.nan
+    assert flags(SpikeDetector.loss(), values, lrs) == [PERIOD + 2]
+
+
+def test_a_garbled_gradient_norm_during_the_grace_is_flagged_by_the_start_rule() -> None:
+    values, lrs = restarts(4, jump=0.5)
+    values[PERIOD + 4] *= 20.0
+    assert flags(SpikeDetector.grad_norm(), values, lrs) == [PERIOD + 4]
+
+
+@pytest.mark.parametrize("kind", ["warmup_from_zero", "ramp", "constant", "step_decay", "nan", "none"])
+def test_schedules_without_a_restart_change_nothing(kind: str) -> None:
+    rng = np.random.default_rng(5)
+    steps = 800
+    t = np.arange(steps)
+    values = (2.0 + 3.0 * (1 + t / 50.0) ** -0.5) * np.exp(0.01 * rng.standard_normal(steps))
+    values[500] *= 1.5
+    lrs = {"warmup_from_zero": np.minimum(1.0, t / 100.0) * 1e-3, "ramp": 1e-4 * 1.01 ** t,
+           "constant": np.full(steps, 1e-3), "step_decay": 1e-3 * 0.1 ** (t // 300),
+           "nan": np.full(steps, math.nan), "none": None}[kind]
+    det = SpikeDetector.loss()
+    assert flags(det, values, lrs) == flags(SpikeDetector.loss(), values, None) == [500]
+    assert det.restarts == 0
+    off = SpikeDetector.loss(lr_restart_ratio=None)
+    restarted, lr_at = restarts(0)
+    assert flags(off, restarted, lr_at) == flags(SpikeDetector.loss(), restarted, None)
+
+
+def test_state_round_trip_in_the_grace_and_the_previous_version_loads() -> None:
+    values, lrs = restarts(6)
+    reference, restored = SpikeDetector.loss(), SpikeDetector.loss()
+    for i in range(PERIOD + 3):
+        reference.update(i, values[i], lr=lrs[i])
+    restored.load_state_dict(json.loads(json.dumps(reference.state_dict())))
+    rest = range(PERIOD + 3, len(values))
+    assert [reference.update(i, values[i], lr=lrs[i]) for i in rest] == \
+        [restored.update(i, values[i], lr=lrs[i]) for i in rest]
+    old = SpikeDetector.loss()
+    state = old.state_dict()
+    previous = {k: v for k, v in state.items() if k not in ("lr_peak", "lr_low", "lr_last", "restarts", "grace",
+                                                             "grace_rising", "settle")}
+    old.load_state_dict({**previous, "version": spikes._PREVIOUS_VERSION})
+    assert old.restarts == 0
+
+
+@pytest.mark.parametrize("bad", [1.0, 0.5, math.inf, math.nan])
+def test_lr_restart_ratio_is_checked(bad: float) -> None:
+    with pytest.raises(ValueError, match="lr_restart_ratio"):
+        SpikeDetector.loss(lr_restart_ratio=bad)
+    with pytest.raises(TypeError, match="lr"):
+        SpikeDetector.loss().update(0, 1.0, lr="fast")  # type: ignore[arg-type]
+
+
+def test_the_judge_passes_the_learning_rate_to_both_detectors() -> None:
+    values, lrs = restarts(7)
+    loss, norm = SpikeDetector.loss(), SpikeDetector.grad_norm()
+    judge = StepJudge("skip", loss, norm)
+    dropped = [step for step, (x, lr) in enumerate(zip(values.tolist(), lrs.tolist()))
+               if judge.judge(step, [RankReading(x, x)], has_norm=True, scaler=False, lr=lr).verdict.drop]
+    assert dropped == [] and loss.restarts == norm.restarts == 3
