@@ -188,14 +188,12 @@ class MonitorEngine:
         and patch ``F.scaled_dot_product_attention`` once if ``patch_sdpa``; ``stage`` names the run."""
         self.world = world
         self._run.rank, self._run.size = world.rank, world.size
-        self._run.all_gather = self._gather_host if world.size > 1 else None
+        self._run.all_gather = world.gather_host if world.size > 1 else None
         self._root = root
         self.desk.evidence.watch(root)
         self._swap_models(root)
-        if self._qk is not None and self._qk_modules:
-            # Read the layouts again: sharding after an earlier setup (Lightning's configure_model, with the model
-            # built in __init__) replaces q_proj / k_proj's parameters, and an edit of the old ones reaches nothing.
-            self._qk.setup(self._qk_modules)
+        if self._qk is not None:  # every setup: sharding since the last one (configure_model) replaces q/k weights
+            self._qk.setup(self._qk_modules)  # raises on a layout it cannot edit, naming the module class
         if self.config.patch_sdpa and self.sdpa_patch is None:
             from ..integrations.sdpa import patch_sdpa
 
@@ -203,11 +201,6 @@ class MonitorEngine:
             if world.is_zero:
                 log.warning("%s: torch.nn.functional.scaled_dot_product_attention now runs stable_attn (backend %s) "
                             "until the end of %s", self.name, world.backend, stage)
-
-    def _gather_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` (on the host), through the world's collective on its device."""
-        assert self.world.all_gather is not None
-        return self.world.all_gather(tensor.to(self.world.device)).cpu()
 
     def _swap_models(self, root: torch.nn.Module) -> None:
         # imported here: the engine imports no transformers until a run sets up
@@ -228,9 +221,7 @@ class MonitorEngine:
             prepare_checkpointed_training(prepared.models.values(), self.name, self.world.is_zero))
         self._swapped.update((id(model), model) for model in prepared.models.values())
         self._watch.add(prepared.stats)
-        if self._qk is not None:
-            self._qk_modules.update(prepared.modules)
-            self._qk.setup(self._qk_modules)  # raises on a layout it cannot edit, naming the module class
+        self._qk_modules.update(prepared.modules)  # QK-Clip's layers: setup reads their layouts
         self._switch_watch.add(prepared.models)
         if self.world.is_zero:
             found = ", ".join(type(m).__name__ for m in prepared.models.values())

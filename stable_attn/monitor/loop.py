@@ -59,6 +59,12 @@ class World:
     def backend(self) -> str:
         return "triton (CUDA)" if self.device.type == "cuda" else "torch (CPU)"
 
+    def gather_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (on the host), through :attr:`all_gather` on the world's device."""
+        if self.all_gather is None:
+            raise RuntimeError(f"World(size={self.size}) has no all_gather")
+        return self.all_gather(tensor.to(self.device)).cpu()
+
 
 @dataclass(frozen=True)
 class Decision:

@@ -32,8 +32,9 @@ class RingLoop:
         self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.alerts: list[Any] = []
-        options = dict(on_spike="recover", snapshot_memory_limit=0, rollback_steps=3, rollback_every=2,
-                       skip_batches=0, alerts_file=None, on_alert=self.alerts.append) | options
+        options = dict(on_spike="recover", alerts_file=None, on_alert=self.alerts.append) | options
+        if options["on_spike"] == "recover":  # the ring's arguments (refused under the other actions)
+            options = dict(snapshot_memory_limit=0, rollback_steps=3, rollback_every=2, skip_batches=0) | options
         self.engine = MonitorEngine(**options)
         self.rank = world.rank if world is not None else 0
         self.engine.setup(self.model, world or World())
