@@ -206,7 +206,8 @@ class MonitorEngine:
         # imported here: the engine imports no transformers until a run sets up
         from ..integrations.transformers.swap import SwitchWatch, prepare_models
 
-        self._switch_watch = self._switch_watch or SwitchWatch()
+        if self._switch_watch is None:
+            self._switch_watch = SwitchWatch()
 
         prepared = prepare_models(root, swap=self.config.swap, stats=self.config.attention_stats,
                                   prepared=self._swapped.values())
@@ -227,8 +228,9 @@ class MonitorEngine:
             found = ", ".join(type(m).__name__ for m in prepared.models.values())
             what = "switched %d transformers model(s) [%s] to 'stable_attn'" if self.config.swap else \
                 "monitoring %d transformers model(s) [%s] (attention not switched)"
-            log.warning("%s: " + what + ": %d attention layer(s) (%s), backend %s", self.name, len(prepared.models),
-                        found, prepared.attention_layers, prepared.implementations(), self.world.backend)
+            log.warning("%s: " + what + ": %d attention layer(s) (%s), backend %s",
+                        self.name, len(prepared.models), found, prepared.attention_layers, prepared.implementations(),
+                        self.world.backend)
 
     def start(self, log_dir: str, log_every_n_steps: int, stop_path: Callable[[int], str] | None = None) -> None:
         """The run starts: alert channels open on rank zero, writing the JSONL file in ``log_dir``.
