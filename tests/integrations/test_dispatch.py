@@ -36,9 +36,10 @@ def served(monkeypatch) -> list[str]:
     """The implementation ``attention()`` picks for each call as if its tensors were on a CUDA device."""
     picks: list[str] = []
 
-    def resolve(backend, q, has_attn_mask, k=None, pv_fp32=False, v=None):
+    def resolve(backend, q, has_attn_mask, k=None, pv_fp32=False, v=None, key_block=_ops.BLOCK_N):
         cuda = [None if t is None else t.as_subclass(_OnCuda) for t in (k, v)]
-        picks.append(_ops.resolve_backend(backend, q.as_subclass(_OnCuda), has_attn_mask, cuda[0], pv_fp32, cuda[1]))
+        picks.append(_ops.resolve_backend(backend, q.as_subclass(_OnCuda), has_attn_mask, cuda[0], pv_fp32, cuda[1],
+                                          key_block))
         return "torch"  # the CPU runs it either way
 
     monkeypatch.setattr(attention_module, "resolve_backend", resolve)
