@@ -20,7 +20,8 @@ Rules (each is given exactly what its source does; none is tuned here):
   learning rate (a loop that does not pass it). Another (not a default): the same with ``gross_z=0``, the gross
   rule's ratio without its noise bar. Another:
   ``rising_noise=False, start_ratio=None``, the gradient-norm detector before it measured its noise on rises only
-  and had its start rule (docs/DETECTORS.md, "The start of a run"); on the loss those are the defaults.
+  and had its start rule (docs/DETECTORS.md, "The start of a run"; with today's 3x minimum rise for its jumps); on
+  the loss those are the defaults.
 - **Lightning**: ``lightning.fabric.utilities.spike.SpikeDetection`` at its defaults (mean of the last 10
   accepted values, ``rtol=2.0``, mode ``min``), as ``benchmarks/spike_detection.py`` reimplements it
   (checked against Lightning's class when this runs).

@@ -8,9 +8,11 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from stable_attn.monitor import SpikeDetector
 from stable_attn.monitor.detectors import spikes
+from stable_attn.monitor.engine import MonitorEngine, Trainables, World
 from stable_attn.monitor.verdict import RankReading, StepJudge
 
 PERIOD = 400
@@ -117,3 +119,27 @@ def test_the_judge_passes_the_learning_rate_to_both_detectors() -> None:
     dropped = [step for step, (x, lr) in enumerate(zip(values.tolist(), lrs.tolist()))
                if judge.judge(step, [RankReading(x, x)], has_norm=True, scaler=False, lr=lr).verdict.drop]
     assert dropped == [] and loss.restarts == norm.restarts == 3
+
+
+def test_the_engine_gives_the_detectors_the_optimizer_learning_rate(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=20, eta_min=1e-5)  # restarts at 20, 40
+    engine = MonitorEngine()
+    engine.setup(model, World())
+    engine.start(str(tmp_path), 10)
+    engine.train_start(Trainables(step=0, model=model, optimizers=[opt], schedulers=[sched]))
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    for step in range(50):
+        engine.begin_step(step)
+        loss = ((model(x) - y) ** 2).mean()
+        engine.add_loss(loss)
+        loss.backward()
+        engine.before_optimizer_step(opt, model.parameters())
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        engine.end_step(Trainables(step=step + 1, model=model, optimizers=[opt], schedulers=[sched]))
+    engine.end_run("at the end of the test loop")
+    assert engine.loss_detector.restarts == engine.grad_norm_detector.restarts == 2
