@@ -17,7 +17,8 @@ Two rows per shape:
   precomputed launch (kernels/decode_launch.py: constants, split count, strides, scratch partials).
 
 Each figure: the median over ``--repeats`` rounds of the mean CPU time per call over ``--calls`` calls
-(``time.process_time``, which moves less than wall time with the load of a shared machine; one thread). ``F.scaled_dot_product_attention`` on a tiny CPU problem (dispatch and compute) is the yardstick.
+(``time.process_time``, which moves less than wall time with the load of a shared machine; one thread).
+``F.scaled_dot_product_attention`` on a tiny CPU problem (dispatch and compute) is the yardstick.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import stable_attn  # noqa: E402
 from machine import cpu_model  # noqa: E402
+
+import stable_attn  # noqa: E402
 from stable_attn import call_cache  # noqa: E402
 from stable_attn.kernels import triton_decode  # noqa: E402
 
