@@ -35,9 +35,12 @@ from triton.errors import TritonError
 from .triton_forward import (
     FP32_MAX,
     MODE_EXACT,
-    fwd_block,
+    MODE_OFF,
     fwd_blocks,
+    fwd_scores,
+    fwd_update,
     round_to,
+    row_top2_by_count,
     sink_start,
     tc_row_sum_total,
     tc_row_sum_zeros,
@@ -109,12 +112,21 @@ def attn_fwd_ws_kernel(
 
     lo, mid_lo, mid_hi, hi_al = key_range(q_lo, Nq, Nk, pos_offset, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     # seen in full by every row (unmasked): the warp-specialized loop, fwd_blocks' body
+    # (fwd_block's body, the block's top two from single-result reductions: row_top2_by_count selects the values
+    # row_top2 computes; the partitioner of Triton 3.9's warp specialization takes no multi-result tl.reduce)
     for start_n in tl.range(mid_lo, mid_hi, BLOCK_N, warp_specialize=True):
-        acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_block(
-            acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, b, hkv, K, V, kpm_ptrs, start_n, offs_m, offs_n0,
-            offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2,
-            max_shift2, beta, seed, drop_p, drop_row, False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT,
-            HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+        s, kv_mask = fwd_scores(q, b, hkv, K, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn, qk_scale2,
+                                cap_scale, cap_log2e, Nk, pos_offset, window, False, CAUSAL, WINDOW, SOFTCAP, HAS_KPM,
+                                HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
+        if MODE == MODE_OFF:
+            top1 = None  # plain FA2: fwd_decide takes the max alone
+            top2 = None
+        else:
+            top1, top2 = row_top2_by_count(s)
+        acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_update(
+            acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s, top1, top2, kv_mask, b, hkv, V, start_n, offs_n0,
+            offs_d, stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, False,
+            SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
     # cut by the causal diagonal or the end of the keys (masked), as the current kernel walks it
     acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_blocks(
         m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, b, hkv, K, V, kpm_ptrs, mid_hi, hi_al, offs_m, offs_n0,

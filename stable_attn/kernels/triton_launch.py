@@ -323,7 +323,7 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
                   DTYPE=TL_DTYPE[dtype], UPCAST=upcast, PREC=precision(dtype, upcast))
     if kpm is not None:
         consts["HAS_KPM"] = kpm
-    consts["CAUSAL"] = causal_constant(causal, gen, kind.removesuffix("_varlen"))  # longest first (triton_order.py)
+    consts["CAUSAL"] = causal_constant(causal, gen, kind, packed=kpm is None)  # longest first (triton_order.py)
     if kind == "fwd":
         plain = not (window or softcap or dropout or kpm)
         cfg = config or fwd_config(block_d, block_n, dtype, gen, mode=mode, stats=stats, plain=plain,

@@ -10,15 +10,16 @@ block is computed by the same code on the same inputs, so the outputs are the sa
 (tests/kernels/test_causal_order.py). benchmarks/causal_order.py simulates the makespan of both orders.
 Non-causal blocks cost the same, and keep their order (the kernels compile as before).
 
-The forward and dQ kernels (dense and varlen) take it; the dK/dV kernel's key block ``n`` walks the queries from
+The dense forward and dQ kernels take it; the dK/dV kernel's key block ``n`` walks the queries from
 the diagonal to the end, so its natural order is already the longest first.
 
-Where: the GPUs of the sm_90 tile rows (H100/H200, B200/B300: ``triton_launch.tile_generation`` 90), where the
-simulation was run (132 SMs) and where it leaves every compiled variant as it was (registers, spills, shared
-memory, loop SASS: benchmarks/kernel_resources.py). On sm_80 the published rule's D = 64 forward then spilled 8
-bytes (it has none in natural order), so sm_80 and sm_120 keep the natural order. The choice travels in the
-kernels' ``CAUSAL`` constexpr (:func:`causal_constant`): ``HEAVY_FIRST`` (2) is causal, longest first; ``True`` is
-causal in natural order; every other use of ``CAUSAL`` only asks whether it is set.
+Where: dense launches on the GPUs of the sm_90 tile rows (H100/H200, B200/B300: ``triton_launch.tile_generation``
+90), where the simulation was run (132 SMs) and where the compiled forward stays as it was (registers, spills,
+shared memory, loop SASS; dQ at D = 128: one register more; benchmarks/kernel_resources.py). On sm_80 the published
+rule's D = 64 forward then spilled 8 bytes (none in natural order), and the varlen forward's loop grew by one or
+two instructions in two sm_90 variants: sm_80, sm_120 and the varlen kernels keep the natural order. The choice
+travels in the kernels' ``CAUSAL`` constexpr (:func:`causal_constant`): ``HEAVY_FIRST`` (2) is causal, longest
+first; ``True`` is causal in natural order; every other use of ``CAUSAL`` only asks whether it is set.
 """
 
 from __future__ import annotations
@@ -30,24 +31,20 @@ _HEAVY_FIRST = 2
 HEAVY_FIRST = tl.constexpr(_HEAVY_FIRST)  # the CAUSAL constexpr of a causal launch handing out its longest blocks first
 
 
-def causal_constant(causal: bool, generation: int, kind: str) -> bool | int:
-    """The ``CAUSAL`` constexpr of a launch of kernel ``kind`` on a GPU of tile rows ``generation``
-    (``triton_launch.tile_generation``): ``HEAVY_FIRST`` for the causal forward and dQ on sm_90 rows, else
-    ``causal``."""
-    return _HEAVY_FIRST if causal and generation == 90 and kind in ("fwd", "bwd_dq") else causal
+def causal_constant(causal: bool, generation: int, kind: str, packed: bool) -> bool | int:
+    """The ``CAUSAL`` constexpr of a launch of kernel ``kind`` (``packed``: the varlen kernel) on a GPU of tile rows
+    ``generation`` (``triton_launch.tile_generation``): ``HEAVY_FIRST`` for the dense causal forward and dQ on sm_90
+    rows, else ``causal``."""
+    heavy = causal and generation == 90 and kind in ("fwd", "bwd_dq") and not packed
+    return _HEAVY_FIRST if heavy else causal
 
 
 @triton.jit
 def query_block(Nq, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr):
-    """This program's query block among the ``cdiv(Nq, BLOCK_M)`` of its (batch or sequence, head): the longest
-    first where ``CAUSAL`` is ``HEAVY_FIRST``. Dense: the grid's ``program_id(0)`` ranges over exactly those
-    blocks, so the reversal reads the grid's size (a special register, not a division). ``VARLEN``: the grid
-    covers the longest sequence, and a sequence's programs past its blocks return before asking, so the reversal
-    counts the sequence's own."""
+    """This program's query block among the ``cdiv(Nq, BLOCK_M)`` of its (batch, head): the longest first where
+    ``CAUSAL`` is ``HEAVY_FIRST`` (dense launches only: their grid's ``program_id(0)`` ranges over exactly those
+    blocks, so the reversal reads the grid's size, a special register)."""
     if CAUSAL == HEAVY_FIRST:
-        if VARLEN:
-            block = tl.cdiv(Nq, BLOCK_M) - 1 - tl.program_id(0)
-        else:
-            block = tl.num_programs(0) - 1 - tl.program_id(0)
-        return block
+        tl.static_assert(not VARLEN)
+        return tl.num_programs(0) - 1 - tl.program_id(0)
     return tl.program_id(0)

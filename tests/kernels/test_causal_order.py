@@ -1,7 +1,7 @@
 """The causal kernels hand out their query blocks longest first (kernels/triton_order.py): the same bits as in the
 natural order.
 
-The forward and dQ kernels, dense and varlen, run twice on the same inputs under the interpreter: with
+The dense forward and dQ kernels run twice on the same inputs under the interpreter: with
 ``triton_order.query_block`` as the kernels have it and with the natural order patched in (``program_id(0)``);
 every output (out, lse, row statistics, dq, dk, dv) must be equal bit for bit. The launch allocations start as
 NaN (conftest.py), so a block the reversed order skipped would fail the comparison. Shapes: several query blocks
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from stable_attn.kernels import triton_attention as ta
-from stable_attn.kernels import triton_backward, triton_forward
+from stable_attn.kernels import triton_backward, triton_forward, triton_order
 from stable_attn.kernels import triton_launch as launch
 from stable_attn.options import Options
 
@@ -54,7 +54,7 @@ def run(q, k, v, do, kpm, opts, natural, monkeypatch, varlen=False):
     (2, 1, 75, 75, None, False, False),
     (2, 2, 50, 83, None, True, False),
     (1, 1, 70, 70, 24, False, False),
-    (2, 1, 45, 45, None, False, True),
+    (2, 1, 45, 45, None, False, True),  # varlen: the natural order (triton_order.causal_constant), the same bits
 ])
 def test_the_longest_first_order_gives_the_natural_orders_bits(Hq, Hkv, Nq, Nk, window, kpm, varlen, monkeypatch):
     g = torch.Generator().manual_seed(Nq)
@@ -73,3 +73,14 @@ def test_the_longest_first_order_gives_the_natural_orders_bits(Hq, Hkv, Nq, Nk, 
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b), f"output {i}"
     assert not torch.isnan(got[0][..., :1]).all()
+
+
+def test_which_launches_hand_out_the_longest_blocks_first():
+    flags = dict(window=False, softcap=False, dropout=False)
+    for kind in ("fwd", "bwd_dq", "bwd_dkdv"):
+        for cc, kpm, causal, want in [(90, False, True, kind != "bwd_dkdv"), (100, False, True, kind != "bwd_dkdv"),
+                                      (80, False, True, False), (120, False, True, False), (90, None, True, False),
+                                      (90, False, False, False)]:
+            consts, _ = launch.launch_constants(kind, 64, torch.bfloat16, cc, causal=causal, kpm=kpm, **flags)
+            assert (consts["CAUSAL"] == triton_order.HEAVY_FIRST) == want, (kind, cc, kpm, causal)
+            assert bool(consts["CAUSAL"]) == causal
