@@ -18,9 +18,14 @@ on a GPU, benchmarks/gpu_check.sh compares it with kernels/reference.py and time
 It serves the plain variants (:func:`serves`: no window, softcap, key padding mask, dropout or statistics, one
 block of the partition per key tile, K and V through descriptors: the sm_90 / sm_100 tiles of
 ``triton_launch.fwd_config`` with TMA-compatible strides), dense (no packed sequences). The launcher takes it on
-sm_90 and sm_100 GPUs where it compiles (:func:`use`, once per set of constants; a compile error is logged once and
-the current kernel serves), the current kernel elsewhere; ``STABLE_ATTN_FORWARD=classic`` turns it off,
-``=ws`` forces it where it serves (tests under the interpreter).
+sm_90 and sm_100 GPUs where it compiles to a warp-specialized kernel (:func:`use`, :func:`launch`: checked once per
+set of constants; otherwise logged once and the current kernel serves), the current kernel elsewhere;
+``STABLE_ATTN_FORWARD=classic`` turns it off, ``=ws`` forces it where it serves (tests under the interpreter).
+
+Where Triton 3.9 stands (benchmarks/forward_ws_resources.py, docs/BENCHMARKS.md): on sm_90 the loop compiles
+without a warp split (no ``setmaxnreg``; with the count-based top two, 255 registers and a longer loop than the
+current kernel's), on sm_100 the compile fails in the warp-specialization passes. So :func:`launch` checks the
+compiled kernel for the split and takes it only then: today the current kernel serves both.
 """
 
 from __future__ import annotations
@@ -170,16 +175,29 @@ def use(cc: int, is_cuda: bool, consts: dict, packed: bool) -> bool:
 
 
 def launch(grid: tuple, cc: int, consts: dict, **kwargs) -> bool:
-    """Launch it; False (and logged once) where it fails to compile: the caller launches the current kernel."""
-    key = (cc, *sorted(consts.items()))
-    try:
-        attn_fwd_ws_kernel[grid](**kwargs)
-    except (TritonError, RuntimeError) as err:  # compile errors, ptxas, resources; the lowering's RuntimeErrors
-        if choice() == "ws" or _compiles.get(key) is not None:
-            raise
-        _compiles[key] = False
-        logger.warning("stable_attn: the warp-specialized forward does not compile for sm_%d (%s: %s); the "
-                       "current kernel serves", cc, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-        return False
-    _compiles[key] = True
+    """Launch it; False where it is not worth launching: the caller launches the current kernel.
+
+    The first launch of a set of constants compiles it (``warmup``) and keeps the answer: taken only where the
+    compiler split the warps (``setmaxnreg`` in the PTX: producer and consumer partitions with their own register
+    budgets). Where the compile fails, or succeeds without the split (the loop then runs unpipelined, as the
+    current kernel's but with its own code), it logs why once and the current kernel serves. ``STABLE_ATTN_FORWARD
+    =ws`` launches it without asking (tests under the interpreter; a compile error then raises)."""
+    if choice() != "ws":
+        key = (cc, *sorted(consts.items()))
+        known = _compiles.get(key)
+        if known is None:
+            try:
+                compiled = attn_fwd_ws_kernel.warmup(grid=grid, **kwargs)
+                known = "setmaxnreg" in compiled.asm.get("ptx", "")
+                why = "it compiles without a producer/consumer split (no setmaxnreg in the PTX)"
+            except (TritonError, RuntimeError) as err:  # compile errors, ptxas; the lowering raises RuntimeErrors
+                known = False
+                why = f"it does not compile ({type(err).__name__}: {str(err).strip().splitlines()[-1:]})"
+            _compiles[key] = known
+            if not known:
+                logger.warning("stable_attn: the warp-specialized forward is not used on sm_%d: %s; the current "
+                               "kernel serves", cc, why)
+        if not known:
+            return False
+    attn_fwd_ws_kernel[grid](**kwargs)
     return True

@@ -87,27 +87,36 @@ def test_which_launches_take_it(monkeypatch):
         triton_forward_ws.use(90, True, plain, False)
 
 
-def test_a_compile_error_falls_back_to_the_current_kernel_once(monkeypatch, caplog):
+@pytest.mark.parametrize(("outcome", "taken"), [("error", False), ("no split", False), ("split", True)])
+def test_it_is_taken_only_where_it_compiles_to_a_warp_split(outcome, taken, monkeypatch, caplog):
+    """``launch`` compiles once per set of constants (``warmup``) and launches only a kernel whose PTX holds the
+    producer/consumer split; otherwise the caller's current kernel serves, logged once."""
     from triton.errors import TritonError
 
-    class Failing:
-        calls = 0
+    class Compiled:
+        asm = {"ptx": "setmaxnreg.inc.sync.aligned.u32 240;" if outcome == "split" else "mma.sync"}
+
+    class Kernel:
+        warmups, launches = 0, 0
+
+        def warmup(self, grid, **kwargs):
+            Kernel.warmups += 1
+            if outcome == "error":
+                raise TritonError("no warp specialization here")
+            return Compiled()
 
         def __getitem__(self, grid):
             def run(**kwargs):
-                Failing.calls += 1
-                raise TritonError("no warp specialization here")
+                Kernel.launches += 1
             return run
 
     monkeypatch.delenv("STABLE_ATTN_FORWARD", raising=False)
-    monkeypatch.setattr(triton_forward_ws, "attn_fwd_ws_kernel", Failing())
+    monkeypatch.setattr(triton_forward_ws, "attn_fwd_ws_kernel", Kernel())
     monkeypatch.setattr(triton_forward_ws, "_compiles", {})
-    consts = {"X": 1}
-    assert triton_forward_ws.launch((1,), 90, consts) is False
-    assert "does not compile for sm_90" in caplog.text and not triton_forward_ws._compiles[(90, ("X", 1))]
     plain = {"TMA": True, "TILE_N": 16, "BLOCK_N": 16, "STATS": 0, "WINDOW": False, "SOFTCAP": False,
              "DROPOUT": False, "HAS_KPM": False}
-    assert triton_forward_ws.use(90, True, plain, False)
-    monkeypatch.setitem(triton_forward_ws._compiles, (90, *sorted(plain.items())), False)
-    assert not triton_forward_ws.use(90, True, plain, False)  # known not to compile: the current kernel
-    assert Failing.calls == 1
+    for _ in range(3):
+        assert triton_forward_ws.launch((1,), 100, plain, Q=None) is taken
+    assert Kernel.warmups == 1 and Kernel.launches == (3 if taken else 0)
+    assert triton_forward_ws.use(100, True, plain, False) is taken  # the answer is kept
+    assert ("not used on sm_100" in caplog.text) is not taken
