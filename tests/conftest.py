@@ -51,3 +51,15 @@ def pretrained(tmp_path_factory) -> str:
     with one_torch_thread():
         pretrain(path)
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def fresh_call_caches():
+    """Every test starts with no remembered call (stable_attn/call_cache.py) and no prepared decode launch
+    (kernels/decode_launch.py): its first call of a signature takes the full path, whatever a test patches."""
+    from stable_attn import call_cache
+    from stable_attn.kernels import decode_launch
+
+    call_cache._calls.clear()
+    decode_launch._prepared.clear()
+    yield

@@ -19,6 +19,7 @@ from .._checks import interpreting
 from .._ops import MAX_KV_TILE_BYTES, kv_tile_bytes
 from ..options import BLOCK_N, Options
 from ..stats import STATS_ENTROPY, RowStats
+from . import triton_forward_ws
 from . import triton_launch as launch
 from .triton_backward import (
     attn_bwd_dkdv_kernel,
@@ -87,8 +88,9 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed
                          f"than the {MAX_KV_TILE_BYTES} bytes of shared memory the kernel may use; use a smaller "
                          f"block_n (the default is {BLOCK_N})")
     with_stats = int(with_stats)  # a stats.STATS_* level (True: the row statistics without the entropy)
+    cc = launch.capability(q.device)
     consts, compile_opts = launch.launch_constants(
-        "fwd", D, dtype, launch.capability(q.device), **launch.feature_flags(opts),
+        "fwd", D, dtype, cc, **launch.feature_flags(opts),
         kpm=(key_padding_mask is not None) if packed is None else None, mode=opts.mode, stats=with_stats,
         block_n=block_n, forced_block_n=opts.key_block_given, tma=launch.tma_compatible(k, v),
         upcast=interpreting(), config=config, sinks=sinks is not None, value_dim=Dv)
@@ -121,9 +123,14 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed
     if packed is None:
         kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
         kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
+        # sm_90 / sm_100: the warp-specialized variant where it serves and compiles (triton_forward_ws.py)
+        ws = triton_forward_ws.use(cc, q.is_cuda, consts, packed=False)
         for b_first, nb in launch.batches(B):
-            attn_fwd_kernel[(n_m, Hq, nb)](Q=q, K=k_in, V=v_in, KPM=kpm, stride_kpmb=kpm_stride, Nq=Nq, Nk=Nk,
-                                           b_first=b_first, **args)
+            grid = (n_m, Hq, nb)
+            kw = dict(Q=q, K=k_in, V=v_in, KPM=kpm, stride_kpmb=kpm_stride, Nq=Nq, Nk=Nk, b_first=b_first, **args)
+            ws = ws and triton_forward_ws.launch(grid, cc, consts, **kw)  # False: it did not compile
+            if not ws:
+                attn_fwd_kernel[grid](**kw)
     elif min(n_m, Hq, B) > 0:
         attn_fwd_varlen_kernel[(n_m, Hq, B)](Q=q, K=k_in, V=v_in, CuQ=packed.cu_q, CuK=packed.cu_k,
                                              total_q=q.shape[0], **args)

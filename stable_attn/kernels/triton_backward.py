@@ -35,6 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .triton_order import query_block
 from .triton_tiles import CAPPED, TMA_PACKED, key_range, load_tile, round_to, scores_tile, tanh_f32, varlen_bounds
 
 
@@ -400,7 +401,7 @@ def dq_program(
     sequence's) lie in the masked stretch (``offs_n < Nk``), where ``dq_block`` zeroes them after the load:
     exact zeros as in the dense case, whatever they hold (the unmasked loop is untouched: same SASS).
     """
-    start_m = tl.program_id(0)
+    start_m = query_block(Nq, BLOCK_M, CAUSAL, VARLEN)  # causal: the longest blocks first (triton_order.py)
     h = tl.program_id(1)
     b = tl.program_id(2) + b_first  # dense: launches in chunks of the batch start at b_first (grid limit)
     b64 = b.to(tl.int64)

@@ -31,8 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import rules
-from .._checks import interpreting
 from ..options import Options
 from . import decode_plan
 from . import triton_launch as launch
@@ -219,50 +217,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
             split: int | None = None, return_partials: bool = False, sinks: torch.Tensor | None = None):
     """The decode forward on the GPU (or the interpreter): ``(out, lse2, None)`` as
     ``triton_attention.forward`` returns them; ``return_partials``: also the splits' ``(acc, l, r, m)``, shaped
-    as ``reference_decode.partials`` returns them. ``split`` defaults to ``decode_plan.split_keys``."""
+    as ``reference_decode.partials`` returns them. ``split`` defaults to ``decode_plan.split_keys``. The launch is
+    prepared from the shapes (``decode_launch.py``) and kept for the calls that repeat them, unless the caller
+    gives a ``split``, asks for the partials or ``call_cache.ENABLED`` is off (then prepared for this call alone)."""
+    from .. import call_cache
+    from .decode_launch import DecodeLaunch, prepared
+
     launch.check_device(q)
     q, k, v = launch.dense_last(q), launch.dense_last(k), launch.dense_last(v)
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    Dv = v.shape[-1]  # the value head dim (the partials' and the output's)
-    G = Hq // Hkv
-    if Hkv > launch.MAX_GRID_Y:
-        raise ValueError(f"Hkv={Hkv} KV heads: the decode kernel launches one grid row per KV head and CUDA allows "
-                         f"at most {launch.MAX_GRID_Y}")
-    block_n = opts.key_block
-    if split is None:
-        split = decode_plan.split_keys(B, Hkv, Nk, block_n)
-    decode_plan.check_split(split, block_n)
-    S = decode_plan.num_splits(Nk, split)
-    upcast = interpreting()
-    consts, compile_opts = decode_constants(
-        D, q.dtype, launch.capability(q.device), groups=G, nq=Nq, causal=opts.causal, window=opts.window is not None,
-        softcap=launch.score_form(opts), kpm=key_padding_mask is not None, mode=opts.mode, block_n=block_n,
-        upcast=upcast, sinks=sinks is not None, value_dim=Dv)
-    acc = launch.empty((B, Hq, Nq, S, Dv), torch.float32, q.device)
-    l_s, r_s, m_s = (launch.empty((B, Hq, Nq, S), torch.float32, q.device) for _ in range(3))
-    out = launch.empty((B, Hq, Nq, Dv), q.dtype, q.device)
-    lse2 = launch.empty((B, Hq, Nq), torch.float32, q.device)
-    tie2, min_shift2, max_shift2 = rules.rule_constants(q.dtype, opts.mode)
-    sc = launch.kernel_scalars(opts, q.dtype)
-    kpm = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else lse2
-    kpm_stride = kpm.stride(0) if key_padding_mask is not None else 0
-    n_rb = triton.cdiv(G * Nq, consts["BLOCK_M"])
-    for b_first, nb in launch.batches(B):
-        attn_decode_kernel[(S * n_rb, Hkv, nb)](
-            Q=q, K=k, V=v, KPM=kpm, Acc=acc, Lsum=l_s, Roff=r_s, Mmax=m_s,
-            Sinks=lse2 if sinks is None else sinks.to(torch.float32).contiguous(), **launch.strides("q", q),
-            **launch.strides("k", k), **launch.strides("v", v), stride_kpmb=kpm_stride, Hq=Hq, G=G, Nq=Nq, Nk=Nk,
-            window=sc["window"], split=split, n_splits=S, b_first=b_first, qk_scale2=sc["qk_scale2"],
-            cap_scale=sc["cap_scale"], cap_log2e=sc["cap_log2e"], tie2=tie2, min_shift2=min_shift2,
-            max_shift2=max_shift2, beta=opts.beta, **consts, **compile_opts,
-        )
-    if B * Hq * Nq > 0:
-        attn_decode_combine_kernel[(B * Hq * Nq,)](
-            Acc=acc, Lsum=l_s, Roff=r_s, Mmax=m_s, Out=out, Lse=lse2, **launch.strides("o", out), Hq=Hq, Nq=Nq,
-            n_splits=S, HEAD_D=Dv, BLOCK_D=consts["BLOCK_DV"], BLOCK_S=triton.next_power_of_2(S), DTYPE=consts["DTYPE"],
-            UPCAST=upcast, num_warps=4, **launch.FWD_COMPILE_OPTIONS,  # no contraction: the mirror rounds each step
-        )
+    if split is None and not return_partials and call_cache.ENABLED:
+        out, lse2 = prepared(q, k, v, key_padding_mask, opts, sinks).run(q, k, v, key_padding_mask, sinks)
+        return out, lse2, None
+    single = DecodeLaunch(q, k, v, key_padding_mask, opts, sinks is not None, split)
+    acc_shape, row_shape = single.partial_shapes
+    parts = (launch.empty(acc_shape, torch.float32, q.device),
+             *(launch.empty(row_shape, torch.float32, q.device) for _ in range(3)))
+    out, lse2 = single.run(q, k, v, key_padding_mask, sinks, partials=parts)
     if return_partials:
-        return out, lse2, None, (acc, l_s, r_s, m_s)
+        return out, lse2, None, parts
     return out, lse2, None

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .. import rules
 from .. import stats as _stats
+from .triton_order import query_block
 from .triton_tiles import TMA_PACKED, key_range, load_tile, round_to, scores_tile, varlen_bounds
 
 # A jit function reads only globals that are tl.constexpr instances.
@@ -565,7 +566,7 @@ def fwd_program(
     difference is confined to the offsets, each chosen where it is used (``x if VARLEN else y``,
     resolved at compile time), so the dense kernel's code carries no varlen line.
     """
-    start_m = tl.program_id(0)
+    start_m = query_block(Nq, BLOCK_M, CAUSAL, VARLEN)  # causal: the longest blocks first (triton_order.py)
     h = tl.program_id(1)
     b = tl.program_id(2) + b_first  # dense: launches in chunks of the batch start at b_first (grid limit)
     hkv = h // G

@@ -39,6 +39,7 @@ import triton.language as tl
 from .. import rules
 from .._checks import interpreting
 from ..options import BLOCK_N, Options
+from .triton_order import causal_constant
 
 # No implicit multiply-add contraction in the forward: P-bar's single rounding is the kernel's explicit
 # ``tl.fma(x, qk_scale2, -r)`` (reference.fma_f32 on the PyTorch path), and nothing else may be fused
@@ -333,6 +334,7 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
     block_d = max(block_d, block_dv)  # the tiles' row: the wider head dim
     if kpm is not None:
         consts["HAS_KPM"] = kpm
+    consts["CAUSAL"] = causal_constant(causal, gen, kind, packed=kpm is None)  # longest first (triton_order.py)
     if kind == "fwd":
         plain = not (window or softcap or dropout or kpm)
         cfg = config or fwd_config(block_d, block_n, dtype, gen, mode=mode, stats=stats, plain=plain,
