@@ -2,10 +2,12 @@
 
 Each row runs in fresh interpreters (``--repeats`` of them, rows interleaved so that machine load hits all
 alike) and times the import inside the interpreter with ``time.perf_counter``; ``stable-attn --help`` is timed
-from outside, as the whole process a user waits for. The table shows the median and the minimum (other load
-only ever adds to it) and which heavy packages the statement left in ``sys.modules``. ``--tree`` (repeatable)
-measures the ``stable_attn`` of other checkouts in the same interleaved rounds (each interpreter runs in that
-folder with it on ``PYTHONPATH``); the default is this repository.
+from outside, as the whole process a user waits for, through the entry point the tree's ``pyproject.toml`` names
+(``[project.scripts]``), called the way the installed console script calls it. The table shows the median and the
+minimum (other load only ever adds to it) and which heavy packages the statement left in ``sys.modules`` (for
+``stable-attn --help`` torch too). ``--tree`` (repeatable) measures the ``stable_attn`` of other checkouts in the
+same interleaved rounds (each interpreter runs in that folder with it on ``PYTHONPATH``); the default is this
+repository.
 
     python benchmarks/import_time.py [--repeats 7] [--tree /path/to/other/checkout --tree .]
 """
@@ -18,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,7 +46,17 @@ t = time.perf_counter()
 print(time.perf_counter() - t, ",".join(m for m in {heavy!r} if m in sys.modules) or "-")
 """
 
-HELP = "import sys; sys.argv = ['stable-attn', '--help']; from stable_attn.cli import main; main()"
+# the console script as pip writes it, with the entry point the tree's pyproject.toml names; then what it loaded
+HELP = """
+import sys
+sys.argv = ["stable-attn", "--help"]
+try:
+    from {module} import {function}
+    sys.exit({function}())
+except SystemExit:
+    pass
+print(",".join(m for m in ("torch", *{heavy!r}) if m in sys.modules) or "-")
+"""
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,9 +74,11 @@ def _once(setup: str, timed: str, tree: Path) -> tuple[float, str]:
 
 
 def _help_once(tree: Path) -> tuple[float, str]:
+    script = tomllib.loads((tree / "pyproject.toml").read_text())["project"]["scripts"]["stable-attn"]
+    module, function = script.split(":")
     t = time.perf_counter()
-    _python(HELP, tree)
-    return time.perf_counter() - t, ""
+    out = _python(HELP.format(module=module, function=function, heavy=HEAVY), tree)
+    return time.perf_counter() - t, out.split()[-1]
 
 
 def main() -> None:

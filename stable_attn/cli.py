@@ -1,23 +1,17 @@
-"""The ``stable-attn`` command line: ``stable-attn <command> ...``.
-
-Each subcommand is one entry of :data:`COMMANDS`: a name mapped to its help line, a function that
-adds its arguments to an ``argparse`` parser, and a function that runs it and returns the exit
-status. To add a command, write those two functions and add one entry; import heavy modules inside
-the run function so ``stable-attn --help`` stays fast.
+"""The ``stable-attn`` commands: for each command ``<name>`` of :data:`stable_attn_cli.COMMANDS` (where its name
+and help line live), ``_<name>_arguments`` adds its arguments to an ``argparse`` parser and ``_<name>_run`` runs
+it and returns the exit status. To add a command, write those two functions and add its name and help line
+there. The console script's entry point is :func:`stable_attn_cli.main`, which imports this module (and so
+torch) only once a command is chosen; :func:`main` here is the same entry point.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Sequence
 
-
-class Command(NamedTuple):
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
+import stable_attn_cli
 
 
 def _report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,49 +71,29 @@ def _replay_run(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: dict[str, Command] = {
-    "report": Command(
-        "rebuild the plots and report.md of a run from its metrics.csv or trainer_state.json and alerts JSONL",
-        _report_arguments,
-        _report_run,
-    ),
-    "probe": Command(
-        "measure per attention layer whether the rounding error of O and delta is biased, fix off and on",
-        _probe_arguments,
-        _probe_run,
-    ),
-    "replay": Command(
-        "re-run a spiking step with the fix off, with our fix and with P-bar V in fp32: numerical or data?",
-        _replay_arguments,
-        _replay_run,
-    ),
-}
+def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    """Add the arguments of ``command`` (a key of :data:`stable_attn_cli.COMMANDS`) to its subparser."""
+    globals()[f"_{command}_arguments"](parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with one subparser per entry of :data:`COMMANDS`."""
-    parser = argparse.ArgumentParser(
-        prog="stable-attn", description="Tools for stable_attn: stable BF16 flash attention for training."
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, command in COMMANDS.items():
-        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
-    return parser
+    """The argument parser with every command's subparser and arguments."""
+    return stable_attn_cli.build_parser(stable_attn_cli.COMMANDS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``stable-attn`` console script; returns the exit status.
+    """The ``stable-attn`` command: :func:`stable_attn_cli.main`."""
+    return stable_attn_cli.main(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command ``args.command`` that :func:`build_parser`'s parser parsed; returns the exit status.
 
     Expected failures (a missing run directory, unreadable input, an output folder that is read-only
     or full) print one line to stderr and return 1 instead of a traceback.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return 2
     try:
-        return COMMANDS[args.command].run(args)
+        return globals()[f"_{args.command}_run"](args)
     except (OSError, ValueError) as err:  # a missing run directory, unreadable input, an unwritable output folder
         text = str(err)
         if isinstance(err, OSError) and err.strerror:  # without "[Errno 13]", with the file if the text lacks it

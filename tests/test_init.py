@@ -7,10 +7,15 @@ import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
+import pytest
+
 import stable_attn
-from stable_attn import _version
+import stable_attn_cli
+from stable_attn import _version, cli
+from stable_attn_cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,20 +99,54 @@ def test_importing_the_integration_first_registers_once_it_is_imported():
     assert out.strip() == "True 0"
 
 
-def test_command_help_loads_neither_transformers_nor_lightning():
+def test_console_script_is_the_torch_free_entry_point():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"stable-attn": "stable_attn_cli:main"}
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), ([], 2), (["no-such-command"], 2), (["--help", "report"], 0)])
+def test_command_help_usage_and_errors_import_no_torch(argv, code):
+    """``stable-attn --help``, ``stable-attn`` alone and an unknown command: the help or usage without torch."""
     out = _python(f"""
         import contextlib, io, sys
-        sys.argv = ["stable-attn", "--help"]
-        from stable_attn.cli import main
-        with contextlib.redirect_stdout(io.StringIO()) as text:
+        from stable_attn_cli import main
+        with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
             try:
-                main()
+                code = main({argv!r})
             except SystemExit as e:
-                assert e.code == 0, e.code
-        assert "report" in text.getvalue()
-        print(sorted(m for m in {HEAVY!r} if m in sys.modules))
+                code = e.code
+        print(repr(out.getvalue() + err.getvalue()))
+        print(code)
+        print(sorted(m for m in ("torch", *{HEAVY!r}) if m in sys.modules))
     """)
-    assert out.strip() == "[]"
+    text, got, loaded = out.strip().split("\n")
+    text = ast.literal_eval(text)
+    assert (int(got), loaded) == (code, "[]"), text
+    assert text.startswith("usage: stable-attn")
+    if argv != ["no-such-command"]:
+        assert all(f"{name} " in text and help_line.split()[0] in text for name, help_line in COMMANDS.items())
+    else:
+        assert "invalid choice: 'no-such-command'" in text
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_each_command_help_shows_its_arguments(name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        stable_attn_cli.main([name, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    full = cli.build_parser()._subparsers._group_actions[0].choices[name]  # every command's arguments built
+    assert text == full.format_help()
+    assert {"report": "RUN_DIR", "probe": "--arithmetic", "replay": "BUNDLE_DIR"}[name] in text
+    assert COMMANDS[name].split()[0] in text
+
+
+def test_a_command_still_parses_and_refuses_its_arguments(capsys):
+    with pytest.raises(SystemExit) as exc:
+        stable_attn_cli.main(["replay"])
+    assert exc.value.code == 2 and "BUNDLE_DIR" in capsys.readouterr().err
+    assert stable_attn_cli.main(["replay", str(ROOT / "no-such-bundle")]) == 1
+    assert capsys.readouterr().err.startswith("stable-attn replay: error:")
 
 
 def test_attention_works_without_transformers():
