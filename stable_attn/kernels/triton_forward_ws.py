@@ -71,7 +71,7 @@ def attn_fwd_ws_kernel(
     MODE: tl.constexpr, STATS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    ROW_SUM_PARTS: tl.constexpr, HAS_SINKS: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Program ``(query block, head, batch - b_first)`` of ``[B, H, N, D]`` tensors, ``K`` and ``V`` descriptors
     (blocks ``[1, 1, BLOCK_N, BLOCK_D]``): ``triton_forward.fwd_program``'s dense plain path, its unmasked key
@@ -88,10 +88,14 @@ def attn_fwd_ws_kernel(
     offs_m = q_lo + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Nq
     q_mask = row_ok[:, None]
     if HEAD_D != BLOCK_D:
         q_mask = q_mask & (offs_d[None, :] < HEAD_D)
+    o_mask = q_mask  # the output's rows and V's head-dim columns
+    if HEAD_DV != HEAD_D:
+        o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
     b64 = b.to(tl.int64)
     q = tl.load(Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_mask,
                 other=0.0)
@@ -106,7 +110,7 @@ def attn_fwd_ws_kernel(
         l_i = tc_row_sum_zeros(BLOCK_M, ROW_SUM_PARTS)
     else:
         l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m2_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # never read: no statistics
     fixed = tl.zeros([BLOCK_M], tl.int32)
     ent_i = tl.zeros([BLOCK_M], tl.float32)
@@ -130,22 +134,22 @@ def attn_fwd_ws_kernel(
             top1, top2 = row_top2_by_count(s)
         acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_update(
             acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s, top1, top2, kv_mask, b, hkv, V, start_n, offs_n0,
-            offs_d, stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, False,
-            SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+            offs_d, offs_dv, stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row,
+            False, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST, PREC, TMA)
     # cut by the causal diagonal or the end of the keys (masked), as the current kernel walks it
     acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = fwd_blocks(
         m_i, r_i, l_i, acc, m2_i, fixed, ent_i, ent_l, q, b, hkv, K, V, kpm_ptrs, mid_hi, hi_al, offs_m, offs_n0,
-        offs_d, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2, min_shift2,
-        max_shift2, beta, seed, drop_p, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS, DROPOUT,
-        HEAD_D, BLOCK_D, DTYPE, UPCAST, PREC, TMA)
+        offs_d, offs_dv, stride_kn, stride_vn, qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, tie2,
+        min_shift2, max_shift2, beta, seed, drop_p, drop_row, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, MODE, STATS,
+        DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST, PREC, TMA)
 
     if (MODE == MODE_EXACT) and tensor_core_row_sum(BLOCK_D, DROPOUT):
         l_i = tc_row_sum_total(l_i)
     seen = m_i > float("-inf")
     written = seen | (l_i != l_i)  # as fwd_program: no key, zeros; a NaN query, NaN
     o = tl.where(written[:, None], acc / l_i[:, None], 0.0)
-    tl.store(Out + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
-             round_to(o, DTYPE, UPCAST).to(DTYPE), mask=q_mask)
+    tl.store(Out + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_dv[None, :],
+             round_to(o, DTYPE, UPCAST).to(DTYPE), mask=o_mask)
     tl.store(Lse + (b64 * Hq + h) * Nq + offs_m, tl.where(written, r_i + tl.log2(l_i), float("inf")), mask=row_ok)
 
 
