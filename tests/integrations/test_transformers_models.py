@@ -292,10 +292,12 @@ def test_deepseek_v3_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
     interpreter): fp32 logits and every gradient as eager's, unpadded and right-padded, and greedy ``generate()``
     (prefill, then the decode kernel) gives eager's tokens; every call reaches the kernels, none is logged as
     sent to the PyTorch path."""
-    from stable_attn.kernels import triton_attention, triton_decode
+    from stable_attn.kernels import triton_attention
+    from stable_attn.kernels.decode_launch import DecodeLaunch
 
     launches = []
-    for module, name in ((triton_attention, "_forward"), (triton_attention, "_backward"), (triton_decode, "forward")):
+    # the decode kernel's launches: a repeated call skips triton_decode.forward, never DecodeLaunch.run (call_cache.py)
+    for module, name in ((triton_attention, "_forward"), (triton_attention, "_backward"), (DecodeLaunch, "run")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: launches.append(_name)
                             or _real(*a, **kw))
@@ -324,7 +326,7 @@ def test_deepseek_v3_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
         launches.clear()
         with torch.no_grad():
             ours = model.generate(**prompt)
-        assert launches == ["_forward"] * 2 + ["forward"] * 6  # prefill, then 3 steps x 2 layers on the decode kernel
+        assert launches == ["_forward"] * 2 + ["run"] * 6  # prefill, then 3 steps x 2 layers on the decode kernel
     assert not [r for r in caplog.records if "PyTorch path" in r.getMessage()]
     model.set_attn_implementation("eager")
     with torch.no_grad():
