@@ -90,6 +90,16 @@ def test_speed_sentence_is_the_committed_benchmark_output():
     assert len(ratios) == 2 and (float(m.group(1)), float(m.group(2))) == (min(ratios), max(ratios))
 
 
+def test_main_job_duration_is_the_benchmarks_row():
+    """README's main-job minutes are docs/BENCHMARKS.md's measured one-thread run, rounded."""
+    text = " ".join(README.read_text().split())
+    m = re.search(r"the main job takes about (\d+) minutes on one thread", text)
+    assert m, "README's main-job sentence changed; hold it to docs/BENCHMARKS.md, 'Main job and import time'"
+    benchmarks = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    row = re.search(r"^\| main job, one thread \| .*? \| (\d+) min (\d+) s \|", benchmarks, flags=re.M)
+    assert row and int(m.group(1)) == round(int(row.group(1)) + int(row.group(2)) / 60)
+
+
 def test_main_job_summary_is_what_the_example_prints():
     """The quoted end of the main job has the lines, labels and alert kinds `format_summary` prints today."""
     from stable_attn.monitor.names import ALERT_KINDS
