@@ -82,6 +82,20 @@ def test_callbacks_page_quotes_the_report_levels_and_the_probe_arithmetics():
     assert said and {"h100", *re.findall(r"`(\w+)`", said.group(1))} == set(ARITHMETICS)
 
 
+def test_callbacks_page_names_exactly_the_statistics_the_early_warnings_watch():
+    """CALLBACKS.md says which per-layer statistics alert (the early-warning detectors' inputs) and that the sink
+    mass does not: a detector added on another statistic, or one removed, makes it false."""
+    from stable_attn.monitor.layer_watch import _SURGES
+
+    watched = {name for name, _ in _SURGES}
+    assert watched == {"saturation", "max_logit", "entropy"}, f"update docs/CALLBACKS.md's detector sentence: {watched}"
+    text = " ".join((DOCS / "CALLBACKS.md").read_text().split())
+    assert "warns early on max-logit and saturation surges and on attention-entropy collapse" in text
+    assert "the sink mass is logged and shown in each alert's evidence, but no detector alerts on it" in text
+    readme = " ".join((DOCS.parent / "README.md").read_text().split()).lower()
+    assert "sink mass" not in readme.split("detects", 1)[1].split(".", 1)[0]  # README's detection sentence
+
+
 @pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
 def test_every_python_block_of_the_pages_runs_and_prints_what_it_says(block, tmp_path, monkeypatch, caplog, capsys):
     import torch
