@@ -775,19 +775,9 @@ class SpikeDetector:
         self._grace = _RESTART_GRACE
         self._grace_rising = 0
         self._settle = _RESTART_SETTLE
-        self._bias = 0.0
-        self._calm = 0
         self._window = []
-        self._trend = 0.0
-        self._last_residual = None
-        self._cusum = 0.0
         self._settling = 0
-        self._recent.clear()
-        self._episodes.clear()
-        self._marks = []
-        self._episode = []
-        self._held = []
-        self._clean = 0
+        self._forget_forecast()
 
     def _follow(self, step: int, value: float, x: float) -> SpikeEvent | None:
         """An update of a restart's grace: the level is the median of the values since the restart (one odd batch
@@ -817,10 +807,15 @@ class SpikeDetector:
         recent = self._recent if len(self._recent) >= _GROSS_WINDOW else self._window[-_GROSS_WINDOW:] + self._recent
         self._level = median(recent)
         self._window = recent[-_GROSS_WINDOW:]  # the gross rule judges against the new level
+        self._armed = False
+        self._forget_forecast()
+
+    def _forget_forecast(self) -> None:
+        # what a restart's grace and a re-baseline both start afresh: the trend, the residual memory and
+        # the forecast's bias, and the recent values, episodes and held flags judged against the old level
         self._trend = 0.0
         self._last_residual = None
         self._cusum = 0.0
-        self._armed = False
         self._bias = 0.0
         self._calm = 0
         self._recent.clear()
