@@ -334,7 +334,8 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
     block_d = max(block_d, block_dv)  # the tiles' row: the wider head dim
     if kpm is not None:
         consts["HAS_KPM"] = kpm
-    consts["CAUSAL"] = causal_constant(causal, gen, kind, packed=kpm is None)  # longest first (triton_order.py)
+    # longest first (triton_order.py)
+    consts["CAUSAL"] = causal_constant(causal, gen, kind, packed=kpm is None, equal_dims=head_dv == head_dim)
     if kind == "fwd":
         plain = not (window or softcap or dropout or kpm)
         cfg = config or fwd_config(block_d, block_n, dtype, gen, mode=mode, stats=stats, plain=plain,

@@ -31,11 +31,12 @@ _HEAVY_FIRST = 2
 HEAVY_FIRST = tl.constexpr(_HEAVY_FIRST)  # the CAUSAL constexpr of a causal launch handing out its longest blocks first
 
 
-def causal_constant(causal: bool, generation: int, kind: str, packed: bool) -> bool | int:
+def causal_constant(causal: bool, generation: int, kind: str, packed: bool, equal_dims: bool = True) -> bool | int:
     """The ``CAUSAL`` constexpr of a launch of kernel ``kind`` (``packed``: the varlen kernel) on a GPU of tile rows
     ``generation`` (``triton_launch.tile_generation``): ``HEAVY_FIRST`` for the dense causal forward and dQ on sm_90
-    rows, else ``causal``."""
-    heavy = causal and generation == 90 and kind in ("fwd", "bwd_dq") and not packed
+    rows, else ``causal``. ``equal_dims``: V's head dim is the query's; where it is not, the natural order (the
+    reversed index's extra register made the 192 / 128 dQ kernel spill 16 bytes on sm_90)."""
+    heavy = causal and generation == 90 and kind in ("fwd", "bwd_dq") and not packed and equal_dims
     return _HEAVY_FIRST if heavy else causal
 
 
