@@ -73,24 +73,23 @@ def _float(key: int) -> float:
 
 def _edge(flagged: Callable[[float], bool], inside: float, outside: float, hint: float | None = None) -> float:
     """The last value not flagged on the way from ``inside`` (not flagged) to ``outside`` (flagged), to the
-    neighbouring double; ``hint``, a value near the edge, shortens the search (galloping from it)."""
+    neighbouring double; ``hint``, a value near the edge, shortens the search: from it the bracket grows 16-fold
+    per probe until it holds the edge (a hint n doubles off costs about 1.25 n probes, no worse than bisecting
+    the whole range; an exact one about 6)."""
     a, b = _key(inside), _key(outside)
-    step = 1 if b > a else -1
-    if hint is not None and math.isfinite(hint):
+    toward = 1 if b > a else -1
+    if hint is not None and math.isfinite(hint) and (_key(hint) - a) * toward > 0 and (b - _key(hint)) * toward > 0:
         h = _key(hint)
-        if (h - a) * step > 0 and (b - h) * step > 0:
-            if flagged(_float(h)):
-                b, reach = h, 1
-                while (b - reach * step - a) * step > 0 and flagged(_float(b - reach * step)):
-                    b, reach = b - reach * step, reach * 2
-                if (b - reach * step - a) * step > 0:
-                    a = b - reach * step
-            else:
-                a, reach = h, 1
-                while (b - (a + reach * step)) * step > 0 and not flagged(_float(a + reach * step)):
-                    a, reach = a + reach * step, reach * 2
-                if (b - (a + reach * step)) * step > 0:
-                    b = a + reach * step
+        if flagged(_float(h)):
+            b, reach = h, 1
+            while (b - reach * toward - a) * toward > 0 and flagged(_float(b - reach * toward)):
+                b, reach = b - reach * toward, reach * 16
+            a = b - reach * toward if (b - reach * toward - a) * toward > 0 else a
+        else:
+            a, reach = h, 1
+            while (b - (a + reach * toward)) * toward > 0 and not flagged(_float(a + reach * toward)):
+                a, reach = a + reach * toward, reach * 16
+            b = a + reach * toward if (b - (a + reach * toward)) * toward > 0 else b
     while abs(b - a) > 1:
         mid = (a + b) // 2
         if flagged(_float(mid)):
@@ -109,10 +108,11 @@ def _clone(detector: SpikeDetector) -> SpikeDetector:
 
 
 def detector_bounds(detector: SpikeDetector, step: int, lr: float | None,
-                    confirms_itself: Callable[[SpikeEvent], bool] = lambda event: True) -> tuple[float, float, float]:
+                    confirms_itself: Callable[[SpikeEvent], bool] | None = None) -> tuple[float, float, float]:
     """``(lo, hi, cond)`` for the detector's next update at ``step`` with learning rate ``lr``: a finite value in
     ``[lo, hi]`` is accepted; one above ``cond`` or below ``lo`` is flagged by a rule for which
-    ``confirms_itself(event)`` is False; one in ``(hi, cond]`` by a rule for which it is True."""
+    ``confirms_itself(event)`` is False; one in ``(hi, cond]`` by a rule for which it is True (without
+    ``confirms_itself``, ``cond`` is ``hi``)."""
     def probe(value: float) -> SpikeEvent | None:
         return _clone(detector).update(step, value, lr=lr)
 
@@ -131,7 +131,7 @@ def detector_bounds(detector: SpikeDetector, step: int, lr: float | None,
         if probe(bottom) is not None:
             lo = _edge(lambda v: probe(v) is not None, inside, bottom)
     cond = hi
-    if hi < _MAX:
+    if hi < _MAX and confirms_itself is not None:
         above = probe(math.nextafter(hi, math.inf))
         if above is not None and confirms_itself(above):
             conditional = lambda v: (e := probe(v)) is not None and not confirms_itself(e)  # noqa: E731
@@ -149,7 +149,10 @@ def share_bound(detector: SpikeDetector, share: float) -> float:
         return math.inf
     if not below(-_MAX):
         return -math.inf
-    return math.nextafter(_edge(lambda v: not below(v), -_MAX, _MAX), math.inf)
+    # The share is linear in the value: two evaluations place the edge within a few doubles, the search makes it exact.
+    at0, at1 = detector.progress_share(0.0), detector.progress_share(1.0)
+    hint = (share - at0) / (at1 - at0) if at0 is not None and at1 is not None and at1 != at0 else None
+    return math.nextafter(_edge(lambda v: not below(v), -_MAX, _MAX, hint), math.inf)
 
 
 def keep_factor(table: torch.Tensor, bounds: torch.Tensor, *, has_norm: bool, scaler: bool, act: bool) -> torch.Tensor:
@@ -269,7 +272,7 @@ class DeviceSkip:
         rows = []
         for rank in range(world):
             loss_det, norm_det = self.judge.ranks[LOSS][rank], self.judge.ranks[GRAD_NORM][rank]
-            lo, hi, _ = detector_bounds(loss_det, step, lr)
+            lo, hi, _ = detector_bounds(loss_det, step, lr, None)
             glo, ghi, gcond = detector_bounds(norm_det, step, lr, confirms_itself)
             rows.append([lo, hi, share_bound(loss_det, GRAD_NORM_CONFIRM_SHARE), glo, ghi, gcond])
         host = _pinned(torch.tensor(rows, dtype=torch.float64))
