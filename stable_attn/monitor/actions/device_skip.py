@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..detectors.events import SpikeEvent
-from ..detectors.spikes import SpikeDetector
+from ..detectors.spikes import NOISY_RELATIVE_NOISE, SpikeDetector
 from ..loop import Decision, World
 from ..names import GRAD_NORM, LOSS
 from ..verdict import GRAD_NORM_CONFIRM_SHARE, RankReading, confirms_itself
@@ -124,7 +124,7 @@ def detector_bounds(detector: SpikeDetector, step: int, lr: float | None,
     if inside is None:
         return math.inf, -math.inf, -math.inf  # nothing near the forecast is accepted: every value is flagged
     top = probe(_MAX)
-    hi = _MAX if top is None else _edge(lambda v: probe(v) is not None, inside, _MAX, top.threshold)
+    hi = _MAX if top is None else _edge(lambda v: probe(v) is not None, inside, _MAX, _hint(detector, top))
     lo = -math.inf
     if detector.direction != "up":
         bottom = -_MAX if not detector.log_space else 0.0
@@ -137,6 +137,20 @@ def detector_bounds(detector: SpikeDetector, step: int, lr: float | None,
             conditional = lambda v: (e := probe(v)) is not None and not confirms_itself(e)  # noqa: E731
             cond = _MAX if not conditional(_MAX) else _edge(conditional, math.nextafter(hi, math.inf), _MAX)
     return lo, hi, cond
+
+
+def _hint(detector: SpikeDetector, event: SpikeEvent) -> float:
+    """Where the edge likely is: the event's threshold, or higher where a rise must also undo a share of the run's
+    progress (``min_progress_share``; ``noisy_progress_share`` on a noisy run), which the threshold leaves out.
+    Only a starting point: the search finds the edge whatever this says."""
+    hint = event.threshold
+    required = detector.min_progress_share
+    if detector.noisy_progress_share is not None and detector.relative_noise() >= NOISY_RELATIVE_NOISE:
+        required = max(required or 0.0, detector.noisy_progress_share)
+    at0, at1 = detector.progress_share(0.0), detector.progress_share(1.0)
+    if required is not None and at0 is not None and at1 is not None and at1 != at0:
+        hint = max(hint, (required - at0) / (at1 - at0))  # the share is linear in the value
+    return hint
 
 
 def share_bound(detector: SpikeDetector, share: float) -> float:
