@@ -17,7 +17,8 @@ acts on all ranks: for a non-finite value always, and for a spike with ``"skip"`
 and ``"stop"``, the gradients are dropped (``set_to_none``), so the optimizer step that follows
 changes neither the weights nor the optimizer state (torch optimizers skip parameters without
 gradients: no moment update, no step count, no weight decay). The verdict is read on the host before
-every update (one small device-to-host copy per step): deciding later would let a NaN update through.
+every update (one small device-to-host copy per step): deciding later would let a NaN update through. With
+``device_skip=True`` the device decides instead, and the host reads the step a step later (:mod:`.actions.device_skip`).
 ``end_step``: layer statistics are reduced across ranks, the early-warning detectors see them, the run's
 :class:`~stable_attn.monitor.actions.base.Action` (``on_spike``, owning its state; the judge asked it to decide)
 restores or snapshots, and a stop names the checkpoint the adapter writes. Rank zero's
