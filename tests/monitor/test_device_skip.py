@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import asdict
 
 import pytest
@@ -26,6 +27,7 @@ from stable_attn.monitor.actions.device_skip import (
 )
 from stable_attn.monitor.config import MonitorConfig
 from stable_attn.monitor.detectors.spikes import SpikeDetector
+from stable_attn.monitor.loop import World
 
 # What a late read cannot know: the per-parameter gradient norms (the step's gradients are gone) and the time.
 LATE_UNKNOWN = ("grad_norms", "time")
@@ -254,3 +256,101 @@ def test_what_the_device_cannot_decide_is_refused_naming_the_flag(options, needl
     with pytest.raises(TypeError, match="device_skip=1"):
         MonitorConfig(device_skip=1)
     assert MonitorConfig().device_skip is False
+
+
+class ThreadGather:
+    """all_gather between threads standing in for ranks."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size)
+        self.slots: list = [None] * size
+
+    def for_rank(self, rank: int):
+        def all_gather(t: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = t.clone()
+            self.barrier.wait()
+            out = torch.stack(self.slots)
+            self.barrier.wait()
+            return out
+        return all_gather
+
+
+def ranks_run(tmp_path, device_skip: bool, steps: int = 40) -> dict:
+    """Two thread ranks, each its own data; rank 1 alone sees a garbled batch at step 12 and a NaN loss at 20."""
+    gather, out, errors = ThreadGather(2), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            guard = StableAttentionGuard(on_spike="skip", swap=False, device_skip=device_skip, alerts_file=None)
+            guard.setup(model, opt, log_dir=str(tmp_path / f"rank{r}"), log_every_n_steps=15,
+                        world=World(rank=r, size=2, all_gather=gather.for_rank(r)))
+            gen = torch.Generator().manual_seed(10 + r)
+            for step in range(steps):
+                x = torch.randn(16, 6, generator=gen) * (30.0 if (r, step) == (1, 12) else 1.0)
+                guard.begin_step(step)
+                loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean() * (math.nan if (r, step) == (1, 20) else 1.0)
+                guard.add_loss(loss)
+                loss.backward()
+                if guard.before_optimizer_step().apply:
+                    opt.step()
+                opt.zero_grad()
+                guard.end_step()
+            guard.close()
+            out[r] = (model, opt, guard)
+        except BaseException as exc:  # a failing rank must not hang the other
+            errors.append(exc)
+            gather.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return out
+
+
+def test_two_ranks_agree_on_the_device_as_on_the_host(tmp_path):
+    host, dev = ranks_run(tmp_path / "host", False), ranks_run(tmp_path / "device", True)
+    assert host[0][2].skipped_steps == host[1][2].skipped_steps and {12, 20} <= set(host[0][2].skipped_steps)
+    for r in (0, 1):
+        assert dev[r][2].skipped_steps == host[r][2].skipped_steps
+        for a, b in zip(host[r][0].parameters(), dev[r][0].parameters(), strict=True):
+            assert a.detach().numpy().tobytes() == b.detach().numpy().tobytes()
+        same_state(host[r][1], dev[r][1])
+
+
+def test_a_not_training_stop_comes_one_step_later_with_the_same_weights(tmp_path):
+    """NaN losses from step 30 on: the host path stops at step 32 (not_training_stop_after=3), the device path,
+    reading each step a step late, at step 33 with that update dropped on the host: the same weights and state."""
+    results = {}
+    for device in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        guard = StableAttentionGuard(on_spike="skip", swap=False, device_skip=device, alerts_file=None,
+                                     not_training_after=2, not_training_stop_after=3)
+        guard.setup(model, opt, log_dir=str(tmp_path / str(device)), log_every_n_steps=100)
+        gen = torch.Generator().manual_seed(1)
+        stopped = None
+        for step in range(60):
+            guard.begin_step(step)
+            loss = model(torch.randn(8, 4, generator=gen)).pow(2).mean() * (math.nan if step >= 30 else 1.0)
+            guard.add_loss(loss)
+            loss.backward()
+            if guard.before_optimizer_step().apply:
+                opt.step()
+            opt.zero_grad()
+            if guard.end_step().stop_checkpoint is not None:
+                stopped = step
+                break
+        guard.close()
+        results[device] = (model, opt, guard, stopped)
+    assert results[False][3] == 32 and results[True][3] == 33
+    assert results[True][2].skipped_steps == results[False][2].skipped_steps == [30, 31, 32]
+    for a, b in zip(results[False][0].parameters(), results[True][0].parameters(), strict=True):
+        assert a.detach().numpy().tobytes() == b.detach().numpy().tobytes()
+    same_state(results[False][1], results[True][1])
