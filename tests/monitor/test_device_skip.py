@@ -354,3 +354,14 @@ def test_a_not_training_stop_comes_one_step_later_with_the_same_weights(tmp_path
     for a, b in zip(results[False][0].parameters(), results[True][0].parameters(), strict=True):
         assert a.detach().numpy().tobytes() == b.detach().numpy().tobytes()
     same_state(results[False][1], results[True][1])
+
+
+def test_without_the_gradient_norm_the_max_abs_check_is_gated_alike(tmp_path):
+    """monitor_grad_norm=False: NaN gradients are seen by the max-abs check, on the device as on the host."""
+    host_model, host_opt, host, host_alerts = run(tmp_path / "host", False, steps=100, monitor_grad_norm=False)
+    dev_model, dev_opt, dev, dev_alerts = run(tmp_path / "device", True, steps=100, monitor_grad_norm=False)
+    assert {12, 70, 90} <= set(host.skipped_steps) and dev.skipped_steps == host.skipped_steps
+    for a, b in zip(host_model.parameters(), dev_model.parameters(), strict=True):
+        assert a.detach().numpy().tobytes() == b.detach().numpy().tobytes()
+    same_state(host_opt, dev_opt)
+    assert alert_rows(dev_alerts) == alert_rows(host_alerts)

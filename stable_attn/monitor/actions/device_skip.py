@@ -175,7 +175,7 @@ def keep_factor(table: torch.Tensor, bounds: torch.Tensor, *, has_norm: bool, sc
     ``act``: a spike drops the update (``on_spike="skip"`` below its cap). The judge's rules (verdict.py) on tensors:
     a NaN or inf drops always; a loss flag on any rank is a spike; a gradient-norm flag is one when its rule confirms
     itself, or the loss is flagged on some rank, or the rank's loss undoes half the progress."""
-    loss, norm, has_loss, bad = table.reshape(-1, 4).unbind(1)
+    loss, norm, has_loss, bad = table.reshape(-1, RankReading.WIDTH).unbind(1)
     lo, hi, share, glo, ghi, gcond = bounds.reshape(-1, len(COLUMNS)).unbind(1)
     has_loss = has_loss > 0.5
     finite = torch.isfinite(loss)
@@ -194,6 +194,11 @@ def keep_factor(table: torch.Tensor, bounds: torch.Tensor, *, has_norm: bool, sc
         confirmed = has_loss & finite & (loss >= share)
         spiked = spiked | (flagged & (~needs | spiked | confirmed)).any()
     return ~(drop | spiked)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) parameter or state, in place; a plain tensor itself."""
+    return tensor.to_local() if type(tensor).__name__ == "DTensor" else tensor
 
 
 def _pinned(tensor: torch.Tensor) -> torch.Tensor:
@@ -237,9 +242,9 @@ class UpdateGate:
             for owner, key, old in saved:
                 now = owner if key is None else owner.get(key)
                 if isinstance(now, torch.Tensor) and now.shape == old.shape and now.dtype == old.dtype:
-                    now.copy_(torch.where(keep, now, old))
-                elif key is not None:
-                    owner[key] = old  # replaced by the optimizer: the old tensor, for the step read later to confirm
+                    _local(now).copy_(torch.where(keep.to(_local(now).device), _local(now), _local(old)))
+                else:  # replaced by another shape or type: put back on the host once the step is read
+                    self._host.append((owner, key, old))
 
     def settle(self, dropped: bool) -> None:
         """The step was read: if it was dropped, put back its host-side state and drop the state it created."""
@@ -281,13 +286,13 @@ class DeviceSkip:
         self.pending: Pending | None = None
         self.mismatches = 0  # steps whose device factor differed from the judge's verdict read later
 
-    def bounds(self, step: int, lr: float, world: int, device: torch.device) -> torch.Tensor:
+    def bounds(self, step: int, lr: float, world: int, device: torch.device, has_norm: bool = True) -> torch.Tensor:
         """``[world, len(COLUMNS)]`` float64 on ``device`` (a non-blocking copy from pinned memory on CUDA)."""
         rows = []
         for rank in range(world):
             loss_det, norm_det = self.judge.ranks[LOSS][rank], self.judge.ranks[GRAD_NORM][rank]
             lo, hi, _ = detector_bounds(loss_det, step, lr, None)
-            glo, ghi, gcond = detector_bounds(norm_det, step, lr, confirms_itself)
+            glo, ghi, gcond = detector_bounds(norm_det, step, lr, confirms_itself) if has_norm else (0.0, 0.0, 0.0)
             rows.append([lo, hi, share_bound(loss_det, GRAD_NORM_CONFIRM_SHARE), glo, ghi, gcond])
         host = _pinned(torch.tensor(rows, dtype=torch.float64))
         return host.to(device, non_blocking=True)
@@ -301,8 +306,8 @@ class DeviceSkip:
             optimizer.zero_grad(set_to_none=True)
             return Decision(step=step, drop=True, action="skip", rollback=False, stop=True)
         table = table.to(world.device)
-        keep = keep_factor(table, self.bounds(step, lr, world.size, world.device), has_norm=has_norm, scaler=scaler,
-                           act=act)
+        bounds = self.bounds(step, lr, world.size, world.device, has_norm)
+        keep = keep_factor(table, bounds, has_norm=has_norm, scaler=scaler, act=act)
         self.updates.arm(optimizer, params, keep)
         packed = torch.cat([table.reshape(-1).double(), (~keep).double().reshape(1)])
         event = None
