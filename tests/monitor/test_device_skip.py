@@ -365,3 +365,14 @@ def test_without_the_gradient_norm_the_max_abs_check_is_gated_alike(tmp_path):
         assert a.detach().numpy().tobytes() == b.detach().numpy().tobytes()
     same_state(host_opt, dev_opt)
     assert alert_rows(dev_alerts) == alert_rows(host_alerts)
+
+
+def test_the_spike_action_cap_is_read_before_each_step_as_on_the_host(tmp_path):
+    """spike_action_cap=1: the cluster at steps 40-41 drops 40 and, the cap reached, applies 41 (alerted only)."""
+    host_model, host_opt, host, host_alerts = run(tmp_path / "host", False, steps=60, spike_action_cap=1)
+    dev_model, dev_opt, dev, dev_alerts = run(tmp_path / "device", True, steps=60, spike_action_cap=1)
+    assert 40 in host.skipped_steps and 41 not in host.skipped_steps and dev.skipped_steps == host.skipped_steps
+    for a, b in zip(host_model.parameters(), dev_model.parameters(), strict=True):
+        assert a.detach().numpy().tobytes() == b.detach().numpy().tobytes()
+    same_state(host_opt, dev_opt)
+    assert alert_rows(dev_alerts) == alert_rows(host_alerts)
