@@ -30,6 +30,11 @@ A dropped update has its gradients already set to None by the engine, so even an
 mistake changes nothing in torch's optimizers; not calling it also spares optimizers that would touch parameters
 without gradients.
 
+With ``device_skip=True`` the decision is made on the device: :attr:`GuardDecision.apply` is always True (call
+``optimizer.step()``), a dropped update is undone by :meth:`StableAttentionGuard.end_step`, and the step's values
+are read at the next step; call :meth:`StableAttentionGuard.state_dict` (it reads the last step) before saving the
+optimizer's state.
+
 ``on_spike="recover"`` skips batches: the loop must draw them through :meth:`StableAttentionGuard.batches`, which
 discards those of a skip window before the loop sees them (checked at the first step).
 """
@@ -87,7 +92,8 @@ class GuardDecision:
 
     @property
     def apply(self) -> bool:
-        """Call ``optimizer.step()``: the update is kept (its gradients are finite and no spike dropped it)."""
+        """Call ``optimizer.step()``: the update is kept (its gradients are finite and no spike dropped it), or gated
+        on the device (``device_skip=True``: :attr:`Decision.gated`)."""
         return not self.decision.drop
 
     @property

@@ -473,6 +473,8 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         if end.stop_checkpoint is not None:
             control.should_save = True  # the Trainer saves output_dir/checkpoint-<global_step> next
             control.should_training_stop = True
+        if control.should_save:
+            self.engine.settle()  # device_skip: a dropped step's host-side optimizer state back before the save
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._taps is not None:

@@ -25,8 +25,8 @@ from .alerts import channels as alerting
 from .alerts.alert import Alert
 from .detectors.spikes import SpikeDetector
 
-__all__ = ["ACTIONS", "ACTION_WORDS", "CONFIRMED_ACTIONS", "MonitorConfig", "MonitorOptions", "SpikeAction",
-           "check_coverage"]
+__all__ = ["ACTIONS", "ACTION_WORDS", "CONFIRMED_ACTIONS", "DEVICE_ACTIONS", "MonitorConfig", "MonitorOptions",
+           "SpikeAction", "check_coverage"]
 
 SpikeAction = Literal["warn", "skip", "rollback", "stop", "recover"]
 #: What ``on_spike`` accepts, in the order the docs give them.
@@ -34,6 +34,8 @@ ACTIONS = ("warn", "skip", "rollback", "stop", "recover")
 #: The actions that lose progress: taken only on a spike that lasts ``spike_confirm_steps`` steps in a row
 #: (its earlier steps are skipped; monitor/verdict.py).
 CONFIRMED_ACTIONS = ("rollback", "stop", "recover")
+#: The actions ``device_skip=True`` serves: decided on the device without the host (monitor/actions/device_skip.py).
+DEVICE_ACTIONS = ("warn", "skip")
 #: What each ``on_spike`` does to the update of a step whose loss or gradient norm spikes, in the words of the
 #: callbacks' start-up line (:meth:`MonitorConfig.spike_line`) and README.
 ACTION_WORDS = {
@@ -184,6 +186,14 @@ class MonitorConfig:
         Layouts: :mod:`stable_attn.monitor.actions.qk_clip`; one it cannot edit raises at setup.""")
     qk_clip_alpha: float = _arg(0.5, """the queries' share of QK-Clip's scale ``eta = tau / S_h``: queries by
         ``eta ** alpha``, keys by ``eta ** (1 - alpha)``; in [0, 1].""")
+    device_skip: bool = _arg(False, """decide the skip on the device: each step's update is gated by a 0/1 factor
+        computed there from its loss and gradient norm against bounds the host took from the detectors after the
+        step before, so the host reads no value of a step before its update; it reads them one step later (alerts,
+        ``skipped_steps``, the not-training streak, one step late). The weights and optimizer state are those of
+        the host's decision, bit for bit (:mod:`stable_attn.monitor.actions.device_skip`; costs one copy of the
+        parameters and optimizer state in device memory). With ``on_spike`` ``"warn"`` or ``"skip"`` only, without
+        ``diagnose_spikes`` and ``qk_clip``; a ``not_training_stop_after`` stop comes one step later, that step's
+        update dropped too.""")
 
     # The arguments as the engine keeps them (see checked()); not an argument itself.
     _checked: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
@@ -222,10 +232,26 @@ class MonitorConfig:
             if det is not None and not isinstance(det, SpikeDetector):
                 raise TypeError(f"{arg}={det!r} is not supported; use a stable_attn.monitor.SpikeDetector or None")
         check_qk_clip(self.qk_clip, self.qk_clip_alpha, self.attention_stats)
+        self._check_device_skip()
         callbacks = alerting.check_on_alert(self.on_alert)
         timeout, headers = alerting.check_webhook(self.webhook_url, self.webhook_timeout, self.webhook_headers)
         alerting.check_alerts_file(self.alerts_file)
         self._checked.update(on_alert=callbacks, webhook_timeout=timeout, webhook_headers=headers)
+
+    def _check_device_skip(self) -> None:
+        """``device_skip=True`` covers the decisions the device can take alone: a skip, and a warning."""
+        if not isinstance(self.device_skip, bool):
+            raise TypeError(f"device_skip={self.device_skip!r} is not supported; use True or False")
+        if not self.device_skip:
+            return
+        if self.on_spike not in DEVICE_ACTIONS:
+            raise ValueError(f"device_skip=True with on_spike={self.on_spike!r} is not supported: a rollback, stop or "
+                             "recovery is decided on the host before the step ends; use on_spike='skip' or 'warn' "
+                             "with device_skip=True, or device_skip=False")
+        for name, value, off in (("diagnose_spikes", self.diagnose_spikes, False), ("qk_clip", self.qk_clip, None)):
+            if value != off:
+                raise ValueError(f"device_skip=True with {name}={value!r} is not supported: it needs the step's "
+                                 f"verdict on the host before the step ends; use {name}={off!r} or device_skip=False")
 
     # ------------------------------------------------------------ building one
     @classmethod
@@ -387,6 +413,7 @@ class MonitorOptions(TypedDict, total=False):
     diagnose_spikes: bool
     qk_clip: float | None
     qk_clip_alpha: float
+    device_skip: bool
 
 
 # A requested feature that would cover no attention layer is refused rather than run a whole training without

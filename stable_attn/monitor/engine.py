@@ -17,7 +17,8 @@ acts on all ranks: for a non-finite value always, and for a spike with ``"skip"`
 and ``"stop"``, the gradients are dropped (``set_to_none``), so the optimizer step that follows
 changes neither the weights nor the optimizer state (torch optimizers skip parameters without
 gradients: no moment update, no step count, no weight decay). The verdict is read on the host before
-every update (one small device-to-host copy per step): deciding later would let a NaN update through.
+every update (one small device-to-host copy per step): deciding later would let a NaN update through. With
+``device_skip=True`` the device decides instead, and the host reads the step a step later (:mod:`.actions.device_skip`).
 ``end_step``: layer statistics are reduced across ranks, the early-warning detectors see them, the run's
 :class:`~stable_attn.monitor.actions.base.Action` (``on_spike``, owning its state; the judge asked it to decide)
 restores or snapshots, and a stop names the checkpoint the adapter writes. Rank zero's
@@ -43,7 +44,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import names
-from .actions.base import Action, RunContext, Skip, Stop, Warn
+from .actions.base import Action, RunContext, Skip, Stop, Verdict, Warn
+from .actions.device_skip import DeviceSkip
 from .actions.qk_clip import QKClip
 from .actions.recovery import Recover, Recovery
 from .actions.replay import diagnose
@@ -123,6 +125,8 @@ class MonitorEngine:
         self._cap = ActionCap(config.spike_action_cap, config.spike_action_cooldown)
         self._judge = StepJudge(config.on_spike, self.loss_detector, self.grad_norm_detector, self._cap,
                                 confirm=config.spike_confirm_steps, action=self.action)
+        # device_skip=True: each step's update gated on the device, its values read by the host a step later
+        self._device = DeviceSkip(self._judge) if config.device_skip else None
         self._streak = NotTrainingStreak(config.not_training_after, config.not_training_stop_after)
         self._phases = PhaseNotes()
         self._swapped: dict[int, torch.nn.Module] = {}  # the models prepared so far, by id
@@ -257,6 +261,7 @@ class MonitorEngine:
     def end_run(self, when: str) -> None:
         """Close the alert channels (within one webhook timeout in all), say what they did not deliver,
         put back ``F.scaled_dot_product_attention`` and switch statistics off. Idempotent."""
+        self.settle()
         self.desk.defer = False
         self.desk.flush(self._facts())  # a step that raised after its spike was judged: without its statistics
         self.desk.close(self.config.checked()["webhook_timeout"], when)
@@ -278,6 +283,7 @@ class MonitorEngine:
 
     def log_summary(self) -> None:
         """The :meth:`summary` line at WARNING, on rank zero."""
+        self.settle()
         if self.world.is_zero:
             log.warning("%s: %s", self.name, self.summary())
 
@@ -368,6 +374,7 @@ class MonitorEngine:
         if self._step < 0:
             raise RuntimeError(f"{self.name}: before_optimizer_step was called before begin_step; call "
                                "begin_step(step) when each optimizer step's first micro-batch starts")
+        self.settle()  # device_skip: the previous step's values, copied to the host a step ago, judged now
         if loss is not None:
             self._loss = torch.as_tensor(loss).detach().float().reshape(())
         params = list(parameters)
@@ -381,10 +388,28 @@ class MonitorEngine:
         mine = RankReading.to_tensor(self._loss, grad_norm, bad_grads, device)
         # Every rank shares its raw values (one collective per step, issued whatever the values are) and
         # every rank runs the same detectors over all of them, so all ranks reach the same verdict.
-        rows = RankReading.from_table(self.world.all_gather(mine) if self.world.size > 1 else mine)
+        table = self.world.all_gather(mine) if self.world.size > 1 else mine
         if lr is None:
             lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else math.nan
-        judged = self._judge.judge(step, rows, has_norm=grad_norm is not None, scaler=scaler, lr=lr)
+        self._stepped = True
+        if self._device is not None:  # device_skip: the factor on the device, the values read at the next step
+            return self._device.gate(step, optimizer, params, table, has_norm=grad_norm is not None, scaler=scaler,
+                                     lr=lr, act=self.config.on_spike == "skip" and not self._cap.exhausted,
+                                     stop=self._stopping, world=self.world, position=self._position)
+        verdict = self._conclude(step, RankReading.from_table(table), has_norm=grad_norm is not None, scaler=scaler,
+                                 lr=lr, optimizer=optimizer, params=params)
+        if verdict.drop:
+            optimizer.zero_grad(set_to_none=True)  # no gradients, no update: torch optimizers skip them
+        return Decision(step=step, drop=verdict.drop, action=verdict.action, rollback=verdict.rollback,
+                        stop=self._stopping)
+
+    def _conclude(self, step: int, rows: list[RankReading], *, has_norm: bool, scaler: bool, lr: float,
+                  optimizer: Any, params: list[torch.nn.Parameter], dropped: bool | None = None,
+                  position: Any = None) -> Verdict:
+        """Judge one step's gathered rows: detectors, alerts, the dropped update's count, the not-training streak.
+        ``dropped``: what the device did with the step's update (``device_skip``, read a step late: its alerts go
+        out now, with the step's ``position``); None: the host path, whose alerts wait for ``end_step``."""
+        judged = self._judge.judge(step, rows, has_norm=has_norm, scaler=scaler, lr=lr)
         verdict = judged.verdict
         self._taken = verdict.action
         self.desk.evidence.record(step, rows, judged, optimizer, params)
@@ -404,8 +429,13 @@ class MonitorEngine:
                                        name=self.name)
         stop_path = self._run.stop_checkpoint(step) if verdict.stop else None
         # The step's alerts wait for end_step: its attention statistics, and what its action did (a recovery may
-        # fall back to an older snapshot or stop), which their outcome tells.
-        self.desk.defer = True
+        # fall back to an older snapshot or stop), which their outcome tells. A step read late has ended.
+        self.desk.defer = dropped is None
+        here = self._position, self._position_read, self._resolved
+        if dropped is not None:
+            self._position, self._position_read = position, None
+            self._resolved = {"taken": verdict.action, "rolled_back_to": None, "skipping_batches": None,
+                              "stopped": False, "checkpoint": None}
         for event, message in judged.spikes:
             self._emit(Alert.from_event(event, lr=self.last.get(names.LR), layers=self._watch.most_changed(),
                                         action=verdict.action, message=message.lstrip("; "), checkpoint=stop_path,
@@ -413,20 +443,26 @@ class MonitorEngine:
                                         else None))
         for alert in judged.alerts:
             self._emit(alert)
-        if verdict.drop:
-            # No gradients, no update: torch optimizers skip parameters whose .grad is None.
-            optimizer.zero_grad(set_to_none=True)
+        if verdict.drop if dropped is None else dropped:
             self._acted = True
-            if verdict.skip:
+            if verdict.skip or dropped:
                 self.skipped_steps.append(step)
             self._stopping = verdict.stop
         escalate = self._streak.update(verdict.not_training)
         if escalate is not None:
             self._stopping = self._stopping or self._streak.stops
             self._emit(self._streak.alert(step, escalate, self.last.get(names.LR), self._run.stop_checkpoint(step)))
-        self._stepped = True
-        return Decision(step=step, drop=verdict.drop, action=verdict.action, rollback=verdict.rollback,
-                        stop=self._stopping)
+        if dropped is not None:
+            self._position, self._position_read, self._resolved = here
+        return verdict
+
+    def settle(self) -> None:
+        """``device_skip=True``: read the last gated step's values now and judge them (its alerts, ``skipped_steps``,
+        the optimizer's host-side state of a dropped step put back). Done by itself at the next step, at monitored
+        steps, at :meth:`state_dict`, :meth:`log_summary` and :meth:`end_run`; call it before saving the optimizer's
+        state elsewhere. Nothing to do on the host path."""
+        if self._device is not None:
+            self._device.settle(self._conclude)
 
     def end_step(self, state: Trainables) -> StepEnd:
         """After the optimizer and LR-scheduler step (``state.step`` counts it): layer statistics and early
@@ -437,6 +473,10 @@ class MonitorEngine:
         if not self._stepped:
             return StepEnd(step=step)  # accumulating gradients: the optimizer step has not happened yet
         self._stepped = False
+        if self._device is not None:
+            self._device.updates.select()  # a dropped step's bits back, on the device
+            if self._monitor_now:
+                self.settle()  # its statistics are read now anyway: the step's values too, for its metrics
         metrics, clipped = None, {}
         if self._qk is not None:
             clipped, alert = self._qk.after_step(step, self.layers.stats if self.layers is not None else {},
@@ -496,6 +536,7 @@ class MonitorEngine:
     def state_dict(self) -> dict[str, Any]:
         """Plain Python (JSON-serialisable, NaN and inf aside) except the rollback snapshot's tensors,
         which are there only in a single-process run with ``on_spike="rollback"``."""
+        self.settle()
         ranks, watch = self._judge.ranks, self._watch.state_dict()
         return {
             "loss_detector": self.loss_detector.state_dict(),

@@ -75,6 +75,9 @@ class Decision:
     action: str  # what the step's alerts say is done: "warn", "skip", "rollback" or "stop"
     rollback: bool  # end_step restores the last snapshot
     stop: bool  # end_step returns the checkpoint path to save before stopping
+    # device_skip=True: the update is kept or undone on the device (drop is False here: the optimizer steps, and
+    # end_step puts back a dropped step's bits); the host reads the step's values one step later
+    gated: bool = False
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["GRAD_NORM_CONFIRM_SHARE", "SPIKE_ACTIONS", "ActionCap", "Judgement", "NotTrainingStreak",
-           "PhaseNotes", "RankDetectors", "RankReading", "StepJudge"]
+           "PhaseNotes", "RankDetectors", "RankReading", "StepJudge", "confirms_itself"]
 
 #: The share of the run's progress a rank's loss must undo to confirm a gradient-norm jump on its own.
 GRAD_NORM_CONFIRM_SHARE = 0.5
@@ -112,6 +112,11 @@ class Judgement:
     # detector's forecast before the step's value, and the events the detectors returned (confirmed or not).
     baselines: dict[str, dict[int, float | None]] = field(default_factory=dict)
     events: dict[str, dict[int, SpikeEvent]] = field(default_factory=dict)
+
+
+def confirms_itself(event: SpikeEvent) -> bool:
+    """A gradient-norm event that is a spike without the loss's confirmation: a NaN or inf, or a drift."""
+    return event.kind == "nonfinite" or event.rule == "drift"
 
 
 def worst(values: list[float]) -> float:
@@ -334,7 +339,7 @@ class StepJudge:
         kept = []
         for rank, event in events:
             share = shares.get(rank)
-            if (loss_flagged or event.kind == "nonfinite" or event.rule == "drift"
+            if (loss_flagged or confirms_itself(event)
                     or (share is not None and share >= GRAD_NORM_CONFIRM_SHARE)):
                 kept.append((rank, event))
         # A confirmed event after unconfirmed ones of the same episode is the first one alerted.

@@ -17,7 +17,7 @@ def _parameters(cls: type) -> list[tuple[str, object, object, object]]:
 
 def test_both_callbacks_take_exactly_the_engines_arguments():
     engine = _parameters(MonitorEngine)
-    assert len(engine) == 32  # a new argument: add it to both callbacks (and their docstrings)
+    assert len(engine) == 33  # a new argument: add it to both callbacks (and their docstrings)
     assert _parameters(StableAttentionCallback) == engine
     assert _parameters(StableAttentionTrainerCallback) == engine
     assert _parameters(StableAttentionGuard) == engine

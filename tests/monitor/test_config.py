@@ -26,7 +26,7 @@ DEFAULTS = {
     # issue 21: the cap and cool-down of spike actions, added last
     "spike_action_cap": 10, "spike_action_cooldown": 20, "spike_confirm_steps": 3,
     "diagnose_spikes": False, "qk_clip": None,
-    "qk_clip_alpha": 0.5,
+    "qk_clip_alpha": 0.5, "device_skip": False,
 }
 UNSAVED = ("loss_detector", "grad_norm_detector", "on_alert", "webhook_url", "webhook_headers")
 
