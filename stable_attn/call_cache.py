@@ -11,7 +11,10 @@ that raises for bad input with the usual message (a signature is remembered only
 The signature holds each tensor's type, shape, strides, dtype, device and ``requires_grad``; the grad mode; the
 scalar options with their types (``stabilize=1`` is refused where ``True`` is accepted, and ``1 == True``);
 whether Triton interprets. Calls it cannot describe take the full path every time: tensor subclasses, an active
-``__torch_function__`` or ``__torch_dispatch__`` mode (they expect to see the op), autocast, and, in
+``__torch_function__`` or ``__torch_dispatch__`` mode (they expect to see the op), an active functorch transform
+(``torch.vmap``, ``torch.func.grad``/``jvp``: their wrappers' Python type is ``torch.Tensor``, so the type test
+lets them through, but only the op's dispatch unwraps them), an active forward-AD level (a dual tensor is a plain
+tensor too; the op decides its tangent), autocast, and, in
 ``attention()``, an ``attn_mask``, ``stats``, dropout (a fresh seed per call), traced calls (``torch.compile``
 keeps the op in its graph) and calls that need a gradient (autograd needs the op).
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.autograd import forward_ad
 
 from ._checks import interpreting
 
@@ -30,11 +34,15 @@ ENABLED = True
 MAX_CALLS = 64  # signatures kept (a dynamic KV cache adds one per generated token: every layer shares it)
 _calls: dict[tuple, Callable] = {}
 _Tensor = torch.Tensor
+_transform = torch._C._functorch.peek_interpreter_stack  # None outside vmap/grad/jvp; one C call, no allocation
 
 
 def signature(tensors: tuple, values: tuple) -> tuple | None:
     """The call's signature (module docstring), or None where the call must take the full path."""
     if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack():
+        return None
+    # wrappers of a plain type: a transform's tensors exist only inside it, a dual tensor only inside its level
+    if _transform() is not None or forward_ad._current_level >= 0:
         return None
     described = []
     for x in tensors:

@@ -14,6 +14,7 @@ from pydoc_data.topics import topics
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -33,6 +34,22 @@ def tiny_gpt2(dropout: float = 0.0, attn_implementation: str = "sdpa") -> GPT2LM
         embd_pdrop=dropout, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation=attn_implementation,
     )
     return GPT2LMHeadModel(config)
+
+
+class TemperatureGPT(torch.nn.Module):
+    """GPT-2 from ``weights`` with one trained parameter of a single row (a logit temperature): with two ranks,
+    FSDP2 leaves rank 1 an empty shard of it (tests/callbacks/plain_run.py, sharded_run.py)."""
+
+    def __init__(self, weights: str) -> None:
+        super().__init__()
+        self.gpt = tiny_gpt2()
+        self.gpt.load_state_dict(torch.load(weights, weights_only=True))
+        self.temperature = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # no KV cache in training: a recomputed block (activation checkpointing) would append to it again
+        logits = self.gpt(input_ids=ids, use_cache=False).logits[:, :-1] * self.temperature
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
 class ByteChunks(Dataset):

@@ -9,13 +9,11 @@ query/key weights, its clip count, and per step its local and reduced layer-0 ma
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import sys
 
 import lightning as L
 import torch
-from ddp_spike_run import shutdown
+from distributed_helpers import shutdown, write_results
 from lightning.pytorch.loggers import CSVLogger
 from qk_clip_lm import batches, group_max_logits, tiny_model
 from test_callback_qk_clip import LM
@@ -68,8 +66,7 @@ def main(out: str) -> None:
     trainer.fit(module)
     result = {"rank": trainer.global_rank, "tau": tau, "global_step": trainer.global_step, "qk": qk_digest(module),
               "clip_steps": qk.clip_steps, "steps": seen}
-    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_results(out, trainer.global_rank, result)
     shutdown()
 
 

@@ -8,13 +8,12 @@ Run by test_callback_recover.py as ``python ddp_recover_run.py WEIGHTS OUT_DIR``
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import lightning as L
 import torch
-from ddp_spike_run import STEPS, RankLM, digest, shutdown
+from ddp_spike_run import STEPS, RankLM
+from distributed_helpers import digest, shutdown, write_results
 from lightning.pytorch import Callback
 
 from stable_attn.callbacks import StableAttentionCallback
@@ -49,8 +48,7 @@ def main(weights: str, out: str) -> None:
     result = {"rank": trainer.global_rank, "rollbacks": [list(r) for r in cb.rollbacks],
               "window": cb.engine.recovery.window.state_dict() if cb.engine.recovery.window else None,
               "skipped": cb.engine.recovery.skipped_batches, "positions": pos.at, "final": digest(module)}
-    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_results(out, trainer.global_rank, result)
     shutdown()
 
 

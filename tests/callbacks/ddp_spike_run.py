@@ -11,14 +11,12 @@ Each rank writes ``OUT_DIR/rank{r}.json`` with what it saw and did.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import sys
 
 import lightning as L
 import torch
 from callback_lm import ByteLM, batches_loader
+from distributed_helpers import RANK_OFFSET, digest, shutdown, write_results
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 
@@ -29,7 +27,6 @@ STEPS = 60
 BAD = 50
 GRAD_STEP = 40
 NAN_STEP = 55
-RANK_OFFSET = 100  # rank r reads batches 100*r .. 100*r + STEPS - 1: different data on each rank
 
 
 class RankLM(ByteLM):
@@ -50,13 +47,6 @@ class RankLM(ByteLM):
                 p.grad.mul_(100.0)
         elif self.trainer.global_step == NAN_STEP:
             self.model.lm_head.weight.grad[3, 5] = float("nan")
-
-
-def digest(module: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for t in module.state_dict().values():
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 class Probe(Callback):
@@ -102,17 +92,8 @@ def main(weights: str, out: str, monitor_grad_norm: bool = True) -> None:
         "had_dispatcher": probe.had_dispatcher,
         "log_dir": cb.log_dir,
     }
-    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_results(out, trainer.global_rank, result)
     shutdown()
-
-
-def shutdown() -> None:
-    """Leave the process group on every rank before exit: gloo's worker threads, torn down by static
-    destructors instead, sometimes abort the process ("terminate called without an active exception")."""
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

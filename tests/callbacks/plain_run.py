@@ -9,73 +9,42 @@ A case is ``STRATEGY:ACTION``: ``fsdp`` shards with ``fully_shard`` per GPT-2 bl
 ``stop-damaged`` (rank 1's shard file of that checkpoint removed, then every rank tries to load it).
 
 Run by test_plain_loop.py as ``python plain_run.py WEIGHTS OUT_DIR CASE [CASE ...]`` in two processes it starts
-itself (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set). Each rank writes ``OUT_DIR/rank{r}.json``
+itself (distributed_helpers.run_ranks). Each rank writes ``OUT_DIR/rank{r}.json``
 (per case: what it saw and did), rank 0 ``OUT_DIR/<case>.pt`` (the full weights).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from callback_lm import batches_loader, tiny_gpt2
+from callback_lm import TemperatureGPT as Net
+from callback_lm import batches_loader
+from distributed_helpers import (
+    ACTION_OPTIONS,
+    BAD,
+    NAN_GRAD,
+    NAN_LOSS,
+    RANK_OFFSET,
+    STEPS,
+    case_file,
+    digest,
+    full_state,
+    is_dtensor,
+    local,
+    local_elems,
+    shutdown,
+    write_results,
+)
 
 from stable_attn.callbacks import StableAttentionGuard
 
-STEPS = 14
-BAD = 5
-NAN_LOSS = 8
-NAN_GRAD = 11
-RANK_OFFSET = 100  # rank r reads batches 100*r .. 100*r + STEPS - 1: different data on each rank
-ACTION_OPTIONS = {
-    "warn": {},
-    "skip": {},
-    "rollback": {"spike_confirm_steps": 1, "rollback_every": 2},
-    "stop": {},
-    "recover": {"spike_confirm_steps": 1, "rollback_steps": 4, "rollback_every": 2, "skip_batches": 2,
-                "cooldown_steps": 2, "lr_factor": 0.5, "lr_steps": 3},
-}
+ACTION_OPTIONS = dict(ACTION_OPTIONS, recover=dict(ACTION_OPTIONS["recover"], lr_factor=0.5, lr_steps=3))
 ACTION_OPTIONS["recover-disk"] = dict(ACTION_OPTIONS["recover"], snapshot_memory_limit=0)
 ACTION_OPTIONS["stop-resume"] = {}
 ACTION_OPTIONS["stop-damaged"] = {}
-
-
-class Net(torch.nn.Module):
-    """GPT-2 with one trained parameter of a single row (a logit temperature): with two ranks, FSDP2 leaves
-    rank 1 an empty shard of it."""
-
-    def __init__(self, weights: str) -> None:
-        super().__init__()
-        self.gpt = tiny_gpt2()
-        self.gpt.load_state_dict(torch.load(weights, weights_only=True))
-        self.temperature = torch.nn.Parameter(torch.ones(1))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.gpt(input_ids=ids, use_cache=False).logits[:, :-1] * self.temperature
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a full tensor, DDP's ``module.`` prefix removed (a collective under FSDP2)."""
-    return {k.removeprefix("module."): (v.full_tensor() if is_dtensor(v) else v).detach().clone()
-            for k, v in module.state_dict().items()}
-
-
-def digest(module: torch.nn.Module) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for t in full_state(module).values():
-        h.update(t.contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def build(strategy: str, weights: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, object]:
@@ -149,8 +118,7 @@ def train(case: str, weights: str, out: str, name: str, resume: str | None = Non
             guard.add_loss(loss)
             loss.backward()
             if rank == 1 and step == NAN_GRAD:  # after the reduction: rank 1's own gradient goes bad
-                grad = net.gpt.transformer.wte.weight.grad
-                (grad.to_local() if is_dtensor(grad) else grad).view(-1)[0] = float("nan")
+                local(net.gpt.transformer.wte.weight.grad).view(-1)[0] = float("nan")
             layers = guard.layers
             if layers is not None and all(s.rows is not None for s in layers.stats.values()):
                 seen["rows"][step] = [int(s.rows.sum()) for s in layers.stats.values()]
@@ -175,7 +143,7 @@ def train(case: str, weights: str, out: str, name: str, resume: str | None = Non
     params = list(model.parameters())
     state = full_state(model)  # a collective under FSDP2: every rank
     if rank == 0:
-        torch.save(state, os.path.join(out, case.replace(":", "-") + ".pt"))
+        torch.save(state, os.path.join(out, case_file(case)))
     stop = guard.stop_checkpoint
     return {
         "last_step": step,
@@ -185,8 +153,7 @@ def train(case: str, weights: str, out: str, name: str, resume: str | None = Non
         "recoveries": guard.recovery.used if guard.recovery is not None else None,
         "skipped_batches": guard.recovery.skipped_batches if guard.recovery is not None else None,
         "dtensor": all(is_dtensor(p) for p in params),
-        "local_elems": {n.removeprefix("module."): (p.to_local() if is_dtensor(p) else p).numel()
-                        for n, p in model.named_parameters()},
+        "local_elems": local_elems(model),
         "unchanged": sorted(s for s in seen["after"] if seen["before"].get(s) == seen["after"][s]),
         "grad_norm": seen["grad_norm"],
         "rows": seen["rows"],
@@ -237,10 +204,8 @@ def main(weights: str, out: str, cases: list[str]) -> None:
     results = {}
     for case in cases:
         results[case] = run_case(case, weights, out)
-        with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+        write_results(out, dist.get_rank(), results)
+    shutdown()
 
 
 if __name__ == "__main__":

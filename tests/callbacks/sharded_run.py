@@ -10,59 +10,32 @@ files). ``fsdp-ckpt`` adds activation checkpointing of every block with torch's
 ``gradient_checkpointing_enable``.
 
 Run by test_callback_sharded.py as ``python sharded_run.py WEIGHTS OUT_DIR CASE [CASE ...]`` in two processes
-that it starts itself (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` set: Lightning then launches
+that it starts itself (distributed_helpers.run_ranks: Lightning then launches
 nothing), so one launch runs several cases: the imports and the process group are paid once. Each rank writes
 ``OUT_DIR/rank{r}.json`` (per case: what it saw and did), rank 0 ``OUT_DIR/<case>.pt`` (the full weights).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
+import distributed_helpers as dh
 import lightning as L
 import torch
-import torch.nn.functional as F
-from callback_lm import ByteLM, batches_loader, tiny_gpt2
-from ddp_spike_run import RANK_OFFSET, digest, shutdown
+from callback_lm import ByteLM, batches_loader
+from callback_lm import TemperatureGPT as Net
+from distributed_helpers import BAD, NAN_GRAD, NAN_LOSS, RANK_OFFSET, STEPS
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from stable_attn.callbacks import StableAttentionCallback
 
-STEPS = 14
-BAD = 5
-NAN_LOSS = 8
-NAN_GRAD = 11
-ACTION_OPTIONS = {
-    "warn": {},
-    "skip": {},
-    "rollback": {"spike_confirm_steps": 1, "rollback_every": 2},
-    "stop": {},
-    "recover": {"spike_confirm_steps": 1, "rollback_steps": 4, "rollback_every": 2, "skip_batches": 2,
-                "cooldown_steps": 2},
-}
+ACTION_OPTIONS = dict(dh.ACTION_OPTIONS)
 # the recover ring on disk: each rank writes its own files (FSDP2: its shards, as DTensors)
 ACTION_OPTIONS["recover-disk"] = dict(ACTION_OPTIONS["recover"], snapshot_memory_limit=0)
 # stop, then a second fit resumed from the stop checkpoint (FSDP2: Lightning's sharded one), which stops again
 ACTION_OPTIONS["stop-resume"] = {}
-
-
-class Net(torch.nn.Module):
-    """GPT-2 with one trained parameter of a single row (a logit temperature): with two ranks, FSDP2 leaves
-    rank 1 an empty shard of it."""
-
-    def __init__(self, weights: str) -> None:
-        super().__init__()
-        self.gpt = tiny_gpt2()
-        self.gpt.load_state_dict(torch.load(weights, weights_only=True))
-        self.temperature = torch.nn.Parameter(torch.ones(1))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # no KV cache in training: a recomputed block (activation checkpointing) would append to it again
-        logits = self.gpt(input_ids=ids, use_cache=False).logits[:, :-1] * self.temperature
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
 class ShardedLM(ByteLM):
@@ -107,9 +80,7 @@ class ShardedLM(ByteLM):
         # The gradients are reduced by now (all-reduced under DDP, reduce-scattered under FSDP2): this NaN is
         # rank 1's alone, in its local shard of the embedding's gradient.
         if self.trainer.global_rank == 1 and self.trainer.global_step == NAN_GRAD:
-            grad = self.model.gpt.transformer.wte.weight.grad
-            local = grad.to_local() if type(grad).__name__ == "DTensor" else grad
-            local.view(-1)[0] = float("nan")
+            dh.local(self.model.gpt.transformer.wte.weight.grad).view(-1)[0] = float("nan")
 
 
 class MemoryLogger(CSVLogger):
@@ -140,23 +111,10 @@ class Steps(Callback):
             self.rows[trainer.global_step] = [int(s.rows.sum()) for s in layers.stats.values()]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.before[trainer.global_step] = digest_full(pl_module)
+        self.before[trainer.global_step] = dh.digest(pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.after[trainer.global_step - 1] = digest_full(pl_module)
-
-
-def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a full tensor (FSDP2's DTensors gathered: a collective, every rank)."""
-    return {k: (v.full_tensor() if type(v).__name__ == "DTensor" else v).detach().clone()
-            for k, v in module.state_dict().items()}
-
-
-def digest_full(module: torch.nn.Module) -> str:
-    holder = torch.nn.Module()
-    for i, t in enumerate(full_state(module).values()):
-        holder.register_buffer(f"t{i}", t)
-    return digest(holder)
+        self.after[trainer.global_step - 1] = dh.digest(pl_module)
 
 
 def run_case(case: str, weights: str, out: str) -> dict:
@@ -188,18 +146,17 @@ def run_case(case: str, weights: str, out: str) -> dict:
     if action == "stop-resume":
         cb, steps, logger, trainer, module = fit(case.replace(":", "-") + "-resumed", ckpt_path=first_stop)
     params = list(module.model.parameters())
-    state = full_state(module)
+    state = dh.full_state(module)
     if trainer.global_rank == 0:
-        torch.save(state, os.path.join(out, case.replace(":", "-") + ".pt"))
+        torch.save(state, os.path.join(out, dh.case_file(case)))
     stop = cb.stop_checkpoint
     return {
         "global_step": trainer.global_step,
         "skipped_steps": list(cb.skipped_steps),
         "rollbacks": [list(r) for r in cb.rollbacks],
         "alert_count": cb.alert_count,
-        "dtensor": all(type(p).__name__ == "DTensor" for p in params),
-        "local_elems": {n: (p.to_local() if type(p).__name__ == "DTensor" else p).numel()
-                        for n, p in module.model.named_parameters()},
+        "dtensor": all(dh.is_dtensor(p) for p in params),
+        "local_elems": dh.local_elems(module.model),
         "unchanged": sorted(s for s in steps.after if steps.before.get(s) == steps.after[s]),
         "grad_norm": {s: m["train/grad_norm"] for s, m in logger.seen.items() if "train/grad_norm" in m},
         "metrics_steps": sorted(logger.seen),
@@ -208,7 +165,7 @@ def run_case(case: str, weights: str, out: str) -> dict:
         "first_stop": first_stop,
         "stop_files": sorted(os.listdir(stop)) if stop and os.path.isdir(stop) else None,
         "log_dir": cb.log_dir,
-        "final": digest_full(module),
+        "final": dh.digest(module),
     }
 
 
@@ -218,9 +175,8 @@ def main(weights: str, out: str, cases: list[str]) -> None:
     results = {}
     for case in cases:
         results[case] = run_case(case, weights, out)
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    shutdown()
+        dh.write_results(out, rank, results)
+    dh.shutdown()
 
 
 if __name__ == "__main__":

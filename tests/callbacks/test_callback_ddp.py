@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+
+from distributed_helpers import rank_results, read_alerts, run_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def run_ddp(tmp_path, pretrained, *extra):
-    path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "ddp_spike_run.py"), pretrained, str(tmp_path), *extra],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-
-
-def read_alerts(log_dir):
-    with open(os.path.join(log_dir, "stable_attn_alerts.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+    """ddp_spike_run.py, whose second rank Lightning starts; each rank's results."""
+    run_launcher([os.path.join(HERE, "ddp_spike_run.py"), pretrained, str(tmp_path), *extra], tmp_path, 300, HERE)
+    return rank_results(tmp_path)
 
 
 def test_ddp_spike_on_one_rank_acts_on_all(tmp_path, pretrained):

@@ -7,7 +7,6 @@ checked exactly against the step's statistics (qk_clip_lm.EditCheck); one step i
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -219,16 +218,11 @@ def test_resume_keeps_the_qk_clip_count(tmp_path):
 def test_ddp_ranks_clip_identically(tmp_path):
     """2 CPU processes (gloo), each on its own batches: both clip from the MAX of both ranks' max logits
     (not their own) and end with the same query/key weights bit for bit (ddp_qk_clip_run.py)."""
-    import subprocess
-    import sys
+    from distributed_helpers import rank_results, run_launcher
 
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([os.path.dirname(os.path.dirname(here)), here, os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.join(here, "ddp_qk_clip_run.py"), str(tmp_path)],
-                          cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    run_launcher([os.path.join(here, "ddp_qk_clip_run.py"), str(tmp_path)], tmp_path, 300, here)
+    r0, r1 = rank_results(tmp_path)
     assert r0["global_step"] == r1["global_step"] == 3 and len(r0["steps"]) == len(r1["steps"]) == 3
     assert r0["qk"] == r1["qk"] and r0["clip_steps"] == r1["clip_steps"] > 0
     for s0, s1 in zip(r0["steps"], r1["steps"], strict=True):

@@ -212,19 +212,11 @@ def test_a_spike_after_the_last_recovery_stops_with_a_checkpoint(tmp_path, pretr
 @pytest.mark.slow
 def test_ddp_ranks_roll_back_and_skip_alike(tmp_path, pretrained):
     """2 gloo processes; only rank 1 reads the corrupted batch (of its own shard)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from distributed_helpers import rank_results, run_launcher
 
     here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    path = os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, os.path.join(here, "ddp_recover_run.py"), pretrained, str(tmp_path)],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    run_launcher([os.path.join(here, "ddp_recover_run.py"), pretrained, str(tmp_path)], tmp_path, 300, here)
+    r0, r1 = rank_results(tmp_path)
     assert r0["rollbacks"] == r1["rollbacks"] == [[BAD, 46]]
     assert r0["window"] == r1["window"] == {"epoch": 0, "start": 51, "stop": 54}
     assert r0["skipped"] == r1["skipped"] == 3

@@ -6,76 +6,26 @@ One launch runs several cases one after the other in the same two processes.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
+from functools import partial
 
 import pytest
-import torch
+from distributed_helpers import assert_like_ddp, assert_same_on_ranks, read_alerts, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+# what both ranks must agree on, and what the FSDP2 loop must share with the DDP loop
+SAME_ON_RANKS = ("last_step", "skipped_steps", "rollbacks", "alert_count", "unchanged", "final", "recoveries",
+                 "skipped_batches", "lr", "scaled")
+LIKE_DDP = ("last_step", "skipped_steps", "rollbacks", "unchanged", "lr", "scaled", "indices", "recoveries")
 
 
 def launch(tmp_path, pretrained: str, cases: list[str], timeout: float) -> list[dict]:
-    """Both ranks of plain_run.py, bounded in time (both killed on timeout); each rank's per-case results."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE="2",
-               PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
-    script = os.path.join(HERE, "plain_run.py")
-    procs = [subprocess.Popen([sys.executable, script, pretrained, str(tmp_path), *cases], cwd=str(tmp_path),
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out[-4000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    """Both ranks of plain_run.py; each rank's per-case results."""
+    return run_ranks(os.path.join(HERE, "plain_run.py"), [pretrained, str(tmp_path), *cases], tmp_path, timeout)
 
 
-def weights(tmp_path, case: str) -> dict[str, torch.Tensor]:
-    return torch.load(tmp_path / (case.replace(":", "-") + ".pt"), weights_only=True)
-
-
-def read_alerts(log_dir: str) -> list[dict]:
-    path = os.path.join(log_dir, "stable_attn_alerts.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
-def check_same_on_both_ranks(r0: dict, r1: dict) -> None:
-    for key in ("last_step", "skipped_steps", "rollbacks", "alert_count", "unchanged", "final", "recoveries",
-                "skipped_batches", "lr", "scaled"):
-        assert r0[key] == r1[key], key
-
-
-def check_like_ddp(tmp_path, fsdp: dict, ddp: dict, fsdp_case: str, ddp_case: str) -> None:
-    """The sharded loop acted exactly as the replicated one and ended with the same full weights."""
-    for key in ("last_step", "skipped_steps", "rollbacks", "unchanged", "lr", "scaled", "indices", "recoveries"):
-        assert fsdp[key] == ddp[key], key
-    got, want = weights(tmp_path, fsdp_case), weights(tmp_path, ddp_case)
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
-    assert fsdp["grad_norm"].keys() == ddp["grad_norm"].keys()
-    for step, norm in ddp["grad_norm"].items():  # the global norm, not the local shard's
-        assert fsdp["grad_norm"][step] == pytest.approx(norm, rel=1e-5, nan_ok=True), step
+check_same_on_both_ranks = partial(assert_same_on_ranks, keys=SAME_ON_RANKS)
+check_like_ddp = partial(assert_like_ddp, keys=LIKE_DDP)
 
 
 def check_sharded(res: dict) -> None:
@@ -178,22 +128,7 @@ def test_tensor_parallel_loop_through_the_guard(tmp_path):
     (the clean run clips there); with rollback, both roll back to the same snapshot."""
     from tp_guard_run import NAN_GRAD
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE="2",
-               PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
-    script = os.path.join(HERE, "tp_guard_run.py")
-    procs = [subprocess.Popen([sys.executable, script, str(tmp_path), "skip", "rollback"], cwd=str(tmp_path),
-                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = run_ranks(os.path.join(HERE, "tp_guard_run.py"), [str(tmp_path), "skip", "rollback"], tmp_path, 240)
     for action in ("skip", "rollback"):
         res = r0[action]
         assert res == r1[action]  # both ranks saw, decided and logged the same
@@ -221,22 +156,7 @@ def test_tensor_parallel_under_lightning(tmp_path):
     no QK-Clip edit). QK-Clip reads the layouts again at fit start, after configure_model replaced the parameters."""
     from tp_lightning_run import NAN_GRAD
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE="2",
-               NODE_RANK="0", PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
-    script = os.path.join(HERE, "tp_lightning_run.py")
-    procs = [subprocess.Popen([sys.executable, script, str(tmp_path)], cwd=str(tmp_path),
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = run_ranks(os.path.join(HERE, "tp_lightning_run.py"), [str(tmp_path)], tmp_path, 300)
     for res in (r0, r1):
         assert res["dtensor_q"]
         assert res["skipped_steps"] == [[NAN_GRAD], [NAN_GRAD]] and res["unchanged"] == [[NAN_GRAD], [NAN_GRAD]]

@@ -13,12 +13,12 @@ Run by test_plain_loop.py as ``python tp_guard_run.py OUT_DIR ACTION [ACTION ...
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+from distributed_helpers import full, shutdown, write_results
 
 from stable_attn.callbacks import StableAttentionGuard
 from stable_attn.monitor.loop import World
@@ -30,10 +30,6 @@ from tp_run import HEAD_DIM, HEADS, model  # noqa: E402  (the tiny Llama of the 
 STEPS = 8
 NAN_GRAD = 3  # a step the clean run clips at (steps 0-3 and 7 clip there)
 ACTION_OPTIONS = {"skip": {}, "rollback": {"spike_confirm_steps": 1, "rollback_every": 2}}
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if type(t).__name__ == "DTensor" else t
 
 
 def weights(m: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -118,10 +114,8 @@ def main(out: str, actions: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     results = {action: run(out, action) for action in actions}
-    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results(out, dist.get_rank(), results)
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -12,14 +12,14 @@ Run by test_plain_loop.py as ``python tp_lightning_run.py OUT_DIR`` in two proce
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 
 import lightning as L
 import torch
+from distributed_helpers import full, shutdown, write_results
 from lightning.pytorch import Callback
-from tp_guard_run import STEPS, full, tau_between, weights
+from tp_guard_run import STEPS, tau_between, weights
 
 from stable_attn.callbacks import StableAttentionCallback
 
@@ -134,10 +134,8 @@ def main(out: str) -> None:
         "max_weight_diff": max(float((full(a) - full(b)).abs().max()) for a, b in
                                zip(weights(tp[3].model).values(), weights(ref[3].model).values(), strict=True)),
     }
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    write_results(out, rank, result)
+    shutdown()
 
 
 if __name__ == "__main__":

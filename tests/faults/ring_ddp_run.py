@@ -7,22 +7,15 @@ weights). Both ranks see the same data, so they stay replicas.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from distributed_helpers import all_gather, digest, write_results
 
 # ring_loop (and so stable_attn) is imported in the ranks only: the parent just spawns them.
-
-
-def gather(t: torch.Tensor) -> torch.Tensor:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return torch.stack(out)
 
 
 def damage_for(case: str):
@@ -47,16 +40,14 @@ def rank_main(rank: int, out: str, cases: list[str]) -> None:
     try:
         for case in cases:
             folder = os.path.join(out, case.replace(" ", "_"))
-            loop = RingLoop(os.path.join(folder, "logs"), World(rank=rank, size=2, all_gather=gather))
+            loop = RingLoop(os.path.join(folder, "logs"), World(rank=rank, size=2, all_gather=all_gather))
             loop.run(damage=damage_for(case))
-            weights = b"".join(v.numpy().tobytes() for v in loop.model.state_dict().values())
             result = {"rollbacks": [list(r) for r in loop.engine.rollbacks],
                       "stopped": loop.ends[-1].stop_checkpoint is not None,
                       "alerts": [a.message for a in loop.alerts if a.kind == "recovery"],
-                      "final": hashlib.sha256(weights).hexdigest()}
+                      "final": digest(loop.model)}
             loop.engine.end_run("at the end of the test")
-            with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
-                json.dump(result, f)
+            write_results(folder, rank, result)
     finally:
         dist.destroy_process_group()
 

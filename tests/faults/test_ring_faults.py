@@ -7,14 +7,12 @@ file on one rank makes every rank refuse it together."""
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from distributed_helpers import rank_results, run_launcher
 from ring_loop import NAN_AT, RingLoop, equal, flip_a_byte, nan_weights, rewrite, truncate, wrong_shape
 
 from stable_attn.monitor.actions import ring as ring_module
@@ -143,13 +141,8 @@ def test_stale_files_of_this_rank_are_deleted_when_the_ring_starts(tmp_path, row
 def test_ranks_refuse_a_bad_file_of_one_rank_together(tmp_path, row):
     """Two gloo processes (about 30 s); only rank 1's files are damaged: its newest wanted one, or all."""
     cases = ("rank 1 bad newest", "rank 1 bad all")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(HERE)), HERE, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "ring_ddp_run.py"), str(tmp_path), *cases],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = {case: [json.loads((tmp_path / case.replace(" ", "_") / f"rank{r}.json").read_text()) for r in (0, 1)]
-           for case in cases}
+    run_launcher([os.path.join(HERE, "ring_ddp_run.py"), str(tmp_path), *cases], tmp_path, 240, HERE)
+    got = {case: rank_results(tmp_path / case.replace(" ", "_")) for case in cases}
     row("newest bad on rank 1: both ranks restore step 2; all bad on rank 1: both stop; rank 0's alert names "
         "rank 1's file", "; ".join(f"{case}: rollbacks {r0['rollbacks']}/{r1['rollbacks']}, stopped "
                                    f"{r0['stopped']}/{r1['stopped']}" for case, (r0, r1) in got.items()))

@@ -8,12 +8,11 @@ ranks' batches, on one unsharded copy.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+from distributed_helpers import write_results
 
 
 def model() -> torch.nn.Module:
@@ -26,9 +25,9 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 24, generator=g), torch.randint(0, 7, (16,), generator=g)
 
 
-def main(rank: int, world: int, port: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def main(out: str) -> None:
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: distributed_helpers.run_ranks
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     from torch.distributed.fsdp import fully_shard
 
@@ -53,11 +52,10 @@ def main(rank: int, world: int, port: str, out: str) -> None:
         (torch.nn.functional.cross_entropy(reference(xr), yr) / world).backward()
     expected = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])))
     full_elems = sum(p.numel() for p in reference.parameters())
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"norm": norm, "expected": expected, "shard_only": shard_only, "dtensor": grads_are_dtensors,
-                   "local_elems": local_elems, "full_elems": full_elems}, f)
+    write_results(out, rank, {"norm": norm, "expected": expected, "shard_only": shard_only,
+                              "dtensor": grads_are_dtensors, "local_elems": local_elems, "full_elems": full_elems})
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(sys.argv[1])

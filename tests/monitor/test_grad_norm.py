@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from distributed_helpers import run_ranks
 
 from stable_attn.monitor.grad_norm import nonfinite_grads, total_grad_norm
 
@@ -49,18 +46,7 @@ def test_nonfinite_grads_sees_one_bad_element(bad, dtype):
 
 
 def test_fsdp2_sharded_gradients_two_processes(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    script = os.path.join(HERE, "fsdp_grad_norm_run.py")
-    procs = [subprocess.Popen([sys.executable, script, str(r), "2", port, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    for p in procs:
-        out, _ = p.communicate(timeout=180)
-        assert p.returncode == 0, out[-3000:]
-    for r in (0, 1):
-        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for res in run_ranks(os.path.join(HERE, "fsdp_grad_norm_run.py"), [str(tmp_path)], tmp_path, 180):
         assert res["dtensor"] and res["local_elems"] < res["full_elems"]  # really sharded
         assert res["norm"] == pytest.approx(res["expected"], rel=1e-5)
         assert res["shard_only"] < 0.9 * res["expected"]  # the local shards alone would be wrong

@@ -5,38 +5,19 @@ one unsharded copy of the model; and QK-Clip on FSDP2's row shards of q_proj / k
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
+
+from distributed_helpers import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def test_tensor_parallel_heads_statistics_and_qk_clip(tmp_path):
     from tp_run import BIG, HEADS, KV_HEADS
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    script = os.path.join(HERE, "tp_run.py")
-    procs = [subprocess.Popen([sys.executable, script, str(r), "2", port, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-3000:]
+    results = run_ranks(os.path.join(HERE, "tp_run.py"), [str(tmp_path)], tmp_path, 180)
     group = HEADS // KV_HEADS
-    for r in (0, 1):
-        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for res in results:
         tp_loss, ref_loss = res["loss"]
         assert abs(tp_loss - ref_loss) <= 1e-5 * ref_loss  # the op served the local heads
         assert res["local_q_heads"] == [HEADS // 2] * 2  # each rank computed its own half of the heads

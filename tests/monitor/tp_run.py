@@ -9,12 +9,11 @@ Run by test_tensor_parallel.py as ``python tp_run.py RANK WORLD PORT OUT``; each
 from __future__ import annotations
 
 import copy
-import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+from distributed_helpers import all_gather, full, shutdown, write_results
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 4
 BIG = (1, 6)  # query heads of large logits: key-value groups 0 (rank 0's shard) and 3 (rank 1's)
@@ -39,19 +38,9 @@ def model() -> torch.nn.Module:
     return m
 
 
-def all_gather(t: torch.Tensor) -> torch.Tensor:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return torch.stack(out)
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if type(t).__name__ == "DTensor" else t
-
-
-def main(rank: int, world: int, port: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def main(out: str) -> None:
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: distributed_helpers.run_ranks
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -137,11 +126,9 @@ def main(rank: int, world: int, port: str, out: str) -> None:
         reference(input_ids=ids)
     result["fsdp_max_logit_after"] = [
         [float(fsdp_stats[k].max_logit.max()), float(ref_stats[k].max_logit.max())] for k in ref_stats]
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results(out, rank, result)
+    shutdown()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(sys.argv[1])

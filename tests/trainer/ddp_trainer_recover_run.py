@@ -8,13 +8,11 @@ rank writes ``OUT_DIR/rank{r}.json``.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
-from ddp_trainer_run import shutdown
-from trainer_lm import digest, make_trainer
+from distributed_helpers import digest, shutdown, write_results
+from trainer_lm import make_trainer
 from transformers import TrainerCallback
 
 from stable_attn.callbacks import StableAttentionTrainerCallback
@@ -52,8 +50,7 @@ def main(weights: str, out: str) -> None:
         "positions": {str(s): p["batch_index"] for s, p in sorted(pos.at.items())},
         "final": digest(trainer.model),
     }
-    with open(os.path.join(out, f"rank{result['rank']}.json"), "w") as f:
-        json.dump(result, f)
+    write_results(out, result["rank"], result)
     shutdown()
 
 

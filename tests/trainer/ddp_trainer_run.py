@@ -7,12 +7,12 @@ writes ``OUT_DIR/rank{r}.json`` with what it saw and did.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
-from trainer_lm import digest, make_trainer, optimizer_digest
+from distributed_helpers import digest, shutdown, write_results
+from trainer_lm import make_trainer, optimizer_digest
 from transformers import TrainerCallback
 
 from stable_attn.callbacks import StableAttentionTrainerCallback
@@ -67,17 +67,8 @@ def main(weights: str, out: str) -> None:
         "final": digest(trainer.model),
         "alerts_file": os.path.exists(os.path.join(out, "stable_attn_alerts.jsonl")),
     }
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_results(out, rank, result)
     shutdown()
-
-
-def shutdown() -> None:
-    """Leave the process group on every rank before exit: gloo's worker threads, torn down by static
-    destructors instead, sometimes abort the process ("terminate called without an active exception")."""
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

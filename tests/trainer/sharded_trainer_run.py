@@ -17,24 +17,24 @@ import os
 import sys
 
 import torch
-from ddp_trainer_run import shutdown
+from distributed_helpers import (
+    ACTION_OPTIONS,
+    BAD,
+    NAN_GRAD,
+    NAN_LOSS,
+    STEPS,
+    digest,
+    full_state,
+    is_dtensor,
+    shutdown,
+    write_results,
+)
 from trainer_lm import make_trainer
 from transformers import TrainerCallback
 
 from stable_attn.callbacks import StableAttentionTrainerCallback
 
-STEPS = 14
-BAD = 5
-NAN_LOSS = 8
-NAN_GRAD = 11
-ACTION_OPTIONS = {
-    "warn": {},
-    "skip": {},
-    "rollback": {"spike_confirm_steps": 1, "rollback_every": 2},
-    "stop": {},
-    "recover": {"spike_confirm_steps": 1, "rollback_steps": 4, "rollback_every": 2, "skip_batches": 2,
-                "cooldown_steps": 2},
-}
+ACTION_OPTIONS = dict(ACTION_OPTIONS)
 # ``<action>-resume``: the run stops (NaN loss at NAN_LOSS), and a second Trainer resumes from its sharded stop
 # checkpoint and runs on to the next stop. recover: the budget (max_recoveries=1) is spent at BAD, so NAN_LOSS stops.
 ACTION_OPTIONS["stop-resume"] = {}
@@ -43,21 +43,6 @@ ACTION_OPTIONS["recover-resume"] = dict(ACTION_OPTIONS["recover"], max_recoverie
 # save_pretrained reads the DTensor parameters on rank 0 alone (a collective on one rank: gloo fails)
 FSDP = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
                                         "state_dict_type": "SHARDED_STATE_DICT"}}
-
-
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a full tensor (FSDP2's DTensors gathered: a collective, every rank)."""
-    return {k: (v.full_tensor() if type(v).__name__ == "DTensor" else v).detach().clone()
-            for k, v in model.state_dict().items()}
-
-
-def digest_full(model: torch.nn.Module) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for t in full_state(model).values():
-        h.update(t.cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 class RankFaults(TrainerCallback):
@@ -80,7 +65,7 @@ class RankFaults(TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         step = state.global_step + 1
-        self.before[step] = digest_full(model)
+        self.before[step] = digest(model)
         if args.process_index == 1 and step == NAN_LOSS:
             self.handle = model.lm_head.register_forward_hook(lambda m, i, out: out * float("nan"))
         elif args.process_index == 1 and step == NAN_GRAD:
@@ -92,7 +77,7 @@ class RankFaults(TrainerCallback):
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
-        self.after[state.global_step] = digest_full(model)
+        self.after[state.global_step] = digest(model)
         position = self.cb.engine.data_position
         self.indices[state.global_step] = position["batch_index"] if position is not None else None
 
@@ -167,7 +152,7 @@ def run(weights: str, out: str, strategy: str, action: str) -> dict:
         "skipped_steps": list(cb.skipped_steps),
         "rollbacks": [list(r) for r in cb.rollbacks],
         "alert_count": cb.alert_count,
-        "dtensor": all(type(p).__name__ == "DTensor" for p in model.parameters()),
+        "dtensor": all(is_dtensor(p) for p in model.parameters()),
         "unchanged": sorted(s for s in faults.after if faults.before.get(s) == faults.after[s]),
         "grad_norm": logged,
         "rows": faults.rows,
@@ -176,7 +161,7 @@ def run(weights: str, out: str, strategy: str, action: str) -> dict:
         "stop": stop,
         "stop_files": sorted(os.listdir(stop)) if stop and os.path.isdir(stop) else None,
         "alerts_file": os.path.join(case_dir, "stable_attn_alerts.jsonl"),
-        "final": digest_full(model),
+        "final": digest(model),
         "first": first,
     }
 
@@ -187,8 +172,7 @@ def main(weights: str, out: str, strategy: str, actions: list[str]) -> None:
     results = {}
     for action in actions:
         results[action] = run(weights, out, strategy, action)
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
+        write_results(out, rank, results)
     shutdown()
 
 

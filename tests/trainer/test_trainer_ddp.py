@@ -3,29 +3,19 @@ only rank 1 sees a garbled batch, and only rank 1's logits turn NaN."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from distributed_helpers import rank_results, read_alerts, run_launcher, torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def test_ddp_ranks_agree_on_every_action(tmp_path, pretrained):
     from ddp_trainer_run import BAD, NAN_STEP, STEPS
 
-    path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(HERE, "ddp_trainer_run.py"), pretrained, str(tmp_path)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    run_launcher([*torchrun(os.path.join(HERE, "ddp_trainer_run.py")), pretrained, str(tmp_path)], tmp_path, 300, HERE)
+    r0, r1 = rank_results(tmp_path)
 
     assert r0["world"] == r1["world"] == 2
     assert r0["global_step"] == r1["global_step"] == STEPS
@@ -34,8 +24,7 @@ def test_ddp_ranks_agree_on_every_action(tmp_path, pretrained):
     assert r0["final"] == r1["final"]  # replicas identical: the same decision everywhere, no NaN applied
     assert r0["alert_count"] == r1["alert_count"] >= 2
     assert r0["alerts_file"]  # side effects on rank zero (both ranks share output_dir here)
-    with open(tmp_path / "stable_attn_alerts.jsonl", encoding="utf-8") as f:
-        alerts = [json.loads(line) for line in f]
+    alerts = read_alerts(str(tmp_path))
     assert {a["step"] for a in alerts} == {BAD, NAN_STEP}
     loss = [a for a in alerts if a["metric"] == "train/loss"]
     assert [(a["step"], a["kind"]) for a in loss] == [(BAD, "spike"), (NAN_STEP, "nonfinite")]
@@ -49,15 +38,9 @@ def test_ddp_ranks_recover_alike(tmp_path, pretrained):
     window of each rank's own shard, the same batch indices after it, identical replicas."""
     from ddp_trainer_recover_run import BAD
 
-    path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(HERE, "ddp_trainer_recover_run.py"), pretrained, str(tmp_path)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    run_launcher([*torchrun(os.path.join(HERE, "ddp_trainer_recover_run.py")), pretrained, str(tmp_path)], tmp_path,
+                 300, HERE)
+    r0, r1 = rank_results(tmp_path)
     assert r0["rollbacks"] == r1["rollbacks"] == [[BAD, BAD - 4]]
     assert r0["window"] == r1["window"] == {"epoch": 0, "start": BAD, "stop": BAD + 3}
     assert r0["skipped"] == r1["skipped"] == 3

@@ -9,46 +9,25 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
+from distributed_helpers import assert_same_on_ranks, rank_results, read_alerts, run_launcher, torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 ACTIONS = ["warn", "skip", "rollback", "stop", "recover"]
 
 
 def launch(tmp_path, pretrained: str, strategy: str, actions: list[str], timeout: float) -> tuple[dict, dict]:
     out = tmp_path / strategy
     out.mkdir()
-    path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    # a session of its own: on timeout torchrun and both workers are killed together
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(HERE, "sharded_trainer_run.py"), pretrained, str(out), strategy, *actions],
-        cwd=str(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        output = proc.communicate(timeout=timeout)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-4000:]
-    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
-    for action in actions:
-        for key in ("world", "global_step", "skipped_steps", "rollbacks", "alert_count", "unchanged", "final"):
-            assert r0[action][key] == r1[action][key], (action, key)  # both ranks acted alike
+    run_launcher([*torchrun(os.path.join(HERE, "sharded_trainer_run.py")), pretrained, str(out), strategy, *actions],
+                 out, timeout, HERE)
+    r0, r1 = rank_results(out)
+    for action in actions:  # both ranks acted alike
+        assert_same_on_ranks(r0[action], r1[action], ("world", "global_step", "skipped_steps", "rollbacks",
+                                                      "alert_count", "unchanged", "final"), action)
     return r0, r1
-
-
-def read_alerts(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def test_trainer_fsdp2_skip_on_one_rank(tmp_path, pretrained):

@@ -22,6 +22,7 @@ from transformers import Trainer, TrainingArguments
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "callbacks"))
 
 from callback_lm import BATCH, CHUNK_ORDER, ByteChunks, pretrain, tiny_gpt2  # noqa: E402
+from distributed_helpers import digest  # noqa: E402  (the weights' digest, one for every test)
 
 __all__ = ["BATCH", "Batches", "digest", "make_trainer", "optimizer_digest", "pretrain", "tiny_gpt2"]
 
@@ -61,13 +62,6 @@ def make_trainer(out: str, callbacks: Sequence[Any], steps: int, weights: str | 
     args = TrainingArguments(**kwargs)
     n = batches if batches is not None else steps * args.gradient_accumulation_steps * args.world_size
     return Trainer(model=model, args=args, train_dataset=Batches(n, corrupt), callbacks=list(callbacks))
-
-
-def digest(module: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for t in module.state_dict().values():
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def optimizer_digest(optimizer: Any) -> str:

@@ -22,23 +22,19 @@ from typing import Any
 
 from .events import SpikeEvent
 from .robust import (
-    RECENT_FLAGGED,
-    Episodes,
+    EarlyWarning,
     LossProgress,
     as_float,
     check_count,
     check_metric,
     check_positive,
-    check_state,
     median,
 )
 
 __all__ = ["EntropyCollapseDetector"]
 
-_STATE_VERSION = 1
 
-
-class EntropyCollapseDetector:
+class EntropyCollapseDetector(EarlyWarning):
     """Early warning when a layer's attention entropy falls below a fraction of its running median while
     the loss has stopped improving.
 
@@ -72,6 +68,9 @@ class EntropyCollapseDetector:
         rebaseline_after: consecutive flagged updates after which the new level is accepted.
     """
 
+    _TYPE = "EntropyCollapseDetector"
+    _STATE_VERSION = 1
+
     def __init__(
         self,
         metric: str = "stable_attn/entropy",
@@ -100,19 +99,6 @@ class EntropyCollapseDetector:
         self.rebaseline_after = check_count("rebaseline_after", rebaseline_after, 1)
         self.reset()
 
-    def reset(self) -> None:
-        """Forget everything learnt (as freshly constructed)."""
-        self._n = 0
-        self._accepted: list[float] = []
-        self._episodes = Episodes()
-        self._recent: list[float] = []
-        self._loss.reset()
-
-    @property
-    def ready(self) -> bool:
-        """True once warm-up is over and a collapse can fire."""
-        return self._n >= max(self.warmup, 1)
-
     @property
     def baseline(self) -> float | None:
         """The running median of the accepted values (None before the first)."""
@@ -120,52 +106,10 @@ class EntropyCollapseDetector:
             return None
         return median(self._accepted)
 
-    @property
-    def loss_improving(self) -> bool | None:
-        """Whether the loss passed to :meth:`update` is still improving: None if no loss was passed, True
-        (the benefit of the doubt) until ``1 / loss_slow_rate`` losses were seen."""
-        return self._loss.improving
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain-Python state for checkpoints (JSON-safe)."""
-        return {
-            "version": _STATE_VERSION,
-            "type": "EntropyCollapseDetector",
-            "config": {
-                "metric": self.metric,
-                "fraction": self.fraction,
-                "alarm_fraction": self.alarm_fraction,
-                "min_drop": self.min_drop,
-                "window": self.window,
-                **self._loss.config(),
-                "warmup": self.warmup,
-                "rebaseline_after": self.rebaseline_after,
-            },
-            "n": self._n,
-            "accepted": list(self._accepted),
-            "run": self._episodes.run,
-            "last_kind": self._episodes.last_kind,
-            "recent": list(self._recent),
-            **self._loss.state_dict(),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the state saved by :meth:`state_dict` (the configuration stays this instance's)."""
-        check_state(state, "EntropyCollapseDetector", tuple(self.state_dict()), _STATE_VERSION)
-        self._n = int(state["n"])
-        self._accepted = [float(v) for v in state["accepted"]][-self.window :]
-        self._episodes.run = int(state["run"])
-        self._episodes.last_kind = state["last_kind"]
-        self._recent = [float(v) for v in state["recent"]]
-        self._loss.load_state_dict(state)
-
     def update(self, step: int, value: float, loss: float | None = None) -> SpikeEvent | None:
         """Feed one entropy (nats) and optionally the training loss of the same step; return an event on a
         collapse, else None. Non-finite values and losses are ignored."""
-        value = as_float("value", value)
-        step = int(step)
-        if loss is not None:
-            self._loss.add(as_float("loss", loss))
+        step, value = self._read(step, value, loss)
         if not math.isfinite(value):
             return None
         baseline = self.baseline
@@ -175,35 +119,43 @@ class EntropyCollapseDetector:
         threshold = min(self.fraction * baseline, baseline - self.min_drop)
         alarm = value < min(self.alarm_fraction * baseline, baseline - self.min_drop)
         if self.ready and (alarm or (value < threshold and not self.loss_improving)):
-            run, is_new = self._episodes.flag("early_warning")
-            self._recent.append(value)
-            del self._recent[:-RECENT_FLAGGED]
-            event = SpikeEvent(
-                step=step,
-                metric=self.metric,
-                value=value,
-                baseline=baseline,
-                threshold=min(self.alarm_fraction * baseline, baseline - self.min_drop) if alarm else threshold,
-                score=math.nan,  # no noise scale: the rule is a ratio to the median, not a count of sigmas
-                kind="early_warning",
-                run_length=run,
-                is_new=is_new,
-                rule="plunge" if alarm else "collapse",
+            return self._flag(
+                step, value, baseline,
+                min(self.alarm_fraction * baseline, baseline - self.min_drop) if alarm else threshold,
+                math.nan,  # no noise scale: the rule is a ratio to the median, not a count of sigmas
+                "plunge" if alarm else "collapse",
             )
-            if run >= self.rebaseline_after:
-                self._accepted = list(self._recent)
-                self._recent.clear()
-                self._episodes.clear()
-            return event
         self._accept(value)
         return None
 
-    def _accept(self, value: float) -> None:
-        self._n += 1
-        self._episodes.clear()
-        self._recent.clear()
+    # the baseline: the last ``window`` accepted values (EarlyWarning's hooks)
+    def _reset_baseline(self) -> None:
+        self._accepted: list[float] = []
+
+    def _absorb(self, value: float) -> None:
         self._accepted.append(value)
         del self._accepted[: -self.window]
+
+    def _rebaseline(self, flagged: list[float]) -> None:
+        self._accepted = list(flagged)
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric,
+            "fraction": self.fraction,
+            "alarm_fraction": self.alarm_fraction,
+            "min_drop": self.min_drop,
+            "window": self.window,
+            **self._loss.config(),
+            "warmup": self.warmup,
+            "rebaseline_after": self.rebaseline_after,
+        }
+
+    def _baseline_state(self) -> dict[str, Any]:
+        return {"accepted": list(self._accepted)}
+
+    def _load_baseline(self, state: Mapping[str, Any]) -> None:
+        self._accepted = [float(v) for v in state["accepted"]][-self.window :]
 
     def __repr__(self) -> str:
         return (

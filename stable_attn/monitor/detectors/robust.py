@@ -1,5 +1,5 @@
 """What the detectors share: the robust noise scale, argument checks, state checks, episode counts, the
-early warnings' loss gate (:class:`LossProgress`).
+early warnings' loss gate (:class:`LossProgress`) and their common shape (:class:`EarlyWarning`).
 
 :class:`~stable_attn.monitor.detectors.spikes.SpikeDetector` and
 :class:`~stable_attn.monitor.detectors.surge.SurgeDetector`
@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
+
+from .events import SpikeEvent
 
 __all__ = [
     "MIN_SCALE_SAMPLES",
     "RECENT_FLAGGED",
     "FAST_WINDOW",
+    "EarlyWarning",
     "Episodes",
     "LossProgress",
     "as_float",
@@ -277,3 +280,119 @@ class LossProgress:
         self._fast = optional_float(state["loss_fast"])
         self._slow = optional_float(state["loss_slow"])
         self._count = int(state["losses"])
+
+
+class EarlyWarning:
+    """The shape :class:`~stable_attn.monitor.detectors.surge.SurgeDetector` and
+    :class:`~stable_attn.monitor.detectors.collapse.EntropyCollapseDetector` share: a warm-up of accepted values,
+    a baseline that only accepted values move, the loss gate (:class:`LossProgress`), and episodes of flagged
+    values (:meth:`_flag`) after ``rebaseline_after`` of which the flagged level becomes the baseline.
+
+    A subclass validates its arguments and sets ``metric``, ``warmup``, ``rebaseline_after`` and ``_loss``, then
+    calls :meth:`reset`; it provides its baseline (:attr:`baseline`, :meth:`_reset_baseline`, :meth:`_absorb`,
+    :meth:`_rebaseline`), its options in saved order (:meth:`_config`) and its baseline's state
+    (:meth:`_baseline_state`, :meth:`_load_baseline`); ``_TYPE`` and ``_STATE_VERSION`` name its state format.
+    """
+
+    _TYPE: ClassVar[str]
+    _STATE_VERSION: ClassVar[int]
+    metric: str
+    warmup: int
+    rebaseline_after: int
+    _loss: LossProgress
+
+    def reset(self) -> None:
+        """Forget everything learnt (as freshly constructed)."""
+        self._n = 0
+        self._reset_baseline()
+        self._episodes = Episodes()
+        self._recent: list[float] = []
+        self._loss.reset()
+
+    @property
+    def ready(self) -> bool:
+        """True once warm-up is over and a warning can fire."""
+        return self._n >= max(self.warmup, 1)
+
+    @property
+    def baseline(self) -> float | None:
+        raise NotImplementedError
+
+    @property
+    def loss_improving(self) -> bool | None:
+        """Whether the loss passed to ``update`` is still improving: None if no loss was passed, True (the
+        benefit of the doubt) until ``1 / loss_slow_rate`` losses were seen, since the two averages cannot
+        differ before the slow one has its own memory."""
+        return self._loss.improving
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-Python state for checkpoints (JSON-safe)."""
+        return {
+            "version": self._STATE_VERSION,
+            "type": self._TYPE,
+            "config": self._config(),
+            "n": self._n,
+            **self._baseline_state(),
+            "run": self._episodes.run,
+            "last_kind": self._episodes.last_kind,
+            "recent": list(self._recent),
+            **self._loss.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict` (the configuration stays this instance's)."""
+        check_state(state, self._TYPE, tuple(self.state_dict()), self._STATE_VERSION)
+        self._n = int(state["n"])
+        self._load_baseline(state)
+        self._episodes.run = int(state["run"])
+        self._episodes.last_kind = state["last_kind"]
+        self._recent = [float(v) for v in state["recent"]]
+        self._loss.load_state_dict(state)
+
+    def _read(self, step: int, value: float, loss: float | None) -> tuple[int, float]:
+        """The step and value of an update, checked, after its loss (if any) was folded into the gate."""
+        value = as_float("value", value)
+        step = int(step)
+        if loss is not None:
+            self._loss.add(as_float("loss", loss))
+        return step, value
+
+    def _flag(self, step: int, value: float, baseline: float, threshold: float, score: float,
+              rule: str) -> SpikeEvent:
+        """The early warning for a flagged value (it stays out of the baseline); after ``rebaseline_after``
+        flagged values in a row the recent flagged level becomes the baseline."""
+        run, is_new = self._episodes.flag("early_warning")
+        self._recent.append(value)
+        del self._recent[:-RECENT_FLAGGED]
+        event = SpikeEvent(step=step, metric=self.metric, value=value, baseline=baseline, threshold=threshold,
+                           score=score, kind="early_warning", run_length=run, is_new=is_new, rule=rule)
+        if run >= self.rebaseline_after:
+            self._rebaseline(self._recent)
+            self._recent.clear()
+            self._episodes.clear()
+        return event
+
+    def _accept(self, value: float) -> None:
+        """An unflagged finite value: it counts towards warm-up, ends an episode and moves the baseline."""
+        self._n += 1
+        self._episodes.clear()
+        self._recent.clear()
+        self._absorb(value)
+
+    def _reset_baseline(self) -> None:
+        raise NotImplementedError
+
+    def _absorb(self, value: float) -> None:
+        raise NotImplementedError
+
+    def _rebaseline(self, flagged: list[float]) -> None:
+        raise NotImplementedError
+
+    def _config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _baseline_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load_baseline(self, state: Mapping[str, Any]) -> None:
+        raise NotImplementedError

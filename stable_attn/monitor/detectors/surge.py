@@ -26,15 +26,13 @@ from typing import Any
 from .events import SpikeEvent
 from .robust import (
     MIN_SCALE_SAMPLES,
-    RECENT_FLAGGED,
-    Episodes,
+    EarlyWarning,
     LossProgress,
     as_float,
     check_count,
     check_metric,
     check_positive,
     check_rate,
-    check_state,
     huber_consistency,
     optional_float,
     update_scale,
@@ -42,11 +40,8 @@ from .robust import (
 
 __all__ = ["SurgeDetector"]
 
-# State format: version 2 added the loss averages (a version-1 state loads with no loss history).
-_STATE_VERSION = 2
 
-
-class SurgeDetector:
+class SurgeDetector(EarlyWarning):
     """Early warning when a per-layer attention statistic grows well above its own recent baseline
     while the loss has stopped improving.
 
@@ -102,6 +97,10 @@ class SurgeDetector:
         clip: residuals are clipped at this many sigmas before they update baseline and scale.
         rebaseline_after: consecutive flagged updates after which the new level is accepted.
     """
+
+    _TYPE = "SurgeDetector"
+    # State format: version 2 added the loss averages (a version-1 state loads with no loss history).
+    _STATE_VERSION = 2
 
     def __init__(
         self,
@@ -163,89 +162,23 @@ class SurgeDetector:
         kwargs.setdefault("alarm_level", 1000.0)
         return cls(metric, **kwargs)
 
-    def reset(self) -> None:
-        """Forget everything learnt (as freshly constructed)."""
-        self._n = 0
-        self._level: float | None = None
-        self._var: float | None = None
-        self._residuals = 0
-        self._last_residual: float | None = None
-        self._episodes = Episodes()
-        self._recent: list[float] = []
-        self._loss.reset()
-
-    @property
-    def ready(self) -> bool:
-        """True once warm-up is over and surges can fire."""
-        return self._n >= max(self.warmup, 1)
-
     @property
     def baseline(self) -> float | None:
         """The current baseline (None before the first value)."""
         return self._level
 
-    @property
-    def loss_improving(self) -> bool | None:
-        """Whether the loss passed to :meth:`update` is still improving: None if no loss was passed,
-        True (the benefit of the doubt) until ``1 / loss_slow_rate`` losses were seen, since the
-        two averages cannot differ before the slow one has its own memory."""
-        return self._loss.improving
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain-Python state for checkpoints (see
-        :meth:`~stable_attn.monitor.detectors.spikes.SpikeDetector.state_dict`)."""
-        return {
-            "version": _STATE_VERSION,
-            "type": "SurgeDetector",
-            "config": {
-                "metric": self.metric,
-                "min_delta": self.min_delta,
-                "ratio": self.ratio,
-                "z_threshold": self.z_threshold,
-                "min_level": self.min_level,
-                "alarm_level": self.alarm_level,
-                **self._loss.config(),
-                "warmup": self.warmup,
-                "rate": self.rate,
-                "scale_rate": self.scale_rate,
-                "clip": self.clip,
-                "rebaseline_after": self.rebaseline_after,
-            },
-            "n": self._n,
-            "level": self._level,
-            "var": self._var,
-            "residuals": self._residuals,
-            "last_residual": self._last_residual,
-            "run": self._episodes.run,
-            "last_kind": self._episodes.last_kind,
-            "recent": list(self._recent),
-            **self._loss.state_dict(),
-        }
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict` (a version-1 state, saved before the loss
         condition existed, loads with no loss history)."""
         if isinstance(state, Mapping) and state.get("version") == 1 and state.get("type") == "SurgeDetector":
-            state = {**state, "version": _STATE_VERSION, "loss_fast": None, "loss_slow": None, "losses": 0}
-        check_state(state, "SurgeDetector", tuple(self.state_dict()), _STATE_VERSION)
-        self._n = int(state["n"])
-        self._level = optional_float(state["level"])
-        self._var = optional_float(state["var"])
-        self._residuals = int(state["residuals"])
-        self._last_residual = optional_float(state["last_residual"])
-        self._episodes.run = int(state["run"])
-        self._episodes.last_kind = state["last_kind"]
-        self._recent = [float(v) for v in state["recent"]]
-        self._loss.load_state_dict(state)
+            state = {**state, "version": self._STATE_VERSION, "loss_fast": None, "loss_slow": None, "losses": 0}
+        super().load_state_dict(state)
 
     def update(self, step: int, value: float, loss: float | None = None) -> SpikeEvent | None:
         """Feed one observation (and optionally the training loss of the same step); return an event
         on a surge or a non-finite value, else None. A non-finite loss is ignored here (the loss's
         own :class:`~stable_attn.monitor.detectors.spikes.SpikeDetector` reports it)."""
-        value = as_float("value", value)
-        step = int(step)
-        if loss is not None:
-            self._loss.add(as_float("loss", loss))
+        step, value = self._read(step, value, loss)
         if value == -math.inf:
             return None
         if not math.isfinite(value):
@@ -262,28 +195,9 @@ class SurgeDetector:
         rise = value - self._level
         alarm = value >= self.alarm_level
         if self.ready and (alarm or (rise > margin and value >= self.min_level and not self.loss_improving)):
-            run, is_new = self._episodes.flag("early_warning")
-            self._recent.append(value)
-            del self._recent[:-RECENT_FLAGGED]
-            event = SpikeEvent(
-                step=step,
-                metric=self.metric,
-                value=value,
-                baseline=self._level,
-                threshold=self.alarm_level if alarm else max(self._level + margin, self.min_level),
-                score=rise / self._sigma(),
-                kind="early_warning",
-                run_length=run,
-                is_new=is_new,
-                rule="level" if alarm else "surge",
-            )
-            if run >= self.rebaseline_after:
-                ordered = sorted(self._recent)
-                self._level = ordered[len(ordered) // 2]
-                self._last_residual = None
-                self._recent.clear()
-                self._episodes.clear()
-            return event
+            return self._flag(step, value, self._level,
+                              self.alarm_level if alarm else max(self._level + margin, self.min_level),
+                              rise / self._sigma(), "level" if alarm else "surge")
         self._accept(value)
         return None
 
@@ -294,10 +208,45 @@ class SurgeDetector:
     def _margin(self, level: float) -> float:
         return max(self.min_delta, self.z_threshold * self._sigma(), (self.ratio - 1.0) * level)
 
-    def _accept(self, value: float) -> None:
-        self._n += 1
-        self._episodes.clear()
-        self._recent.clear()
+    # the baseline: an exponential moving average and the robust noise variance (EarlyWarning's hooks)
+    def _reset_baseline(self) -> None:
+        self._level: float | None = None
+        self._var: float | None = None
+        self._residuals = 0
+        self._last_residual: float | None = None
+
+    def _rebaseline(self, flagged: list[float]) -> None:
+        ordered = sorted(flagged)
+        self._level = ordered[len(ordered) // 2]
+        self._last_residual = None
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric,
+            "min_delta": self.min_delta,
+            "ratio": self.ratio,
+            "z_threshold": self.z_threshold,
+            "min_level": self.min_level,
+            "alarm_level": self.alarm_level,
+            **self._loss.config(),
+            "warmup": self.warmup,
+            "rate": self.rate,
+            "scale_rate": self.scale_rate,
+            "clip": self.clip,
+            "rebaseline_after": self.rebaseline_after,
+        }
+
+    def _baseline_state(self) -> dict[str, Any]:
+        return {"level": self._level, "var": self._var, "residuals": self._residuals,
+                "last_residual": self._last_residual}
+
+    def _load_baseline(self, state: Mapping[str, Any]) -> None:
+        self._level = optional_float(state["level"])
+        self._var = optional_float(state["var"])
+        self._residuals = int(state["residuals"])
+        self._last_residual = optional_float(state["last_residual"])
+
+    def _absorb(self, value: float) -> None:
         if self._level is None:
             self._level = value
             return
