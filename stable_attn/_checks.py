@@ -19,6 +19,8 @@ import os
 from typing import Any, NamedTuple
 
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.autograd import forward_ad
 
 from . import rules
 from .options import is_int, scale_problem
@@ -158,10 +160,30 @@ def _qkv_problem(q: Any, k: Any, v: Any, packed: bool) -> Problem | None:
     return None
 
 
+def forward_mode_problem(*tensors: Any) -> Problem | None:
+    """Forward-mode differentiation (``torch.func.jvp``, ``torch.autograd.forward_ad``) of a call: refused.
+
+    The ops define a backward only; without this rule forward mode gives a silently zero tangent (``jvp``) or
+    none (a dual tensor's level). A traced call is left to the tracer (reading functorch's stack would break the
+    graph)."""
+    if torch.compiler.is_compiling():
+        return None
+    dual = forward_ad._current_level >= 0 and any(
+        isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    if not dual and torch._C._functorch.peek_interpreter_stack() is not None:
+        dual = any(i.key() == torch._C._functorch.TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    if dual:
+        return Problem(NotImplementedError, "stable_attn computes no forward-mode derivative (torch.func.jvp, "
+                                            "torch.func.jacfwd, torch.autograd.forward_ad); use reverse mode "
+                                            "(backward, torch.func.grad/vjp/jacrev)")
+    return None
+
+
 def dense_problem(q: Any, k: Any, v: Any, key_padding_mask: Any = None, attn_mask: Any = None,
                   sinks: Any = None) -> Problem | None:
     """What is wrong with an ``attention()`` call's q, k, v (``[B, H, N, D]``), masks and sinks, or None."""
-    problem = _qkv_problem(q, k, v, packed=False) or sinks_problem(sinks, q, q.shape[1])
+    problem = (_qkv_problem(q, k, v, packed=False) or sinks_problem(sinks, q, q.shape[1])
+               or forward_mode_problem(q, k, v, sinks))
     if problem is not None:
         return problem
     B, Hq, Nq, _ = q.shape
@@ -260,7 +282,8 @@ def layout_doubt(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
 def packed_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
                    max_seqlen_k: Any, sinks: Any = None) -> Problem | None:
     """What is wrong with the shapes, dtypes and devices of an ``attention_varlen()`` call, or None."""
-    problem = _qkv_problem(q, k, v, packed=True) or sinks_problem(sinks, q, q.shape[1])
+    problem = (_qkv_problem(q, k, v, packed=True) or sinks_problem(sinks, q, q.shape[1])
+               or forward_mode_problem(q, k, v, sinks))
     if problem is not None:
         return problem
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):

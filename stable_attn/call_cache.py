@@ -14,7 +14,7 @@ whether Triton interprets. Calls it cannot describe take the full path every tim
 ``__torch_function__`` or ``__torch_dispatch__`` mode (they expect to see the op), an active functorch transform
 (``torch.vmap``, ``torch.func.grad``/``jvp``: their wrappers' Python type is ``torch.Tensor``, so the type test
 lets them through, but only the op's dispatch unwraps them), an active forward-AD level (a dual tensor is a plain
-tensor too; the op decides its tangent), autocast, and, in
+tensor too; the checks refuse forward mode, every call), autocast, and, in
 ``attention()``, an ``attn_mask``, ``stats``, dropout (a fresh seed per call), traced calls (``torch.compile``
 keeps the op in its graph) and calls that need a gradient (autograd needs the op).
 

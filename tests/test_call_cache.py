@@ -60,38 +60,68 @@ def test_repeated_calls_under_vmap_give_the_loops_bits(nq, nk):
         assert torch.equal(a, b) and torch.equal(a, loop), f"vmap call {i}"
 
 
-def test_repeated_calls_under_forward_ad_see_the_op():
-    """Under a forward-AD level the op decides the tangent (whatever it is); a repeated call must not bypass it."""
+def test_repeated_calls_under_forward_ad_are_refused_every_time():
+    """The op has no forward-mode derivative: a dual input is refused (not given a missing tangent), and a
+    repeated call does not slip past the refusal through the cache."""
     q, k, v = inputs(1, 40)
 
     def run():
         with torch.no_grad():
             attend(q, k, v)
-            got = []
             with fwAD.dual_level():
                 for _ in range(2):
-                    out = attend(fwAD.make_dual(q, torch.ones_like(q)), k, v)
-                    primal, tangent = fwAD.unpack_dual(out)
-                    got.append((primal.clone(), None if tangent is None else tangent.clone()))
-            return got
+                    with pytest.raises(NotImplementedError, match="no forward-mode derivative"):
+                        attend(fwAD.make_dual(q, torch.ones_like(q)), k, v)
+                # in a level, a call with no dual input has nothing to differentiate: served, and equal
+                return attend(q, k, v)
 
     cached, full = both(run)
-    for (p1, t1), (p2, t2) in zip(cached, full, strict=True):
-        assert torch.equal(p1, p2)
-        assert (t1 is None) == (t2 is None) and (t1 is None or torch.equal(t1, t2))
+    assert torch.equal(cached, full)
 
 
-def test_repeated_calls_under_jvp_give_the_full_paths_tangent():
+def test_repeated_calls_under_jvp_are_refused_every_time():
+    """Without the refusal jvp returned a zero tangent, silently."""
     q, k, v = inputs(1, 40)
 
     def run():
         with torch.no_grad():
             attend(q, k, v)
-            return [torch.func.jvp(lambda q: attend(q, k, v), (q,), (torch.ones_like(q),)) for _ in range(2)]
+            for _ in range(2):
+                with pytest.raises(NotImplementedError, match="torch.func.jvp"):
+                    torch.func.jvp(lambda q: attend(q, k, v), (q,), (torch.ones_like(q),))
+            with pytest.raises(NotImplementedError, match="forward-mode"):
+                torch.func.jacfwd(lambda q: attend(q, k, v))(q)
 
-    cached, full = both(run)
-    for (o1, t1), (o2, t2) in zip(cached, full, strict=True):
-        assert torch.equal(o1, o2) and torch.equal(t1, t2)
+    both(run)
+
+
+def test_varlen_refuses_forward_mode():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(7, 2, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(lambda q: stable_attn.attention_varlen(q, k, v, cu, cu, 4, 4, backend="torch"), (q,),
+                       (torch.ones_like(q),))
+
+
+def test_patched_sdpa_leaves_forward_mode_to_the_original():
+    """patch_sdpa serves only calls attention() accepts: under jvp the original sdpa keeps its tangent."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from stable_attn.integrations.sdpa import patch_sdpa
+
+    q, k, v = inputs(4, 32)
+    t = torch.randn_like(q)
+
+    def sdpa(q):  # looked up at each call: the patched one inside the patch
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with sdpa_kernel(SDPBackend.MATH):  # torch's CPU flash kernel has no forward AD either
+        want = torch.func.jvp(sdpa, (q,), (t,))
+        with patch_sdpa(backend="torch"):
+            got = torch.func.jvp(sdpa, (q,), (t,))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].abs().max() > 0
 
 
 class _Watched(torch.Tensor):
