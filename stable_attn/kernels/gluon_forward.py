@@ -42,6 +42,7 @@ from .. import rules
 from .. import stats as _stats
 from ..options import Options
 from ..stats import RowStats
+from . import triton_launch as launch
 
 MODE_OFF = gl.constexpr(rules.MODE_OFF)
 MODE_EXACT = gl.constexpr(rules.MODE_EXACT)
@@ -244,7 +245,6 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, K, Out, Lse, StSat, StFixed, S
     fills rows past ``N`` with zeros)."""
     BM: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[1]
-    D: gl.constexpr = k_desc.block_type.shape[2]
     if CAUSAL:  # the longest query blocks first (triton_order.query_block)
         start_m = gl.num_programs(0) - 1 - gl.program_id(0)
     else:
@@ -357,11 +357,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Options, wi
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    out = torch.empty_like(q)
-    lse2 = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    out = launch.empty_like(q)
+    lse2 = launch.empty((B, Hq, Nq), torch.float32, q.device)
     with_stats = int(with_stats)
     if with_stats:
-        st = RowStats.empty((B, Hq, Nq), q.device, alloc=torch.empty, entropy=with_stats == STATS_ENTROPY)
+        st = RowStats.empty((B, Hq, Nq), q.device, alloc=launch.empty, entropy=with_stats == STATS_ENTROPY)
         sat, fixed, max_logit, sink, entropy = st.saturated.view(torch.int8), *st.tensors()[1:]
         if not st.has_entropy:
             entropy = lse2

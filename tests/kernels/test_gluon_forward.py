@@ -1,0 +1,68 @@
+"""The Gluon forward (kernels/gluon_forward.py): what can be checked without a GPU.
+
+Gluon kernels do not run under ``TRITON_INTERPRET=1`` in Triton 3.9, so its numbers are checked on a GPU
+(benchmarks/gluon_check.py, first step of benchmarks/gpu_check.sh, against kernels/reference.py and the current
+kernel's decisions). On the CPU:
+it compiles for sm_90 into the pipeline it is written as (producer/consumer split with its register budgets, TMA,
+wgmma, mbarriers, no spill; the figures of docs/lab/gluon-forward.md), and calls it does not serve raise naming the
+argument.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stable_attn import rules
+from stable_attn.kernels import gluon_forward
+from stable_attn.options import Options
+from stable_attn.stats import STATS_ENTROPY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VARIANTS = [  # (D, causal, mode, stats): the fix with every statistic, and the plain kernel
+    (128, True, rules.MODE_EXACT, STATS_ENTROPY),
+    (64, False, rules.MODE_EXACT, 0),
+    (128, False, rules.MODE_OFF, 0),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    # a fresh interpreter without TRITON_INTERPRET (this process runs the interpreter)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import gluon_resources as g; "
+            f"print(json.dumps([g.compile_one('gluon', 90, d, m, c, s) for d, c, m, s in {VARIANTS!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("i", range(len(VARIANTS)))
+def test_compiles_to_a_warp_specialized_pipeline_on_sm90(compiled, i):
+    row = compiled[i]
+    assert row["error"] is None, row["error"]
+    # the loader gives its registers back (setmaxnreg 24) and the consumer takes them (240 of the 168 at launch)
+    assert row["setmaxnreg"] and row["setmaxnreg_values"] == [gluon_forward.LOADER_REGS.value, 240], row
+    assert row["TMA"] and row["wgmma"] and row["mbarrier"] and not row["tcgen05"], row
+    assert row["spill"] == 0, row
+    assert row["regs"] <= gluon_forward.MAX_REGS, row
+    # Q and the K/V ring fit in the 227 KiB of shared memory a block may use
+    assert row["shared"] <= 232448, row
+    # one key block per consumer iteration: QK^T (D / 16 wgmma k-steps per warp) and P-bar V (BLOCK_N / 16)
+    assert row["loop_mma"] == row["d"] // 16 + gluon_forward.BLOCK_N // 16, row
+
+
+def test_serves_only_what_it_implements():
+    q = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    opts = Options.create(head_dim=64, causal=True)
+    assert "sm_90" in gluon_forward.serves(q, q, q, opts)
+    with pytest.raises(ValueError, match="q on cpu"):
+        gluon_forward.forward(q, q, q, opts)
+
