@@ -14,9 +14,11 @@ producer/consumer split on sm_90; Gluon (``triton.experimental.gluon``) states t
 The math is the current kernel's for the cases it serves (bf16, head dim 64 or 128, the 128-key partition, causal
 or not, modes ``exact`` and ``off``, row statistics with or without the entropy): the same block maxima, tie test
 (``row_top2``'s two-result reduction), offset ``r`` (``block_offset``), ``P-bar = exp2(fma(x, qk_scale2, -r))``
-rounded once to bf16, statistics and epilogue, in the same key order. One difference: the exact mode's row sum adds
-the rounded ``P-bar`` element by element (``triton_forward.py``'s form where its tensor-core row sum would spill), so
-``l`` and ``lse`` may differ from the current kernel's in the last bits (a summation order, not a rule).
+rounded once to bf16, the exact mode's row sum on the tensor cores in two accumulators (``tc_row_sum_add`` as
+``triton_launch.row_sum_parts`` sets it on sm_90), statistics and epilogue, in the same key order. The score and
+``P-bar V`` products are wgmma over the same tiles; whether they round as the current kernel's do (and so whether the
+outputs are bit-identical) is for a GPU to say. The sink statistic's fp32 sum of ``q . k_0`` runs in another order
+(within summation-order differences, as in the current kernel).
 
 Gluon kernels do not run under ``TRITON_INTERPRET=1`` in Triton 3.9 (``gluon.jit`` asks for a GPU driver): this kernel
 is checked on the CPU only by compiling it (``compile_kernel``, benchmarks/gluon_resources.py,
@@ -49,6 +51,7 @@ MODE_EXACT = gl.constexpr(rules.MODE_EXACT)
 FP32_MAX = gl.constexpr(rules.FP32_MAX)
 LOG2E = gl.constexpr(rules.LOG2E)
 STATS_ENTROPY = gl.constexpr(_stats.STATS_ENTROPY)
+L_COLS = gl.constexpr(8)  # columns of the tensor-core row sum: wgmma's smallest N
 
 BLOCK_M = 128  # query rows per program: 8 consumer warps of 16 rows (wgmma's M per warp)
 BLOCK_N = 128  # the key partition it serves (Options.key_block's default)
@@ -70,10 +73,13 @@ def _top2_combine(a1, a2, b1, b2):
 
 
 @gluon.jit
-def row_top2(x):
-    """Largest and second-largest value of each row (two equal values for a tie): ``triton_forward.row_top2``'s
-    combine, over the elements with ``-inf`` as each one's second."""
-    return gl.reduce((x, gl.full(x.shape, float("-inf"), gl.float32, x.type.layout)), 1, _top2_combine)
+def row_top2(x, rows: gl.constexpr):
+    """Largest and second-largest value of each row (two equal values for a tie), in the layout ``rows``:
+    ``triton_forward.row_top2``, the same pairing (neighbouring columns, held by one thread in wgmma's accumulator
+    layout) and combine."""
+    a, b = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    top, second = gl.reduce((gl.maximum(a, b), gl.minimum(a, b)), 1, _top2_combine)
+    return gl.convert_layout(top, rows), gl.convert_layout(second, rows)
 
 
 @gluon.jit
@@ -102,10 +108,10 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_re
 
 
 @gluon.jit
-def _block(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q2, k_bufs, v_bufs, k_ready, v_ready, kv_free, i, start_n,
-           offs_m, Nk, pos_offset, qk_scale2, tie2, min_shift2, max_shift2, beta,
-           s_layout: gl.constexpr, o_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-           MODE: gl.constexpr, STATS: gl.constexpr):
+def _block(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q2, k_bufs, v_bufs, ones, k_ready, v_ready, kv_free, i,
+           start_n, offs_m, Nk, pos_offset, qk_scale2, tie2, min_shift2, max_shift2, beta,
+           s_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr, MASK: gl.constexpr,
+           CAUSAL: gl.constexpr, MODE: gl.constexpr, STATS: gl.constexpr):
     """One key block of the online softmax (``triton_forward.fwd_block``'s steps, same values); the row state."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     BN: gl.constexpr = k_bufs.type.shape[2]
@@ -129,7 +135,7 @@ def _block(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q2, k_bufs, v_bufs, k_
         m_blk = gl.max(x, 1)
         m2_blk = m_blk
     else:
-        m_blk, m2_blk = row_top2(x)
+        m_blk, m2_blk = row_top2(x, gl.SliceLayout(1, s_layout))
     m_blk = m_blk * qk_scale2
     m2_blk = m2_blk * qk_scale2
     m_new = gl.maximum(m_i, m_blk)
@@ -153,8 +159,10 @@ def _block(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q2, k_bufs, v_bufs, k_
         ent_i = alpha * (ent_i + (r_i - r_new) * ent_l) + gl.sum(p * t, 1)
         ent_l = ent_l * alpha + gl.sum(p, 1)
     p_cast = p.to(gl.bfloat16)  # the rounding point the paper is about
-    if MODE == MODE_EXACT:  # the row sum adds exactly the weights that multiply V
-        l_i = l_i * alpha + gl.sum(p_cast.to(gl.float32), 1)
+    if MODE == MODE_EXACT:  # rescaled here (even columns: tc_row_sum_add says why), P-bar @ 1 added below
+        even = (gl.arange(0, L_COLS, gl.SliceLayout(0, l_layout)) % 2 == 0)[None, :]
+        scale = gl.where(even, gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None], 1.0)
+        l_i = (l_i[0] * scale, l_i[1] * scale)
     else:
         l_i = l_i * alpha + gl.sum(p, 1)
     # P-bar V (triton_forward.fwd_pv), P-bar from registers
@@ -162,15 +170,25 @@ def _block(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q2, k_bufs, v_bufs, k_
     p_op = gl.convert_layout(p_cast, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma(p_op, v_bufs.index(slot).reshape([BN, D]), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if MODE == MODE_EXACT:
+        # the row sum adds exactly the weights that multiply V, on the tensor cores: triton_forward.tc_row_sum_add
+        # with two accumulators (triton_launch.row_sum_parts on sm_90), one per half of the block's keys
+        p_a, p_b = gl.split(gl.permute(gl.reshape(p_cast, [p_cast.shape[0], 2, BN // 2]), [0, 2, 1]))
+        half: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
+        l_a = warpgroup_mma(gl.convert_layout(p_a, half), ones, l_i[0], is_async=True)
+        l_b = warpgroup_mma(gl.convert_layout(p_b, half), ones, l_i[1], is_async=True)
+        acc, l_a, l_b = warpgroup_mma_wait(0, deps=(acc, l_a, l_b))
+        l_i = (l_a, l_b)
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
     gl.barrier()  # both warpgroups are done with the slot before it is handed back
     mbarrier.arrive(kv_free.index(slot))
     return acc, l_i, m_new, r_new, m2_i, fixed, ent_i, ent_l
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, K, Out, Lse, StSat, StFixed, StMax, StSink,
-              StEnt, row0, kv_row, q_lo, Nq, Nk, pos_offset, lo, mid_hi, hi, qk_scale2, tie2, sat2, min_shift2,
+def _consumer(q_smem, k_bufs, v_bufs, ones, q_bar, k_ready, v_ready, kv_free, K, Out, Lse, StSat, StFixed, StMax,
+              StSink, StEnt, row0, kv_row, q_lo, Nq, Nk, pos_offset, lo, mid_hi, hi, qk_scale2, tie2, sat2, min_shift2,
               max_shift2, beta, CAUSAL: gl.constexpr, MODE: gl.constexpr, STATS: gl.constexpr,
               BM: gl.constexpr, NW: gl.constexpr):
     """The consumer partition: the key loop (unmasked blocks, then the masked ones, in key order) and the epilogue
@@ -179,11 +197,16 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, K, Out, 
     D: gl.constexpr = k_bufs.type.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, D, 16])
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, L_COLS, 16])
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     offs_m = q_lo + gl.arange(0, BM, rows)
     m_i = gl.full([BM], float("-inf"), gl.float32, rows)
     r_i = gl.full([BM], -FP32_MAX, gl.float32, rows)
-    l_i = gl.zeros([BM], gl.float32, rows)
+    if MODE == MODE_EXACT:
+        l_i = (gl.zeros([BM, L_COLS], gl.float32, l_layout), gl.zeros([BM, L_COLS], gl.float32, l_layout))
+    else:
+        l_i = gl.zeros([BM], gl.float32, rows)
     m2_i = gl.full([BM], float("-inf"), gl.float32, rows)
     fixed = gl.zeros([BM], gl.int32, rows)
     ent_i = gl.zeros([BM], gl.float32, rows)
@@ -193,15 +216,18 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, K, Out, 
     q2 = q_smem.reshape([BM, D])
     for start_n in range(lo, mid_hi, BN):  # seen in full by every row
         acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = _block(
-            acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q2, k_bufs, v_bufs, k_ready, v_ready, kv_free,
+            acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q2, k_bufs, v_bufs, ones, k_ready, v_ready, kv_free,
             (start_n - lo) // BN, start_n, offs_m, Nk, pos_offset, qk_scale2, tie2, min_shift2, max_shift2, beta,
-            s_layout, o_layout, False, CAUSAL, MODE, STATS)
+            s_layout, o_layout, l_layout, False, CAUSAL, MODE, STATS)
     for start_n in range(mid_hi, hi, BN):  # cut by the causal diagonal or the end of the keys
         acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l = _block(
-            acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q2, k_bufs, v_bufs, k_ready, v_ready, kv_free,
+            acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q2, k_bufs, v_bufs, ones, k_ready, v_ready, kv_free,
             (start_n - lo) // BN, start_n, offs_m, Nk, pos_offset, qk_scale2, tie2, min_shift2, max_shift2, beta,
-            s_layout, o_layout, True, CAUSAL, MODE, STATS)
+            s_layout, o_layout, l_layout, True, CAUSAL, MODE, STATS)
 
+    if MODE == MODE_EXACT:
+        even = (gl.arange(0, L_COLS, gl.SliceLayout(0, l_layout)) % 2 == 0)[None, :]
+        l_i = gl.convert_layout(gl.max(gl.where(even, l_i[0] + l_i[1], 0.0), 1), rows)
     # epilogue: a row that sees no key outputs zeros; a NaN row sum (NaN query) keeps out and lse NaN
     row_ok = offs_m < Nq
     seen = m_i > float("-inf")
@@ -277,12 +303,16 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, K, Out, Lse, StSat, StFixed, S
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_free.index(s), count=1)
+    # the ones the tensor-core row sum multiplies P-bar by (exact mode)
+    ones_layout: gl.constexpr = gl.BlockedLayout([1, L_COLS], [32, 1], [num_warps, 1], [1, 0])
+    ones = gl.allocate_shared_memory(gl.bfloat16, [BN // 2, L_COLS], gl.NVMMASharedLayout.get_default_for(
+        [BN // 2, L_COLS], gl.bfloat16), gl.full([BN // 2, L_COLS], 1.0, gl.bfloat16, ones_layout))
     fence_async_shared()
 
     q_row = b * Hq + h
     kv_row = b * (Hq // G) + h // G
     gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, K, Out, Lse, StSat, StFixed, StMax,
+        (_consumer, (q_smem, k_bufs, v_bufs, ones, q_bar, k_ready, v_ready, kv_free, K, Out, Lse, StSat, StFixed, StMax,
                      StSink, StEnt, q_row * Nq, kv_row, q_lo, Nq, Nk, pos_offset, lo, mid_hi, hi, qk_scale2, tie2,
                      sat2, min_shift2, max_shift2, beta, CAUSAL, MODE, STATS, BM, num_warps)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, q_row, kv_row,
