@@ -55,7 +55,7 @@ def _compile_current(cc: int, d: int, mode: int, causal: bool, stats: int):
 
 
 def _compile_gluon(cc: int, d: int, mode: int, causal: bool, stats: int):
-    tile = f"{gluon_forward.BLOCK_M} x {gluon_forward.BLOCK_N}, {gluon_forward.NUM_WARPS}+1"
+    tile = f"{gluon_forward.BLOCK_M} x {gluon_forward.BLOCK_N}, {gluon_forward.NUM_WARPS[90 if cc < 100 else 100]}+1"
     return gluon_forward.compile_kernel(cc, d, causal, mode, stats), tile
 
 
