@@ -1,5 +1,5 @@
-"""GPU (sm_90): the Gluon forward (kernels/gluon_forward.py) checked against the PyTorch path, then timed against the
-current forward.
+"""GPU (sm_90 or sm_100): the Gluon forward (kernels/gluon_forward.py) checked against the PyTorch path, then timed
+against the current forward.
 
     python benchmarks/gluon_check.py [--shapes 4x16x4096x128 ...] [--json PATH]
 

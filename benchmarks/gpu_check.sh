@@ -2,7 +2,7 @@
 # One command for a GPU slot (H100/H200), timing FIRST: the per-step time-outs add up to 9.75 minutes
 # (75 + 30 + 180 + 90 + 130 + 20 + 60 s; the packed step JIT-compiles its kernels first), and each step's output is
 # written as it goes.
-#   0. the Gluon forward (kernels/gluon_forward.py, sm_90 only), checked against kernels/reference.py, then timed
+#   0. the Gluon forward (kernels/gluon_forward.py, sm_90 / sm_100), checked against kernels/reference.py, then timed
 #      against the current forward (benchmarks/gluon_check.py; no interpreter runs Gluon: the first check it gets)
 #   0b. the two forward variants (current, warp-specialized: kernels/triton_forward_ws.py), checked, then timed
 #   1. timing table: stable_attn's Triton kernels against SDPA flash / cuDNN (benchmarks/gpu_bench.py)

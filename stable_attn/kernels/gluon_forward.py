@@ -1,22 +1,24 @@
-"""A Hopper forward in Gluon: TMA producer warp, wgmma consumer warpgroups, the dynamic-max fix. Opt-in, unproven.
+"""A forward in Gluon for Hopper and Blackwell: a TMA loader warp, MMA consumer warps, the dynamic-max fix. Opt-in.
 
 Triton 3.9's automatic warp specialization (``tl.range(warp_specialize=True)``, ``triton_forward_ws.py``) makes no
-producer/consumer split on sm_90; Gluon (``triton.experimental.gluon``) states the split by hand. One program owns
-``BLOCK_M = 128`` query rows of one (batch, query head), as ``triton_forward.py`` does, in two partitions
-(``gl.warp_specialize``):
+producer/consumer split on sm_90 and fails on sm_100; Gluon (``triton.experimental.gluon``) states the split by hand.
+One program owns ``BLOCK_M = 128`` query rows of one (batch, query head), as ``triton_forward.py`` does, in two
+partitions (``gl.warp_specialize``):
 
 - the loader (one warp, 24 registers: ``setmaxnreg``): Q once, then K and V of each key block through TMA into a
   ring of ``STAGES`` shared-memory slots, each with its own ``ready`` mbarriers (K, V) and a ``free`` mbarrier;
-- the consumer (the kernel's 8 warps, two warpgroups, the registers the loader gave up): per key block
-  ``S = Q K^T`` (async wgmma from shared memory), the stabilization rule, ``P-bar``, the row sum, ``P-bar V``
-  (wgmma with ``P-bar`` in registers), then the slot is handed back; after the loop the epilogue.
+- the consumer (the kernel's warps, with the registers the loader gave up): per key block ``S = Q K^T``, the
+  stabilization rule, ``P-bar``, the row sum, ``P-bar V``, then the slot is handed back; after the loop the epilogue.
+  sm_90 (:data:`attn_fwd_gluon_kernel`, two warpgroups): async wgmma, accumulators in registers, ``P-bar`` from
+  registers. sm_100 (:data:`attn_fwd_gluon_sm100_kernel`, one warpgroup): tcgen05 MMAs, ``S`` and the accumulators
+  in tensor memory, ``P-bar`` through shared memory.
 
 The math is the current kernel's for the cases it serves (bf16, head dim 64 or 128, the 128-key partition, causal
 or not, modes ``exact`` and ``off``, row statistics with or without the entropy): the same block maxima, tie test
 (``row_top2``'s two-result reduction), offset ``r`` (``block_offset``), ``P-bar = exp2(fma(x, qk_scale2, -r))``
 rounded once to bf16, the exact mode's row sum on the tensor cores in two accumulators (``tc_row_sum_add`` as
 ``triton_launch.row_sum_parts`` sets it on sm_90), statistics and epilogue, in the same key order. The score and
-``P-bar V`` products are wgmma over the same tiles; whether they round as the current kernel's do (and so whether the
+``P-bar V`` products are MMAs over the same tiles; whether they round as the current kernel's do (and so whether the
 outputs are bit-identical) is for a GPU to say. The sink statistic's fp32 sum of ``q . k_0`` runs in another order
 (within summation-order differences, as in the current kernel).
 
