@@ -562,18 +562,32 @@ def _generation(device: torch.device) -> int:
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Options) -> str | None:
     """None where this kernel serves the call, else why not (a sentence naming the argument)."""
-    if not q.is_cuda or _generation(q.device) not in GENERATIONS:
-        return f"q on {q.device}: the Gluon forward runs on sm_90 (Hopper) and sm_100 (Blackwell B200) GPUs only"
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: the Gluon forward takes [B, H, N, D] "
+                "tensors with v shaped as k")
+    B, Hq, Nq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D or k.shape[1] < 1 or Hq % k.shape[1]:
+        return f"k {tuple(k.shape)} for q {tuple(q.shape)}: batch and head dim must match, Hq a multiple of Hkv"
+    if min(B, Hq, Nq, k.shape[2]) < 1 or max(B, Hq) > 65535:
+        return (f"q {tuple(q.shape)}, k {tuple(k.shape)}: the Gluon forward takes at least one query and one key, "
+                "and at most 65535 batch elements and heads (one grid dimension each)")
     if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype}: the Gluon forward takes bfloat16 q, k and v"
-    if q.shape[-1] not in HEAD_DIMS or v.shape[-1] != q.shape[-1]:
-        return f"head dims {q.shape[-1]}/{v.shape[-1]}: the Gluon forward takes equal head dims in {HEAD_DIMS}"
+    if D not in HEAD_DIMS:
+        return f"head dim {D}: the Gluon forward takes head dims in {HEAD_DIMS}"
     if opts.mode not in MODES:
         return f"mode={opts.mode}: the Gluon forward serves the exact and off modes"
     if opts.key_block != BLOCK_N:
         return f"key_block={opts.key_block}: the Gluon forward serves the {BLOCK_N}-key partition"
     if opts.window is not None or opts.softcap is not None or opts.dropout_p > 0:
         return "window, softcap and dropout are not served by the Gluon forward"
+    if opts.pv_fp32:
+        return "pv_fp32=True: the Gluon forward multiplies P-bar V in bf16"
+    if launch.score_form(opts) != rules.SCORES_FUSED:
+        return (f"qk_scale2={opts.qk_scale2}: the Gluon forward serves the fused score form (qk_scale2 <= "
+                f"{rules.FUSED_SCALE_MAX}), not the pre-scaled one")
+    if not q.is_cuda or _generation(q.device) not in GENERATIONS:
+        return f"q on {q.device}: the Gluon forward runs on sm_90 (Hopper) and sm_100 (Blackwell B200) GPUs only"
     return None
 
 

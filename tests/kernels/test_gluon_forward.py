@@ -67,7 +67,19 @@ def test_serves_only_what_it_implements():
     assert "sm_90" in gluon_forward.serves(q, q, q, opts)
     with pytest.raises(ValueError, match="q on cpu"):
         gluon_forward.forward(q, q, q, opts)
-
+    assert "head dim 32" in gluon_forward.serves(q[..., :32], q[..., :32], q[..., :32],
+                                                 Options.create(head_dim=32))
+    assert "Hq a multiple of Hkv" in gluon_forward.serves(q, torch.zeros(1, 3, 16, 64, dtype=torch.bfloat16),
+                                                          torch.zeros(1, 3, 16, 64, dtype=torch.bfloat16), opts)
+    assert "one key" in gluon_forward.serves(q, q[:, :, :0], q[:, :, :0], opts)
+    assert "dtype torch.float16" in gluon_forward.serves(q.half(), q.half(), q.half(), opts)
+    assert "mode=2" in gluon_forward.serves(q, q, q, Options.create(head_dim=64, stabilize="paper"))
+    assert "window" in gluon_forward.serves(q, q, q, Options.create(head_dim=64, window=8))
+    assert "key_block=64" in gluon_forward.serves(q, q, q, Options.create(head_dim=64, block_n=64))
+    assert "pv_fp32" in gluon_forward.serves(q, q, q, Options.create(head_dim=64, pv_fp32=True))
+    scaled = Options.create(head_dim=64, scale=2.0 * rules.FUSED_SCALE_MAX)
+    assert rules.score_form(False, scaled.qk_scale2) == rules.SCORES_SCALED
+    assert "qk_scale2" in gluon_forward.serves(q, q, q, scaled)
 
 
 def test_compiles_to_a_tcgen05_pipeline_on_sm100(compiled):
