@@ -49,7 +49,8 @@ step "timing: packed documents, varlen vs padded" 90 \
 # the compile-only tests need no GPU (CI runs them); everything else in tests/kernels runs on CUDA
 step "kernel tests on CUDA" 130 env STABLE_ATTN_TEST_DEVICE=cuda python -m pytest tests/kernels -q -m "not slow" \
     -x -p no:cacheprovider --durations=5 \
-    --ignore=tests/kernels/test_triton_compile.py --ignore=tests/kernels/test_kernel_resources.py
+    --ignore=tests/kernels/test_triton_compile.py --ignore=tests/kernels/test_kernel_resources.py \
+    --ignore=tests/kernels/test_gluon_forward.py
 
 step "NaN queries stay NaN (forward, backward, decode, varlen)" 20 \
     env STABLE_ATTN_TEST_DEVICE=cuda python -m pytest tests/faults/test_nan_query_faults.py -q -p no:cacheprovider
