@@ -1,0 +1,93 @@
+"""The Gluon forward (kernels/gluon_forward.py): what can be checked without a GPU.
+
+Gluon kernels do not run under ``TRITON_INTERPRET=1`` in Triton 3.9, so its numbers are checked on a GPU
+(benchmarks/gluon_check.py, first step of benchmarks/gpu_check.sh, against kernels/reference.py and the current
+kernel's decisions). On the CPU: it compiles for sm_90 and sm_100 into the pipelines it is written as
+(producer/consumer split with its register budgets, TMA, wgmma or tcgen05, mbarriers; on sm_90 no spill; the figures
+of docs/lab/gluon-forward.md), and calls it does not serve raise naming the argument.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stable_attn import rules
+from stable_attn.kernels import gluon_forward
+from stable_attn.options import Options
+from stable_attn.stats import STATS_ENTROPY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VARIANTS = [  # (cc, D, causal, mode, stats): the fix with every statistic, and the plain kernel
+    (90, 128, True, rules.MODE_EXACT, STATS_ENTROPY),
+    (90, 64, False, rules.MODE_EXACT, 0),
+    (90, 128, False, rules.MODE_OFF, 0),
+]
+SM100 = (100, 128, False, rules.MODE_EXACT, STATS_ENTROPY)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    # a fresh interpreter without TRITON_INTERPRET (this process runs the interpreter)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import gluon_resources as g; "
+            f"print(json.dumps([g.compile_one('gluon', cc, d, m, c, s) for cc, d, c, m, s in {VARIANTS + [SM100]!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("i", range(len(VARIANTS)))
+def test_compiles_to_a_warp_specialized_pipeline_on_sm90(compiled, i):
+    row = compiled[i]
+    assert row["error"] is None, row["error"]
+    # the loader gives its registers back (setmaxnreg 24) and the consumer takes them (240 of the 168 at launch)
+    assert row["setmaxnreg"] and row["setmaxnreg_values"] == [gluon_forward.LOADER_REGS.value, 240], row
+    assert row["TMA"] and row["wgmma"] and row["mbarrier"] and not row["tcgen05"], row
+    assert row["spill"] == 0, row
+    assert row["regs"] <= gluon_forward.MAX_REGS[90], row
+    # Q and the K/V ring fit in the 227 KiB of shared memory a block may use
+    assert row["shared"] <= 232448, row
+    # one key block per consumer iteration: QK^T (D / 16 wgmma k-steps per warp), P-bar V (BLOCK_N / 16) and in
+    # the exact mode the tensor-core row sum (BLOCK_N / 16 more)
+    sums = 2 if row["mode"] == "exact" else 1
+    assert row["loop_mma"] == row["d"] // 16 + sums * gluon_forward.BLOCK_N // 16, row
+
+
+def test_serves_only_what_it_implements():
+    q = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    opts = Options.create(head_dim=64, causal=True)
+    assert "sm_90" in gluon_forward.serves(q, q, q, opts)
+    with pytest.raises(ValueError, match="q on cpu"):
+        gluon_forward.forward(q, q, q, opts)
+    assert "head dim 32" in gluon_forward.serves(q[..., :32], q[..., :32], q[..., :32],
+                                                 Options.create(head_dim=32))
+    assert "Hq a multiple of Hkv" in gluon_forward.serves(q, torch.zeros(1, 3, 16, 64, dtype=torch.bfloat16),
+                                                          torch.zeros(1, 3, 16, 64, dtype=torch.bfloat16), opts)
+    assert "one key" in gluon_forward.serves(q, q[:, :, :0], q[:, :, :0], opts)
+    assert "dtype torch.float16" in gluon_forward.serves(q.half(), q.half(), q.half(), opts)
+    assert "mode=2" in gluon_forward.serves(q, q, q, Options.create(head_dim=64, stabilize="paper"))
+    assert "window" in gluon_forward.serves(q, q, q, Options.create(head_dim=64, window=8))
+    assert "key_block=64" in gluon_forward.serves(q, q, q, Options.create(head_dim=64, block_n=64))
+    assert "pv_fp32" in gluon_forward.serves(q, q, q, Options.create(head_dim=64, pv_fp32=True))
+    scaled = Options.create(head_dim=64, scale=2.0 * rules.FUSED_SCALE_MAX)
+    assert rules.score_form(False, scaled.qk_scale2) == rules.SCORES_SCALED
+    assert "qk_scale2" in gluon_forward.serves(q, q, q, scaled)
+
+
+def test_compiles_to_a_tcgen05_pipeline_on_sm100(compiled):
+    row = compiled[-1]
+    assert row["error"] is None, row["error"]
+    # loader 24 registers, consumer 256; TMA, tcgen05 (no wgmma), mbarriers
+    assert row["setmaxnreg"] and row["setmaxnreg_values"] == [gluon_forward.LOADER_REGS.value, 256], row
+    assert row["TMA"] and row["tcgen05"] and row["mbarrier"] and not row["wgmma"], row
+    assert row["shared"] <= 232448, row
+    # S = Q K^T, P-bar V and the two row-sum products per iteration (tcgen05: one instruction per 16-deep k-step)
+    assert row["loop_mma"] == row["d"] // 16 + 2 * gluon_forward.BLOCK_N // 16, row
