@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from .robust import as_float, optional_float
 
-__all__ = ["RESTART_GRACE", "RESTART_RISE", "RESTART_SETTLE", "STATE_KEYS", "ScheduleTracker"]
+__all__ = ["RESTART", "RESTART_GRACE", "RESTART_RISE", "RESTART_SETTLE", "STATE_KEYS", "WARMUP_END", "WARMUP_MIN",
+           "Change", "ScheduleTracker"]
 
 # After a restart the detector follows the values for this many updates, plus those (at most RESTART_RISE) during
 # which the learning rate still rises: the loss of a restarted schedule rises with the learning rate and peaks a
@@ -25,8 +26,14 @@ RESTART_RISE = 50
 # Then the forecast settles onto the new cycle's curve, until it is unbiased for the detector's calm count of
 # updates in a row (at most this many accepted updates).
 RESTART_SETTLE = 200
+Change = Literal["restart", "warm-up end"]
+RESTART: Change = "restart"
+WARMUP_END: Change = "warm-up end"
+# A warm-up: the learning rate rising from the first update on, at least this many updates in a row; it ends at
+# the first update it does not rise (its peak), which starts a settling as a restart's grace ends.
+WARMUP_MIN = 5
 # The tracker's state, as the keys of the detector's state_dict() (each the attribute "_" + key here).
-STATE_KEYS = ("lr_peak", "lr_low", "lr_last", "restarts", "grace", "grace_rising", "settle")
+STATE_KEYS = ("lr_peak", "lr_low", "lr_last", "restarts", "grace", "grace_rising", "settle", "warm")
 
 
 class ScheduleTracker:
@@ -53,6 +60,7 @@ class ScheduleTracker:
         self._grace_rising = 0  # updates of the grace during which the learning rate rose
         self._settle = 0  # after a grace: accepted updates left at most until the forecast is settled
         self._rising = False  # whether the last learning rate rose over the one before
+        self._warm = 0  # updates the learning rate rose in the run's warm-up; -1 once it fell or ended
 
     # ------------------------------------------------------------------ reading
     @property
@@ -66,19 +74,36 @@ class ScheduleTracker:
         return self._grace > 0
 
     @property
+    def warming(self) -> bool:
+        """The learning rate rose at the last update, in a warm-up from the run's first update on."""
+        return self._rising and self._warm > 0
+
+    @property
     def settling(self) -> bool:
         """After a grace, the forecast is still settling onto the new cycle's curve."""
         return self._settle > 0
 
     # ----------------------------------------------------------------- updating
-    def observe(self, lr: float | None) -> bool:
-        """Fold in one update's learning rate (None, NaN, inf or <= 0: unknown, nothing changes); True when it
-        restarts the schedule (the grace and the settling then start afresh)."""
+    def observe(self, lr: float | None) -> Change | None:
+        """Fold in one update's learning rate (None, NaN, inf or <= 0: unknown, nothing changes). Returns
+        :data:`RESTART` when it restarts the schedule (the grace and the settling start afresh),
+        :data:`WARMUP_END` at the first update after a warm-up of at least :data:`WARMUP_MIN` rising updates that
+        does not rise (a settling starts), else None."""
         self._rising = False
         if self.restart_ratio is None or lr is None or not (lr > 0.0 and math.isfinite(lr)):
-            return False  # unknown (the engine passes NaN without param groups), or a schedule at zero
-        self._rising = self._lr_last is not None and lr > self._lr_last
+            return None  # unknown (the engine passes NaN without param groups), or a schedule at zero
+        last = self._lr_last
+        self._rising = last is not None and lr > last
         self._lr_last = lr
+        if self._warm >= 0 and last is not None:
+            if self._rising:
+                self._warm += 1
+            elif self._warm >= WARMUP_MIN:
+                self._warm = -1
+                self._settle = RESTART_SETTLE
+                return WARMUP_END
+            elif lr < last:
+                self._warm = -1  # the schedule starts by falling: no warm-up
         peak, low = self._lr_peak, self._lr_low
         restart = (peak is not None and low is not None and low * self.restart_ratio <= peak
                    and lr >= low * self.restart_ratio)
@@ -92,7 +117,7 @@ class ScheduleTracker:
             self._grace = RESTART_GRACE
             self._grace_rising = 0
             self._settle = RESTART_SETTLE
-        return restart
+        return RESTART if restart else None
 
     def grace_step(self) -> None:
         """One finite update of the grace: it runs down, unless the learning rate still rises (its warm-up, at
@@ -117,4 +142,5 @@ class ScheduleTracker:
         self._grace = int(state["grace"])
         self._grace_rising = int(state["grace_rising"])
         self._settle = int(state["settle"])
+        self._warm = int(state["warm"])
         self._rising = False

@@ -41,7 +41,7 @@ from .robust import (
     update_scale,
     window_noise,
 )
-from .schedule import ScheduleTracker
+from .schedule import RESTART, WARMUP_END, ScheduleTracker
 
 __all__ = ["NOISY_RELATIVE_NOISE", "Phase", "SpikeDetector"]
 
@@ -115,10 +115,10 @@ _GRACE_RATIO = 3.0
 # update lagged a loss falling back from a doubling for hundreds of updates, and spikes hid below it), kept out of
 # the residual moments (the catching up is a bias, not noise), and no drift sum (the overshoot of a trend learnt on
 # the fall back filled it). The jump rule judges throughout, at its calibrated bar.
-# The format of state_dict(): load_state_dict reads this version, and the previous one (which held no
-# learning-rate state: the schedule is then learnt afresh).
-_STATE_VERSION = 6
-_PREVIOUS_VERSION = 5
+# The format of state_dict(): load_state_dict reads this version, and the two before it (which held less
+# learning-rate state (5: none; 6: no warm-up count): what it lacks is learnt afresh).
+_STATE_VERSION = 7
+_PREVIOUS_VERSION = 6
 Phase = Literal["starting", "gross", "calibrated"]
 
 
@@ -176,7 +176,12 @@ class SpikeDetector:
             learning rate to at least this factor over its lowest value since its last peak, after it had fallen
             below the peak by the same factor (a warm-up or a ramp from the start is not a restart): the detector
             follows the values through the restart's rise and settles on the new cycle's level (docs/DETECTORS.md,
-            "The learning-rate schedule"). None ignores the learning rate.
+            "The learning-rate schedule"). None ignores the learning rate. The end of a warm-up (the learning rate
+            no longer rising after rising from the first update on, at least 5 updates) re-seats a calibrated
+            detector's level on the recent values and lets its forecast settle again.
+        warmup_drift: the drift rule judges while the learning rate rises in a warm-up (default). False holds it
+            there: a loss that rises with a too-hot warm-up and settles back is not alerted, but neither is a slow
+            rise of a learning-rate ramp into divergence (docs/DETECTORS.md, "The learning-rate schedule").
     """
 
     def __init__(
@@ -204,6 +209,7 @@ class SpikeDetector:
         min_progress_share: float | None = None,
         noisy_progress_share: float | None = 0.1,
         lr_restart_ratio: float | None = 2.0,
+        warmup_drift: bool = True,
     ) -> None:
         self.metric = check_metric(metric)
         if direction not in ("up", "both"):
@@ -242,6 +248,9 @@ class SpikeDetector:
             "min_progress_share", min_progress_share, allow_zero=True)
         self.noisy_progress_share = None if noisy_progress_share is None else check_positive(
             "noisy_progress_share", noisy_progress_share, allow_zero=True)
+        if not isinstance(warmup_drift, bool):
+            raise TypeError(f"warmup_drift must be a bool, got {warmup_drift!r}")
+        self.warmup_drift = warmup_drift
         self._lrs = ScheduleTracker(lr_restart_ratio)
         self.lr_restart_ratio = self._lrs.restart_ratio
         self._kappa = huber_consistency(self.clip)
@@ -321,8 +330,9 @@ class SpikeDetector:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict` (e.g. on resume); a state of another format is
         refused, naming its version."""
-        if isinstance(state, Mapping) and state.get("version") == _PREVIOUS_VERSION:
-            state = {**state, "version": _STATE_VERSION, **ScheduleTracker(None).state_dict()}
+        if isinstance(state, Mapping) and state.get("version") in (_PREVIOUS_VERSION - 1, _PREVIOUS_VERSION):
+            # a warm-up not seen is over (-1): a run resumed from such a state is past its start
+            state = {**ScheduleTracker(None).state_dict(), "warm": -1, **state, "version": _STATE_VERSION}
         check_state(state, "SpikeDetector", tuple(self.state_dict()), _STATE_VERSION)
         for key, read in _STATE.items():
             setattr(self, "_" + key, read(state[key]))
@@ -372,8 +382,11 @@ class SpikeDetector:
         ``lr_restart_ratio``; the engine passes the optimizer's first param group's learning rate."""
         value = as_float("value", value)
         step = int(step)
-        if self._lrs.observe(None if lr is None else as_float("lr", lr)):
+        change = self._lrs.observe(None if lr is None else as_float("lr", lr))
+        if change == RESTART:
             self._restart()
+        elif change == WARMUP_END and self._armed:
+            self._warmup_end()
         if not math.isfinite(value):
             return self._nonfinite(step, value)
         if self.log_space and value <= 0.0 and self.direction == "up":
@@ -440,7 +453,8 @@ class SpikeDetector:
                 # Settled once the residual has been back near zero for a few updates in a row
                 # (one lucky noise draw inside a long tail is not enough).
                 self._settling = self._settling - 1 if z <= self.drift_slack else _SETTLE_UPDATES
-            if self.drift_threshold is not None and not self._settling and not self._lrs.settling:
+            if (self.drift_threshold is not None and not self._settling and not self._lrs.settling
+                    and (self.warmup_drift or not self._lrs.warming)):
                 # One-sided CUSUM of clipped standardized rises: a slow divergence that stays a sigma or so
                 # up for tens of steps adds up although no single value is a jump (jump-flagged values stay
                 # out: a long spike leaves no drift alarm behind). A rise above where the metric is, not
@@ -736,6 +750,15 @@ class SpikeDetector:
         # the values instead of judging them (_follow) and the calibrated rules judge from the level they reached,
         # with the noise learnt before; a drift sum or flagged episode of the old cycle is dropped.
         self._window = []
+        self._settling = 0
+        self._forget_forecast()
+
+    def _warmup_end(self) -> None:
+        # The learning rate reached its peak after a warm-up: the trend and bias learnt while it rose do not
+        # forecast what follows (a loss or norm that rose with it settles back). The level is re-seated on the
+        # recent accepted values and the forecast settles as after a restart's grace.
+        if self._window:
+            self._level = median(self._window)
         self._settling = 0
         self._forget_forecast()
 

@@ -96,12 +96,14 @@ def test_state_round_trip_in_the_grace_and_the_previous_version_loads() -> None:
     rest = range(PERIOD + 3, len(values))
     assert [reference.update(i, values[i], lr=lrs[i]) for i in rest] == \
         [restored.update(i, values[i], lr=lrs[i]) for i in rest]
-    old = SpikeDetector.loss()
-    state = old.state_dict()
-    previous = {k: v for k, v in state.items() if k not in ("lr_peak", "lr_low", "lr_last", "restarts", "grace",
-                                                             "grace_rising", "settle")}
-    old.load_state_dict({**previous, "version": spikes._PREVIOUS_VERSION})
-    assert old.restarts == 0
+    state = reference.state_dict()
+    schedule = ("lr_peak", "lr_low", "lr_last", "restarts", "grace", "grace_rising", "settle")
+    previous = spikes._PREVIOUS_VERSION
+    for version, dropped in ((previous, ("warm",)), (previous - 1, schedule + ("warm",))):
+        old = SpikeDetector.loss()
+        old.load_state_dict({**{k: v for k, v in state.items() if k not in dropped}, "version": version})
+        assert old.state_dict()["warm"] == -1  # a resumed run is past its start: no warm-up end to come
+        assert old.restarts == (0 if "restarts" in dropped else reference.restarts)
 
 
 @pytest.mark.parametrize("bad", [1.0, 0.5, math.inf, math.nan])
@@ -110,6 +112,8 @@ def test_lr_restart_ratio_is_checked(bad: float) -> None:
         SpikeDetector.loss(lr_restart_ratio=bad)
     with pytest.raises(TypeError, match="lr"):
         SpikeDetector.loss().update(0, 1.0, lr="fast")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="warmup_drift"):
+        SpikeDetector.loss(warmup_drift=1)  # type: ignore[arg-type]
 
 
 def test_the_judge_passes_the_learning_rate_to_both_detectors() -> None:

@@ -8,17 +8,20 @@ import math
 import pytest
 
 from stable_attn.monitor.detectors.schedule import (
+    RESTART,
     RESTART_GRACE,
     RESTART_RISE,
     RESTART_SETTLE,
     STATE_KEYS,
+    WARMUP_END,
+    WARMUP_MIN,
     ScheduleTracker,
 )
 
 
 def restarts_at(lrs: list[float | None], ratio: float | None = 2.0) -> list[int]:
     tracker = ScheduleTracker(ratio)
-    return [i for i, lr in enumerate(lrs) if tracker.observe(lr)]
+    return [i for i, lr in enumerate(lrs) if tracker.observe(lr) == RESTART]
 
 
 def test_a_fall_and_a_rise_by_the_ratio_is_a_restart() -> None:
@@ -45,7 +48,7 @@ def test_an_unknown_learning_rate_changes_nothing(unknown: float | None) -> None
     for lr in (1.0, 0.1):
         tracker.observe(lr)
     before = tracker.state_dict()
-    assert tracker.observe(unknown) is False and tracker.state_dict() == before
+    assert tracker.observe(unknown) is None and tracker.state_dict() == before
 
 
 def test_without_a_ratio_nothing_is_a_restart() -> None:
@@ -66,7 +69,7 @@ def grace_length(rising: int) -> int:
     tracker.observe(1.0)
     tracker.observe(0.01)
     lr = 0.02
-    assert tracker.observe(lr) and tracker.in_grace and tracker.settling and tracker.restarts == 1
+    assert tracker.observe(lr) == RESTART and tracker.in_grace and tracker.settling and tracker.restarts == 1
     n = 0
     while tracker.in_grace:
         if n < rising:
@@ -108,6 +111,40 @@ def test_state_round_trip() -> None:
     assert tuple(state) == STATE_KEYS
     restored.load_state_dict(state)
     assert restored.state_dict() == tracker.state_dict()
-    for lr in (0.6, 0.05, 0.2):
+    for lr in (0.6, 0.05, 0.2, 0.3, 0.3):
         assert restored.observe(lr) == tracker.observe(lr)
     assert restored.state_dict() == tracker.state_dict()
+
+
+def changes(lrs: list[float]) -> list[tuple[int, str]]:
+    tracker = ScheduleTracker(2.0)
+    return [(i, change) for i, lr in enumerate(lrs) if (change := tracker.observe(lr)) is not None]
+
+
+def test_a_warm_up_ends_at_its_peak_and_starts_a_settling() -> None:
+    warm = [1e-3 * (k + 1) / 100 for k in range(100)]
+    cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * k / 300)) for k in range(300)]
+    tracker = ScheduleTracker(2.0)
+    seen = [(i, tracker.observe(lr), tracker.warming) for i, lr in enumerate(warm + cosine)]
+    assert [(i, c) for i, c, _ in seen if c is not None] == [(100, WARMUP_END)]
+    assert [i for i, _, warming in seen if warming] == list(range(1, 100))
+    assert tracker.settling and not tracker.in_grace and tracker.restarts == 0
+    # a constant learning rate after the warm-up ends it too
+    assert changes(warm + [1e-3] * 50) == [(100, WARMUP_END)]
+
+
+@pytest.mark.parametrize("lrs", [
+    [1e-3] * 50,  # constant: no warm-up
+    [1e-3 * 0.99 ** k for k in range(50)] + [1e-3] * 10,  # starts by falling: no warm-up, never a later one
+    [1e-3 * (k + 1) for k in range(WARMUP_MIN - 1)] + [1e-3] * 20,  # too short a rise
+    [1e-3 * 1.01 ** k for k in range(600)],  # a ramp that never ends
+])
+def test_no_warm_up_end_without_a_warm_up_that_ends(lrs: list[float]) -> None:
+    assert changes(lrs) == []
+
+
+def test_a_warm_up_after_a_restart_is_the_restart_s() -> None:
+    cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * k / 100)) + 1e-6 for k in range(100)]
+    warm = [1e-3 * (k + 1) / 20 for k in range(20)]
+    # the run's own warm-up ends once; a restart's warm-up is the restart's grace, not a second end
+    assert changes(warm + cosine + warm + cosine) == [(21, WARMUP_END), (120, RESTART)]
