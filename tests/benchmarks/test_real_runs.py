@@ -121,16 +121,18 @@ def test_short_benchmark_scores_every_rule_on_every_signal(tmp_path, capsys):
 
 
 def test_the_end_of_a_warm_up_re_seats_the_level() -> None:
-    """Tuning warm-up trace 24: the loss rose 1.4x with the warm-up; 5 steps after its end (step 716) the forecast
-    learnt on the rise flagged a clean step (721). With the end of the warm-up the level is re-seated and the
-    forecast settles: that flag goes, the flags of the trace's events stay."""
-    trace, lrs = rr.warmup_trace(24, 4000, "warm-up")
-    assert int(np.argmax(lrs)) == 716
-    flagged = np.flatnonzero(rr.ours_flags(trace.values, "loss", lrs)).tolist()
-    assert 721 not in flagged and all(not trace.clean[i] for i in flagged if 700 <= i < 1000)
-    det = SpikeDetector.loss()
-    det._warmup_end = lambda: None  # the rule off: the benign flag is back
-    assert 721 in np.flatnonzero(rr.lr_detector_flags(det, trace.values, lrs)).tolist()
+    """Tuning warm-up traces 22 and 24: the loss rose with the warm-up, and 22 and 2 steps after its end (steps 303
+    and 716) a forecast still carrying the rise's trend flagged a clean step (325, 718). With the learning rate the
+    end of the warm-up re-seats the level and the forecast settles: those flags go (the rule off, as without the
+    learning rate, they are back)."""
+    for seed, end, benign in ((22, 303, 325), (24, 716, 718)):
+        trace, lrs = rr.warmup_trace(seed, 4000, "warm-up")
+        assert int(np.argmax(lrs)) == end and trace.clean[benign]
+        assert benign not in np.flatnonzero(rr.ours_flags(trace.values, "loss", lrs)).tolist()
+        det = SpikeDetector.loss()
+        det._warmup_end = lambda: None  # the rule off
+        assert benign in np.flatnonzero(rr.lr_detector_flags(det, trace.values, lrs)).tolist()
+        assert benign in np.flatnonzero(rr.ours_without_lr_flags(trace.values, "loss", lrs)).tolist()
 
 
 def test_holding_the_drift_in_a_warm_up_trades_a_real_event_for_quiet_warm_ups() -> None:

@@ -30,7 +30,7 @@ Change = Literal["restart", "warm-up end"]
 RESTART: Change = "restart"
 WARMUP_END: Change = "warm-up end"
 # A warm-up: the learning rate rising from the first update on, at least this many updates in a row; it ends at
-# the first update it does not rise (its peak), which starts a settling as a restart's grace ends.
+# the first update it does not rise (its peak).
 WARMUP_MIN = 5
 # The tracker's state, as the keys of the detector's state_dict() (each the attribute "_" + key here).
 STATE_KEYS = ("lr_peak", "lr_low", "lr_last", "restarts", "grace", "grace_rising", "settle", "warm")
@@ -88,7 +88,7 @@ class ScheduleTracker:
         """Fold in one update's learning rate (None, NaN, inf or <= 0: unknown, nothing changes). Returns
         :data:`RESTART` when it restarts the schedule (the grace and the settling start afresh),
         :data:`WARMUP_END` at the first update after a warm-up of at least :data:`WARMUP_MIN` rising updates that
-        does not rise (a settling starts), else None."""
+        does not rise (the detector may then :meth:`start_settling`), else None."""
         self._rising = False
         if self.restart_ratio is None or lr is None or not (lr > 0.0 and math.isfinite(lr)):
             return None  # unknown (the engine passes NaN without param groups), or a schedule at zero
@@ -100,7 +100,6 @@ class ScheduleTracker:
                 self._warm += 1
             elif self._warm >= WARMUP_MIN:
                 self._warm = -1
-                self._settle = RESTART_SETTLE
                 return WARMUP_END
             elif lr < last:
                 self._warm = -1  # the schedule starts by falling: no warm-up
@@ -118,6 +117,10 @@ class ScheduleTracker:
             self._grace_rising = 0
             self._settle = RESTART_SETTLE
         return RESTART if restart else None
+
+    def start_settling(self) -> None:
+        """Start a settling without a grace (the end of a warm-up)."""
+        self._settle = RESTART_SETTLE
 
     def grace_step(self) -> None:
         """One finite update of the grace: it runs down, unless the learning rate still rises (its warm-up, at

@@ -761,6 +761,7 @@ class SpikeDetector:
             self._level = median(self._window)
         self._settling = 0
         self._forget_forecast()
+        self._lrs.start_settling()
 
     def _follow(self, step: int, value: float, x: float) -> SpikeEvent | None:
         """An update of a restart's grace: the level is the median of the values since the restart (one odd batch

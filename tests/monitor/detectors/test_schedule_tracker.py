@@ -121,14 +121,16 @@ def changes(lrs: list[float]) -> list[tuple[int, str]]:
     return [(i, change) for i, lr in enumerate(lrs) if (change := tracker.observe(lr)) is not None]
 
 
-def test_a_warm_up_ends_at_its_peak_and_starts_a_settling() -> None:
+def test_a_warm_up_ends_at_its_peak() -> None:
     warm = [1e-3 * (k + 1) / 100 for k in range(100)]
     cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * k / 300)) for k in range(300)]
     tracker = ScheduleTracker(2.0)
     seen = [(i, tracker.observe(lr), tracker.warming) for i, lr in enumerate(warm + cosine)]
     assert [(i, c) for i, c, _ in seen if c is not None] == [(100, WARMUP_END)]
     assert [i for i, _, warming in seen if warming] == list(range(1, 100))
-    assert tracker.settling and not tracker.in_grace and tracker.restarts == 0
+    assert not tracker.settling and not tracker.in_grace and tracker.restarts == 0
+    tracker.start_settling()  # the detector's choice (a calibrated one)
+    assert tracker.settling
     # a constant learning rate after the warm-up ends it too
     assert changes(warm + [1e-3] * 50) == [(100, WARMUP_END)]
 
