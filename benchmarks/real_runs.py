@@ -1,7 +1,7 @@
 """Spike alerts on real training curves: ours against five published rules, per signal.
 
-Run:  python benchmarks/real_runs.py                      (the corpus + 4 synthetic families x 50 traces x 4000 steps;
-                                                          about 4 minutes of CPU on 1 thread)
+Run:  python benchmarks/real_runs.py                      (the corpus + 9 synthetic families x 50 traces x 4000 steps;
+                                                          about 17 minutes on a shared 2-core machine, 1 thread)
       python benchmarks/real_runs.py --traces 4 --steps 1500   (a quick look)
       python benchmarks/real_runs.py --markdown table.md --json summary.json
 
