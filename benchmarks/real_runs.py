@@ -4,6 +4,7 @@ Run:  python benchmarks/real_runs.py                      (the corpus + 9 synthe
                                                           about 17 minutes on a shared 2-core machine, 1 thread)
       python benchmarks/real_runs.py --traces 4 --steps 1500   (a quick look)
       python benchmarks/real_runs.py --markdown table.md --json summary.json
+      python benchmarks/real_runs.py --agreement               (only: a lower gradient-norm bar where the loss agrees)
 
 The corpus is ``benchmarks/data/real_runs/`` (its ``manifest.json`` names every run's source): the loss,
 gradient-norm and learning-rate series of 38 public ``transformers.Trainer`` runs and 4 CPU runs of
@@ -441,6 +442,49 @@ def score_synthetic(traces: list[tuple[sd.Trace, np.ndarray | None]], rule: Rule
     return out
 
 
+# ------------------------------------------------------------------------------------------- agreement
+AGREEMENT_BARS = ((4.0, 1.2), (4.0, 1.25), (3.0, 1.25), (3.0, 1.3), (3.0, 1.2), (2.5, 1.25))
+
+
+def ratio_to_recent(values: np.ndarray, i: int) -> float:
+    """``values[i]`` over the median of the (up to) 5 values before it; 0 with fewer than 3 before it."""
+    before = values[max(0, i - 5): i]
+    reference = float(np.median(before)) if len(before) >= 3 else 0.0
+    return float(values[i]) / reference if reference > 0.0 else 0.0
+
+
+def agreement_table(series: list[Series]) -> list[str]:
+    """Ours on the gradient norm, plus a flag wherever the norm is at least ``R_n`` and the loss at the same step at
+    least ``R_l`` times the median of their previous 5 points (a lower bar where both signals agree): gradient-norm
+    events caught and benign episodes, per pair of bars."""
+    runs: dict[str, dict[str, Series]] = {}
+    for s in series:
+        runs.setdefault(s.run, {})[s.signal] = s
+    lines = ["| norm bar R_n | loss bar R_l | events caught | benign episodes / 10k points "
+             "| points added outside ours |", "|---|---|---|---|---|"]
+    for bar_norm, bar_loss in ((0.0, 0.0),) + AGREEMENT_BARS:
+        score, added = CorpusScore(), []
+        for run, both in runs.items():
+            norm = both.get("grad_norm")
+            if norm is None:
+                continue
+            flags = ours_flags(norm.values, "grad_norm", norm.lrs)
+            loss = both.get("loss")
+            if bar_norm and loss is not None:
+                at = {int(step): j for j, step in enumerate(loss.steps)}
+                for i, step in enumerate(norm.steps.tolist()):
+                    j = at.get(int(step))
+                    if (j is not None and not flags[i] and ratio_to_recent(norm.values, i) >= bar_norm
+                            and ratio_to_recent(loss.values, j) >= bar_loss):
+                        flags[i] = True
+                        added.append(f"{run} @{step}")
+            score_series(score, norm, flags)
+        name = ("ours alone", "-") if not bar_norm else (f"{bar_norm:g}", f"{bar_loss:g}")
+        lines.append(f"| {name[0]} | {name[1]} | {score.caught} of {score.events} "
+                     f"| {score.rate():.1f} ({score.benign}) | {', '.join(added) or '-'} |")
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------- reporting
 def corpus_table(scores: dict[str, dict[str, CorpusScore]], signal: str) -> list[str]:
     first = next(iter(scores.values()))[signal]
@@ -532,7 +576,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--verify-steps", type=int, default=1500, help="steps checked against Lightning's class")
     parser.add_argument("--markdown", default=None, help="also write the tables to this file")
     parser.add_argument("--json", default=None, help="also write the summary numbers to this file")
+    parser.add_argument("--agreement", action="store_true",
+                        help="only print the table of a lower gradient-norm bar where the loss agrees (corpus)")
     args = parser.parse_args(argv)
+    if args.agreement:
+        text = "\n".join(agreement_table(load_series()))
+        print(text)
+        return {"agreement": text}
 
     t0 = time.perf_counter()
     verified = sd.verify_lightning_reimplementation(args.verify_steps) if args.verify_steps else 0

@@ -150,3 +150,12 @@ def test_holding_the_drift_in_a_warm_up_trades_a_real_event_for_quiet_warm_ups()
     window = (ramp.steps >= 420) & (ramp.steps <= 580)
     assert rr.ours_flags(ramp.values, "loss", ramp.lrs)[window].any()
     assert not rr.ours_warmup_hold_flags(ramp.values, "loss", ramp.lrs)[window].any()
+
+
+def test_the_agreement_table_bounds_what_a_lower_bar_buys() -> None:
+    """``--agreement``: ours alone catches 8 of the 10 gradient-norm events at 1 benign episode; every lower bar where
+    the loss agrees adds benign episodes (the small-batch run's hard batches move both signals)."""
+    rows = [line.split(" | ") for line in rr.agreement_table(rr.load_series())[2:]]
+    assert rows[0][0] == "| ours alone" and rows[0][2] == "8 of 10" and rows[0][3].endswith("(1)")
+    assert len(rows) == 1 + len(rr.AGREEMENT_BARS)
+    assert all(int(row[3].split("(")[1].rstrip(")")) > 1 for row in rows[1:])
