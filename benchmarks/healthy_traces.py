@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--noisy-progress-share", type=float, default=None,
                         help="replay with SpikeDetector.loss(noisy_progress_share=...); a negative value: None (off, "
                              "the gate off); default: the callbacks' 0.1")
+    parser.add_argument("--gross-ratio", type=float, default=None,
+                        help="replay with SpikeDetector.loss(gross_ratio=...) (default: the callbacks' 1.25)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in ("lightning", "lightning.pytorch", "stable_attn"):
@@ -187,6 +189,8 @@ def main() -> None:
     options = {} if args.min_progress_share is None else {"min_progress_share": args.min_progress_share}
     if args.noisy_progress_share is not None:
         options["noisy_progress_share"] = None if args.noisy_progress_share < 0 else args.noisy_progress_share
+    if args.gross_ratio is not None:
+        options["gross_ratio"] = args.gross_ratio
     replay(runs, **options)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s, torch {torch.__version__}, 1 thread")
 

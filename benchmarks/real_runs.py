@@ -1,9 +1,10 @@
 """Spike alerts on real training curves: ours against five published rules, per signal.
 
-Run:  python benchmarks/real_runs.py                      (the corpus + 4 synthetic families x 50 traces x 4000 steps;
-                                                          about 4 minutes of CPU on 1 thread)
+Run:  python benchmarks/real_runs.py                      (the corpus + 9 synthetic families x 50 traces x 4000 steps;
+                                                          about 17 minutes on a shared 2-core machine, 1 thread)
       python benchmarks/real_runs.py --traces 4 --steps 1500   (a quick look)
       python benchmarks/real_runs.py --markdown table.md --json summary.json
+      python benchmarks/real_runs.py --agreement               (only: a lower gradient-norm bar where the loss agrees)
 
 The corpus is ``benchmarks/data/real_runs/`` (its ``manifest.json`` names every run's source): the loss,
 gradient-norm and learning-rate series of 38 public ``transformers.Trainer`` runs and 4 CPU runs of
@@ -17,7 +18,8 @@ Rules (each is given exactly what its source does; none is tuned here):
 - **ours**: ``SpikeDetector.loss()`` on the loss and ``SpikeDetector.grad_norm()`` on the gradient norm, as
   ``MonitorEngine`` builds them, each value with the run's learning rate at that point (as the engine passes the
   optimizer's); a point is flagged when ``update`` returns an event. A reference row: the same without the
-  learning rate (a loop that does not pass it). Another (not a default): the same with ``gross_z=0``, the gross
+  learning rate (a loop that does not pass it). Another (not a default): ``warmup_drift=False``, no drift alert
+  while a warm-up's learning rate rises. Another (not a default): the same with ``gross_z=0``, the gross
   rule's ratio without its noise bar. Another:
   ``rising_noise=False, start_ratio=None``, the gradient-norm detector before it measured its noise on rises only
   and had its start rule (docs/DETECTORS.md, "The start of a run"; with today's 3x minimum rise for its jumps); on
@@ -58,7 +60,9 @@ that script's ground truth: an event is caught when a flag falls from its 4-sigm
 and ``restarts, held out`` (``restart_trace``: the tuning and fresh held-out traces under a cosine schedule with
 warm restarts, the loss jumping with the learning rate; ours is given the schedule) and ``clusters, held out``
 (``cluster_trace``: fresh held-out traces whose corrupted batches come in threes, the 2nd and 3rd scored as
-``cluster_2nd`` and ``cluster_3rd``).
+``cluster_2nd`` and ``cluster_3rd``). Two more: ``warm-up`` and ``warm-up, held out`` (``warmup_trace``: the loss
+rising with a warm-up's learning rate and settling back after its end; the held-out one with its own warm-up
+shapes and fresh held-out traces; ours is given the schedule).
 """
 
 from __future__ import annotations
@@ -96,6 +100,9 @@ FAMILIES = ("tuning", "heldout", "scale", "scale_lognormal")
 # the seed offset (the held-out one's seeds are fresh, never looked at while choosing).
 RESTART_FAMILIES = {"restarts": ("tuning", 0), "restarts, held out": ("heldout", 5_000_011)}
 CLUSTER_FAMILY, CLUSTER_SEEDS = "clusters, held out", 9_000_017  # cluster_trace's family and fresh seeds
+# Families under a warm-up (warmup_trace): the spike_detection.py family each builds on and fresh seeds. The held-out
+# one also has its own warm-up shapes (never looked at while choosing).
+WARMUP_FAMILIES = {"warm-up": ("tuning", 11_000_003), "warm-up, held out": ("heldout", 13_000_019)}
 
 
 # ------------------------------------------------------------------------------------------------ corpus
@@ -160,6 +167,12 @@ def ours_two_sided_flags(values: np.ndarray, signal: str, lrs: np.ndarray | None
     """A reference row, not a default: two-sided noise and no start rule (on the loss, its defaults: the same as
     ours)."""
     return lr_detector_flags(preset(signal, rising_noise=False, start_ratio=None), values, lrs)
+
+
+def ours_warmup_hold_flags(values: np.ndarray, signal: str, lrs: np.ndarray | None = None) -> np.ndarray:
+    """A reference row, not a default: ours with ``warmup_drift=False`` (no drift alert while a warm-up's learning
+    rate rises)."""
+    return lr_detector_flags(preset(signal, warmup_drift=False), values, lrs)
 
 
 def ours_ratio_only_flags(values: np.ndarray, signal: str, lrs: np.ndarray | None = None) -> np.ndarray:
@@ -240,6 +253,7 @@ RULES: dict[str, Rule] = {
     "ours, without the learning rate (reference)": ours_without_lr_flags,
     "ours, gross_z=0 (reference)": ours_ratio_only_flags,
     "ours, two-sided noise, no start rule (reference)": ours_two_sided_flags,
+    "ours, drift held in warm-ups (reference)": ours_warmup_hold_flags,
     "Lightning": lambda v, s, lr: sd.lightning_flags(v),
     f"median/MAD k={MAD_K:g}": lambda v, s, lr: sd.median_mad_flags(v, MAD_K),
     "OLMo-core 6σ/128": lambda v, s, lr: olmo_flags(v),
@@ -349,6 +363,43 @@ def restart_trace(seed: int, steps: int, family: str) -> tuple[sd.Trace, np.ndar
     return dataclasses.replace(trace, values=trace.values * factor), lrs
 
 
+def warmup_trace(seed: int, steps: int, family: str) -> tuple[sd.Trace, np.ndarray]:
+    """A trace of ``spike_detection.py`` (its events and clean steps) whose learning rate warms up from near zero and
+    then decays, the loss rising with the learning rate through the warm-up by 5% to 100% (log-uniform) and
+    settling back after its end: a warm-up that is a little too hot, as a fine-tuning's often is (the gradient
+    norm rises with the learning rate the same way). The rise is clean: a rule that flags it raises a false alarm.
+
+    ``warm-up`` (tuning traces): a linear warm-up of 100-1500 steps (log-uniform), the rise following
+    ``(lr / peak) ** p`` (p in 1-4), settling back exponentially over 10-300 steps, then a cosine decay to 0-10% of
+    the peak. ``warm-up, held out`` (held-out traces, fresh seeds, other shapes): a half-cosine warm-up of 60-2000
+    steps, the rise a logistic in the warm-up's progress that peaks 0-20 steps after its end, settling back as a
+    power law, then a linear decay or a constant learning rate."""
+    base, offset = WARMUP_FAMILIES[family]
+    trace = sd.make_trace(offset + seed, steps, base)
+    rng = np.random.default_rng(offset + 17 + seed)
+    t = np.arange(steps, dtype=np.float64)
+    peak, size = 10.0 ** rng.uniform(-5.0, -3.0), math.exp(rng.uniform(math.log(0.05), 0.0))
+    if base == "tuning":
+        warm = int(math.exp(rng.uniform(math.log(100.0), math.log(1500.0))))
+        ramp = np.minimum(1.0, (t + 1) / warm)
+        floor = rng.uniform(0.0, 0.1)
+        after = floor + (1.0 - floor) * 0.5 * (1.0 + np.cos(np.pi * np.clip(t - warm, 0, None) / (steps - warm)))
+        lrs = peak * ramp * np.where(t < warm, 1.0, after)
+        tau = math.exp(rng.uniform(math.log(10.0), math.log(300.0)))
+        rise = np.where(t < warm, ramp ** rng.uniform(1.0, 4.0), np.exp(-np.clip(t - warm, 0, None) / tau))
+    else:
+        warm = int(math.exp(rng.uniform(math.log(60.0), math.log(2000.0))))
+        ramp = np.where(t < warm, 0.5 * (1.0 - np.cos(np.pi * (t + 1) / warm)), 1.0)
+        after = 1.0 - rng.uniform(0.0, 0.9) * np.clip(t - warm, 0, None) / (steps - warm) if rng.random() < 0.5 \
+            else np.ones(steps)
+        lrs = peak * np.maximum(ramp, 1e-3) * after
+        lag, width = rng.uniform(0.0, 20.0), rng.uniform(0.05, 0.3) * warm
+        up = 1.0 / (1.0 + np.exp(-(t - warm - lag + 3.0 * width) / width))
+        down = (1.0 + np.clip(t - warm - lag, 0, None) / rng.uniform(5.0, 100.0)) ** -rng.uniform(0.5, 2.0)
+        rise = np.where(t < warm + lag, up, up * down)
+    return dataclasses.replace(trace, values=trace.values * (1.0 + size * rise)), lrs
+
+
 def cluster_trace(seed: int, steps: int) -> tuple[sd.Trace, None]:
     """A held-out trace of ``spike_detection.py`` (fresh seeds) where each corrupted batch is followed by two more
     of the same size (its deviation from the values around it, added), 2 to 60 steps apart: a cluster of bad
@@ -389,6 +440,49 @@ def score_synthetic(traces: list[tuple[sd.Trace, np.ndarray | None]], rule: Rule
         out.traces += 1
         out.traces_alerted += bool(benign)
     return out
+
+
+# ------------------------------------------------------------------------------------------- agreement
+AGREEMENT_BARS = ((4.0, 1.2), (4.0, 1.25), (3.0, 1.25), (3.0, 1.3), (3.0, 1.2), (2.5, 1.25))
+
+
+def ratio_to_recent(values: np.ndarray, i: int) -> float:
+    """``values[i]`` over the median of the (up to) 5 values before it; 0 with fewer than 3 before it."""
+    before = values[max(0, i - 5): i]
+    reference = float(np.median(before)) if len(before) >= 3 else 0.0
+    return float(values[i]) / reference if reference > 0.0 else 0.0
+
+
+def agreement_table(series: list[Series]) -> list[str]:
+    """Ours on the gradient norm, plus a flag wherever the norm is at least ``R_n`` and the loss at the same step at
+    least ``R_l`` times the median of their previous 5 points (a lower bar where both signals agree): gradient-norm
+    events caught and benign episodes, per pair of bars."""
+    runs: dict[str, dict[str, Series]] = {}
+    for s in series:
+        runs.setdefault(s.run, {})[s.signal] = s
+    lines = ["| norm bar R_n | loss bar R_l | events caught | benign episodes / 10k points "
+             "| points added outside ours |", "|---|---|---|---|---|"]
+    for bar_norm, bar_loss in ((0.0, 0.0),) + AGREEMENT_BARS:
+        score, added = CorpusScore(), []
+        for run, both in runs.items():
+            norm = both.get("grad_norm")
+            if norm is None:
+                continue
+            flags = ours_flags(norm.values, "grad_norm", norm.lrs)
+            loss = both.get("loss")
+            if bar_norm and loss is not None:
+                at = {int(step): j for j, step in enumerate(loss.steps)}
+                for i, step in enumerate(norm.steps.tolist()):
+                    j = at.get(int(step))
+                    if (j is not None and not flags[i] and ratio_to_recent(norm.values, i) >= bar_norm
+                            and ratio_to_recent(loss.values, j) >= bar_loss):
+                        flags[i] = True
+                        added.append(f"{run} @{step}")
+            score_series(score, norm, flags)
+        name = ("ours alone", "-") if not bar_norm else (f"{bar_norm:g}", f"{bar_loss:g}")
+        lines.append(f"| {name[0]} | {name[1]} | {score.caught} of {score.events} "
+                     f"| {score.rate():.1f} ({score.benign}) | {', '.join(added) or '-'} |")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------- reporting
@@ -482,15 +576,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--verify-steps", type=int, default=1500, help="steps checked against Lightning's class")
     parser.add_argument("--markdown", default=None, help="also write the tables to this file")
     parser.add_argument("--json", default=None, help="also write the summary numbers to this file")
+    parser.add_argument("--agreement", action="store_true",
+                        help="only print the table of a lower gradient-norm bar where the loss agrees (corpus)")
     args = parser.parse_args(argv)
+    if args.agreement:
+        text = "\n".join(agreement_table(load_series()))
+        print(text)
+        return {"agreement": text}
 
     t0 = time.perf_counter()
     verified = sd.verify_lightning_reimplementation(args.verify_steps) if args.verify_steps else 0
     series = load_series()
     corpus = score_corpus(series)
     synthetic: dict[str, dict[str, SyntheticScore | None]] = {name: {} for name in RULES}
-    for family in FAMILIES + tuple(RESTART_FAMILIES) + (CLUSTER_FAMILY,):
+    for family in FAMILIES + tuple(RESTART_FAMILIES) + tuple(WARMUP_FAMILIES) + (CLUSTER_FAMILY,):
         traces = [restart_trace(seed, args.steps, family) if family in RESTART_FAMILIES
+                  else warmup_trace(seed, args.steps, family) if family in WARMUP_FAMILIES
                   else cluster_trace(seed, args.steps) if family == CLUSTER_FAMILY
                   else (sd.make_trace(seed, args.steps, family), None) for seed in range(args.traces)]
         for name, rule in RULES.items():

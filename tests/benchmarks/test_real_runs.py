@@ -15,6 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import real_runs as rr  # noqa: E402
 
+from stable_attn.monitor import SpikeDetector  # noqa: E402
+
 HELD_OUT_OWNERS = "abcdefghijklm"  # owners a-m are kept for a held-out evaluation
 
 
@@ -114,5 +116,46 @@ def test_short_benchmark_scores_every_rule_on_every_signal(tmp_path, capsys):
     assert corpus["ours"]["loss"]["caught"] >= 2 and corpus["ours"]["grad_norm"]["caught"] >= 2
     assert corpus["cosmos 10x median"]["grad_norm"]["caught"] >= 2
     for name, per in summary["synthetic"].items():
-        assert set(per) == set(rr.FAMILIES) | set(rr.RESTART_FAMILIES) | {rr.CLUSTER_FAMILY}
+        assert set(per) == set(rr.FAMILIES) | set(rr.RESTART_FAMILIES) | set(rr.WARMUP_FAMILIES) | {rr.CLUSTER_FAMILY}
         assert all((s is None) == name.startswith("cosmos") for s in per.values())
+
+
+def test_the_end_of_a_warm_up_re_seats_the_level() -> None:
+    """Tuning warm-up traces 22 and 24: the loss rose with the warm-up, and 22 and 2 steps after its end (steps 303
+    and 716) a forecast still carrying the rise's trend flagged a clean step (325, 718). With the learning rate the
+    end of the warm-up re-seats the level and the forecast settles: those flags go (the rule off, as without the
+    learning rate, they are back)."""
+    for seed, end, benign in ((22, 303, 325), (24, 716, 718)):
+        trace, lrs = rr.warmup_trace(seed, 4000, "warm-up")
+        assert int(np.argmax(lrs)) == end and trace.clean[benign]
+        assert benign not in np.flatnonzero(rr.ours_flags(trace.values, "loss", lrs)).tolist()
+        det = SpikeDetector.loss()
+        det._warmup_end = lambda: None  # the rule off
+        assert benign in np.flatnonzero(rr.lr_detector_flags(det, trace.values, lrs)).tolist()
+        assert benign in np.flatnonzero(rr.ours_without_lr_flags(trace.values, "loss", lrs)).tolist()
+
+
+def test_holding_the_drift_in_a_warm_up_trades_a_real_event_for_quiet_warm_ups() -> None:
+    """``warmup_drift=False`` silences the drift alarms of a loss rising with a warm-up (tuning warm-up traces 2 and
+    10: 5 and 7 benign episodes before the peak) but also the slow rise of ``cpu_lr_divergence``'s learning-rate
+    ramp (a ramp never ends, so it is a warm-up all along): why it is not the default."""
+    for seed in (2, 10):
+        trace, lrs = rr.warmup_trace(seed, 4000, "warm-up")
+        end = int(np.argmax(lrs))
+        default = np.flatnonzero(rr.ours_flags(trace.values, "loss", lrs))
+        held = np.flatnonzero(rr.ours_warmup_hold_flags(trace.values, "loss", lrs))
+        assert len([i for i in default if i < end and trace.clean[i]]) >= 5
+        assert [i for i in held if i < end and trace.clean[i]] == []
+    ramp = next(s for s in rr.load_series() if s.run == "cpu_lr_divergence" and s.signal == "loss")
+    window = (ramp.steps >= 420) & (ramp.steps <= 580)
+    assert rr.ours_flags(ramp.values, "loss", ramp.lrs)[window].any()
+    assert not rr.ours_warmup_hold_flags(ramp.values, "loss", ramp.lrs)[window].any()
+
+
+def test_the_agreement_table_bounds_what_a_lower_bar_buys() -> None:
+    """``--agreement``: ours alone catches 8 of the 10 gradient-norm events at 1 benign episode; every lower bar where
+    the loss agrees adds benign episodes (the small-batch run's hard batches move both signals)."""
+    rows = [line.split(" | ") for line in rr.agreement_table(rr.load_series())[2:]]
+    assert rows[0][0] == "| ours alone" and rows[0][2] == "8 of 10" and rows[0][3].endswith("(1)")
+    assert len(rows) == 1 + len(rr.AGREEMENT_BARS)
+    assert all(int(row[3].split("(")[1].rstrip(")")) > 1 for row in rows[1:])

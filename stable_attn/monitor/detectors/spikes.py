@@ -41,6 +41,7 @@ from .robust import (
     update_scale,
     window_noise,
 )
+from .schedule import RESTART, WARMUP_END, ScheduleTracker
 
 __all__ = ["NOISY_RELATIVE_NOISE", "Phase", "SpikeDetector"]
 
@@ -105,25 +106,19 @@ _DRIFT_CAP = 1.5
 _FREEZE_MOMENTS = 0.25
 # After a jump the drift sum waits until this many residuals in a row are back below drift_slack.
 _SETTLE_UPDATES = 5
-# After a restart of the learning-rate schedule the detector follows the values for this many updates, plus
-# those (at most _RESTART_RISE) during which the learning rate still rises: the loss of a restarted schedule rises
-# with the learning rate and peaks a few updates after it.
-_RESTART_GRACE = 10
-_RESTART_RISE = 50
 # During the grace a value above this factor times the median of the values since the restart is still a spike:
 # the restart families of benchmarks/real_runs.py move the loss by up to 2x at a restart, so this bar leaves them
 # silent and catches the larger garbled batches that fall in a grace.
 _GRACE_RATIO = 3.0
-# Then the forecast settles onto the new cycle's curve as at the start of a run, until it is unbiased for
-# _CALM_UPDATES updates in a row (at most this many accepted updates): residuals unclipped (a level moving 0.2
-# sigma per update lagged a loss falling back from a doubling for hundreds of updates, and spikes hid below it),
-# kept out of the residual moments (the catching up is a bias, not noise), and no drift sum (the overshoot of a
-# trend learnt on the fall back filled it). The jump rule judges throughout, at its calibrated bar.
-_RESTART_SETTLE = 200
-# The format of state_dict(): load_state_dict reads this version, and the previous one (which held no
-# learning-rate state: the schedule is then learnt afresh).
-_STATE_VERSION = 6
-_PREVIOUS_VERSION = 5
+# After the grace (schedule.ScheduleTracker) the forecast settles onto the new cycle's curve as at the start of a
+# run, until it is unbiased for _CALM_UPDATES updates in a row: residuals unclipped (a level moving 0.2 sigma per
+# update lagged a loss falling back from a doubling for hundreds of updates, and spikes hid below it), kept out of
+# the residual moments (the catching up is a bias, not noise), and no drift sum (the overshoot of a trend learnt on
+# the fall back filled it). The jump rule judges throughout, at its calibrated bar.
+# The format of state_dict(): load_state_dict reads this version, and the two before it (which held less
+# learning-rate state (5: none; 6: no warm-up count): what it lacks is learnt afresh).
+_STATE_VERSION = 7
+_PREVIOUS_VERSION = 6
 Phase = Literal["starting", "gross", "calibrated"]
 
 
@@ -181,7 +176,12 @@ class SpikeDetector:
             learning rate to at least this factor over its lowest value since its last peak, after it had fallen
             below the peak by the same factor (a warm-up or a ramp from the start is not a restart): the detector
             follows the values through the restart's rise and settles on the new cycle's level (docs/DETECTORS.md,
-            "The learning-rate schedule"). None ignores the learning rate.
+            "The learning-rate schedule"). None ignores the learning rate. The end of a warm-up (the learning rate
+            no longer rising after rising from the first update on, at least 5 updates) re-seats a calibrated
+            detector's level on the recent values and lets its forecast settle again.
+        warmup_drift: the drift rule judges while the learning rate rises in a warm-up (default). False holds it
+            there: a loss that rises with a too-hot warm-up and settles back is not alerted, but neither is a slow
+            rise of a learning-rate ramp into divergence (docs/DETECTORS.md, "The learning-rate schedule").
     """
 
     def __init__(
@@ -209,6 +209,7 @@ class SpikeDetector:
         min_progress_share: float | None = None,
         noisy_progress_share: float | None = 0.1,
         lr_restart_ratio: float | None = 2.0,
+        warmup_drift: bool = True,
     ) -> None:
         self.metric = check_metric(metric)
         if direction not in ("up", "both"):
@@ -247,11 +248,11 @@ class SpikeDetector:
             "min_progress_share", min_progress_share, allow_zero=True)
         self.noisy_progress_share = None if noisy_progress_share is None else check_positive(
             "noisy_progress_share", noisy_progress_share, allow_zero=True)
-        if lr_restart_ratio is not None:
-            lr_restart_ratio = as_float("lr_restart_ratio", lr_restart_ratio)
-            if not (lr_restart_ratio > 1.0 and math.isfinite(lr_restart_ratio)):
-                raise ValueError(f"lr_restart_ratio must be a finite number > 1 or None, got {lr_restart_ratio!r}")
-        self.lr_restart_ratio = lr_restart_ratio
+        if not isinstance(warmup_drift, bool):
+            raise TypeError(f"warmup_drift must be a bool, got {warmup_drift!r}")
+        self.warmup_drift = warmup_drift
+        self._lrs = ScheduleTracker(lr_restart_ratio)
+        self.lr_restart_ratio = self._lrs.restart_ratio
         self._kappa = huber_consistency(self.clip)
         # Falls are left out of the noise only where rises are what is judged (direction "up").
         self._rising = rising_noise and direction == "up"
@@ -313,13 +314,7 @@ class SpikeDetector:
         self._held: list[float] = []  # residuals of finished short episodes, waiting to re-enter
         self._clean = 0  # accepted values in a row since the last flag
         self._first: list[float] = []  # the first _FIRST_VALUES finite values seen (metric's units): the run's start
-        self._lr_peak: float | None = None  # the schedule's last peak learning rate (None: none given yet)
-        self._lr_low: float | None = None  # its lowest learning rate since that peak
-        self._lr_last: float | None = None  # the previous update's learning rate
-        self._restarts = 0  # schedule restarts seen
-        self._grace = 0  # updates left of a restart's grace (the detector follows the values: _follow)
-        self._grace_rising = 0  # updates of the grace during which the learning rate rose
-        self._settle = 0  # after a restart's grace: accepted updates left at most until the forecast is settled
+        self._lrs.reset()  # the learning-rate schedule: its restarts, a restart's grace and settling
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state (ints, floats, str, None, lists) for checkpoints; config under ``"config"``
@@ -328,18 +323,20 @@ class SpikeDetector:
         for key in _STATE:
             value = getattr(self, "_" + key)
             state[key] = list(value) if isinstance(value, list) else value
+        state.update(self._lrs.state_dict())
         state.update(run=self._episodes.run, last_kind=self._episodes.last_kind)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict` (e.g. on resume); a state of another format is
         refused, naming its version."""
-        if isinstance(state, Mapping) and state.get("version") == _PREVIOUS_VERSION:
-            state = {**state, "version": _STATE_VERSION, "lr_peak": None, "lr_low": None, "lr_last": None,
-                     "restarts": 0, "grace": 0, "grace_rising": 0, "settle": 0}
+        if isinstance(state, Mapping) and state.get("version") in (_PREVIOUS_VERSION - 1, _PREVIOUS_VERSION):
+            # a warm-up not seen is over (-1): a run resumed from such a state is past its start
+            state = {**ScheduleTracker(None).state_dict(), "warm": -1, **state, "version": _STATE_VERSION}
         check_state(state, "SpikeDetector", tuple(self.state_dict()), _STATE_VERSION)
         for key, read in _STATE.items():
             setattr(self, "_" + key, read(state[key]))
+        self._lrs.load_state_dict(state)
         self._episodes.run = int(state["run"])
         self._episodes.last_kind = state["last_kind"]
 
@@ -366,7 +363,7 @@ class SpikeDetector:
     @property
     def restarts(self) -> int:
         """Schedule restarts seen in the learning rates passed to :meth:`update`."""
-        return self._restarts
+        return self._lrs.restarts
 
     @property
     def baseline(self) -> float | None:
@@ -385,11 +382,11 @@ class SpikeDetector:
         ``lr_restart_ratio``; the engine passes the optimizer's first param group's learning rate."""
         value = as_float("value", value)
         step = int(step)
-        rising = False
-        if lr is not None:
-            restart, rising = self._schedule(as_float("lr", lr))
-            if restart:
-                self._restart()
+        change = self._lrs.observe(None if lr is None else as_float("lr", lr))
+        if change == RESTART:
+            self._restart()
+        elif change == WARMUP_END and self._armed:
+            self._warmup_end()
         if not math.isfinite(value):
             return self._nonfinite(step, value)
         if self.log_space and value <= 0.0 and self.direction == "up":
@@ -405,11 +402,8 @@ class SpikeDetector:
             self._accept(x)
             self._episodes.clear()
             return None
-        if self._grace:
-            # While the learning rate still rises after a restart (its warm-up, at most _RESTART_RISE updates)
-            # the grace does not run down.
-            self._grace -= 0 if rising and self._grace_rising < _RESTART_RISE else 1
-            self._grace_rising += rising
+        if self._lrs.in_grace:
+            self._lrs.grace_step()
             return self._follow(step, value, x)
 
         forecast = self._level + self._trend
@@ -459,7 +453,8 @@ class SpikeDetector:
                 # Settled once the residual has been back near zero for a few updates in a row
                 # (one lucky noise draw inside a long tail is not enough).
                 self._settling = self._settling - 1 if z <= self.drift_slack else _SETTLE_UPDATES
-            if self.drift_threshold is not None and not self._settling and not self._settle:
+            if (self.drift_threshold is not None and not self._settling and not self._lrs.settling
+                    and (self.warmup_drift or not self._lrs.warming)):
                 # One-sided CUSUM of clipped standardized rises: a slow divergence that stays a sigma or so
                 # up for tens of steps adds up although no single value is a jump (jump-flagged values stay
                 # out: a long spike leaves no drift alarm behind). A rise above where the metric is, not
@@ -551,22 +546,22 @@ class SpikeDetector:
         # the trend converging onto the curve, a bias that is large and varies, and as "noise" it
         # inflated the scale and the autocorrelation for hundreds of updates (a 94-sigma spike at step
         # 51 read as 4.7 sigmas). So the moments learn only while the forecast is unbiased.
-        unbiased = (self._armed or self._calm > 0) and not self._settle
+        unbiased = (self._armed or self._calm > 0) and not self._lrs.settling
         if unbiased and self._cusum <= _FREEZE_MOMENTS * (self.drift_threshold or math.inf):
             self._update_moments(residual, bound, trusted)
         self._last_residual = residual
-        if not self._armed or self._settle:
+        if not self._armed or self._lrs.settling:
             # Warm-up ends after `warmup` values and once the forecast is unbiased: in the steep first
             # descent of a loss the trend is still catching up, and a forecast that runs below the
             # curve would flag every step. The bias EMA passes through zero while an oscillating
             # trend settles, so it must stay small for _CALM_UPDATES updates in a row. Once armed,
             # only a re-baseline disarms: a later bias is what a slow explosion looks like. The
-            # settling after a schedule restart ends the same way (or after _RESTART_SETTLE updates).
+            # settling after a schedule restart ends the same way (or after schedule.RESTART_SETTLE updates).
             z = max(-self.clip, min(self.clip, residual / self._sigma()))
             self._bias += _BIAS_RATE * (z - self._bias)
             self._calm = self._calm + 1 if trusted and abs(self._bias) <= _BIAS_READY else 0
-            if self._settle:
-                self._settle = 0 if self._calm >= _CALM_UPDATES else self._settle - 1
+            if self._lrs.settling:
+                self._lrs.settle_step(self._calm >= _CALM_UPDATES)
             else:
                 self._armed = self._n >= max(self.warmup, 2) and self._calm >= _CALM_UPDATES
 
@@ -600,8 +595,8 @@ class SpikeDetector:
         # converging, and clipping at a few sigmas would stop it from catching up with the curve.
         trusted = self._residuals >= MIN_SCALE_SAMPLES
         bound = self.clip * self._sigma()
-        # Nor while the forecast settles onto a restarted schedule's curve (_settle updates after its grace).
-        clipped = min(max(residual, -bound), bound) if self._armed and not self._settle else residual
+        # Nor while the forecast settles onto a restarted schedule's curve (after its grace).
+        clipped = min(max(residual, -bound), bound) if self._armed and not self._lrs.settling else residual
         new_level = forecast + self.level_rate * clipped
         self._trend += self.trend_rate * (new_level - self._level - self._trend)
         # A healthy loss does not climb fast for long; capping the rise the forecast follows makes a
@@ -748,36 +743,25 @@ class SpikeDetector:
             self._rebaseline()
         return event
 
-    def _schedule(self, lr: float) -> tuple[bool, bool]:
-        """Follow the learning rate's peak and its lowest value since: (whether ``lr`` restarts the schedule,
-        whether it rose since the previous update)."""
-        if self.lr_restart_ratio is None or not (lr > 0.0 and math.isfinite(lr)):
-            return False, False  # unknown (the engine passes NaN without param groups), or a schedule at zero
-        rising = self._lr_last is not None and lr > self._lr_last
-        self._lr_last = lr
-        peak, low = self._lr_peak, self._lr_low
-        restart = (peak is not None and low is not None and low * self.lr_restart_ratio <= peak
-                   and lr >= low * self.lr_restart_ratio)
-        if restart or peak is None or low is None or lr > peak:
-            # A new peak (a warm-up or a ramp follows its rise) or a restart: the new cycle starts here.
-            self._lr_peak = self._lr_low = lr
-        else:
-            self._lr_low = min(low, lr)
-        return restart, rising
-
     def _restart(self) -> None:
         # A restart of the learning-rate schedule moves the loss and the gradient norm by design: they jump with
         # the learning rate (through its warm-up, if it has one) and then settle. What was learnt of the level and
         # trend does not forecast that; the noise does not change. So for the restart's grace the detector follows
         # the values instead of judging them (_follow) and the calibrated rules judge from the level they reached,
         # with the noise learnt before; a drift sum or flagged episode of the old cycle is dropped.
-        self._restarts += 1
-        self._grace = _RESTART_GRACE
-        self._grace_rising = 0
-        self._settle = _RESTART_SETTLE
         self._window = []
         self._settling = 0
         self._forget_forecast()
+
+    def _warmup_end(self) -> None:
+        # The learning rate reached its peak after a warm-up: the trend and bias learnt while it rose do not
+        # forecast what follows (a loss or norm that rose with it settles back). The level is re-seated on the
+        # recent accepted values and the forecast settles as after a restart's grace.
+        if self._window:
+            self._level = median(self._window)
+        self._settling = 0
+        self._forget_forecast()
+        self._lrs.start_settling()
 
     def _follow(self, step: int, value: float, x: float) -> SpikeEvent | None:
         """An update of a restart's grace: the level is the median of the values since the restart (one odd batch
@@ -856,8 +840,6 @@ _STATE: dict[str, Callable[[Any], Any]] = {
     "rcount": int, "seen": int, "marks": lambda values: [int(v) for v in values],
     "episode": _floats(slice(-RECENT_FLAGGED, None)), "held": _floats(slice(-RECENT_FLAGGED, None)),
     "noise": _floats(slice(-_NOISE_WINDOW - 1, None)), "clean": int, "first": _floats(slice(None, _FIRST_VALUES)),
-    "lr_peak": optional_float, "lr_low": optional_float, "lr_last": optional_float, "restarts": int, "grace": int,
-    "grace_rising": int, "settle": int,
 }
 # The settings state_dict()'s "config" reports: the constructor's arguments, each an attribute of that name.
 _CONFIG = tuple(inspect.signature(SpikeDetector).parameters)

@@ -96,12 +96,14 @@ def test_state_round_trip_in_the_grace_and_the_previous_version_loads() -> None:
     rest = range(PERIOD + 3, len(values))
     assert [reference.update(i, values[i], lr=lrs[i]) for i in rest] == \
         [restored.update(i, values[i], lr=lrs[i]) for i in rest]
-    old = SpikeDetector.loss()
-    state = old.state_dict()
-    previous = {k: v for k, v in state.items() if k not in ("lr_peak", "lr_low", "lr_last", "restarts", "grace",
-                                                             "grace_rising", "settle")}
-    old.load_state_dict({**previous, "version": spikes._PREVIOUS_VERSION})
-    assert old.restarts == 0
+    state = reference.state_dict()
+    schedule = ("lr_peak", "lr_low", "lr_last", "restarts", "grace", "grace_rising", "settle")
+    previous = spikes._PREVIOUS_VERSION
+    for version, dropped in ((previous, ("warm",)), (previous - 1, schedule + ("warm",))):
+        old = SpikeDetector.loss()
+        old.load_state_dict({**{k: v for k, v in state.items() if k not in dropped}, "version": version})
+        assert old.state_dict()["warm"] == -1  # a resumed run is past its start: no warm-up end to come
+        assert old.restarts == (0 if "restarts" in dropped else reference.restarts)
 
 
 @pytest.mark.parametrize("bad", [1.0, 0.5, math.inf, math.nan])
@@ -110,6 +112,8 @@ def test_lr_restart_ratio_is_checked(bad: float) -> None:
         SpikeDetector.loss(lr_restart_ratio=bad)
     with pytest.raises(TypeError, match="lr"):
         SpikeDetector.loss().update(0, 1.0, lr="fast")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="warmup_drift"):
+        SpikeDetector.loss(warmup_drift=1)  # type: ignore[arg-type]
 
 
 def test_the_judge_passes_the_learning_rate_to_both_detectors() -> None:
@@ -143,3 +147,33 @@ def test_the_engine_gives_the_detectors_the_optimizer_learning_rate(tmp_path) ->
         engine.end_step(Trainables(step=step + 1, model=model, optimizers=[opt], schedulers=[sched]))
     engine.end_run("at the end of the test loop")
     assert engine.loss_detector.restarts == engine.grad_norm_detector.restarts == 2
+
+
+def warm_up(seed: int, steps: int, warm: int) -> tuple[np.ndarray, np.ndarray]:
+    """A falling loss with 1% noise under a linear warm-up of ``warm`` steps, then a constant learning rate."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps)
+    values = (2.0 + 3.0 * (1 + t / 50.0) ** -0.5) * np.exp(0.01 * rng.standard_normal(steps))
+    return values, 1e-3 * np.minimum(1.0, (t + 1) / warm)
+
+
+def test_the_end_of_a_warm_up_re_seats_a_calibrated_detector_only() -> None:
+    values, lrs = warm_up(8, 400, warm=250)
+    det, plain = SpikeDetector.loss(), SpikeDetector.loss()
+    for i in range(250):
+        det.update(i, values[i], lr=lrs[i])
+        plain.update(i, values[i])
+    assert det.phase == "calibrated" and det.baseline == plain.baseline
+    det.update(250, values[250], lr=lrs[250])  # the first update the learning rate does not rise: the peak
+    plain.update(250, values[250])
+    state = det.state_dict()
+    assert state["warm"] == -1 and state["settle"] > 0 and plain.state_dict()["settle"] == 0
+    assert det.baseline != plain.baseline  # re-seated
+    assert flags(det, values[251:], lrs[251:]) == []
+    # a warm-up that ends before calibration changes nothing: the same estimates as without the learning rate
+    values, lrs = warm_up(9, 300, warm=30)
+    det, plain = SpikeDetector.loss(), SpikeDetector.loss()
+    assert flags(det, values, lrs) == flags(plain, values, None)
+    lr_keys = ("lr_peak", "lr_low", "lr_last", "warm")
+    assert {k: v for k, v in det.state_dict().items() if k not in lr_keys} == \
+        {k: v for k, v in plain.state_dict().items() if k not in lr_keys}
