@@ -16,7 +16,7 @@ import triton
 
 from .. import rules
 from .._checks import interpreting
-from .._ops import MAX_KV_TILE_BYTES, kv_tile_bytes
+from .._ops import MAX_KV_TILE_BYTES, kv_tile_bytes, log_once
 from ..options import BLOCK_N, Options
 from ..stats import STATS_ENTROPY, RowStats
 from . import triton_forward_ws
@@ -42,7 +42,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
     ``lse2`` is the base-2 log-sum-exp ``[B, Hq, Nq]`` (fp32, ``+inf`` for rows that see no key; with learned
     ``sinks`` ``[Hq]`` it counts the sink, as ``reference.attention_forward``'s).
     ``config`` overrides the tiling (tests use it to exercise several query-block sizes).
+    ``STABLE_ATTN_FORWARD=gluon`` asks for the warp-specialized Gluon forward (gluon_forward.py) where it serves
+    the call; it has never run on a GPU, so it is never the default (docs/lab/gluon-forward.md).
     """
+    if triton_forward_ws.choice() == "gluon" and key_padding_mask is None and sinks is None and config is None:
+        from . import gluon_forward  # Triton's experimental Gluon: imported only when asked for
+
+        why = gluon_forward.serves(q, k, v, opts)
+        if why is None:
+            return gluon_forward.forward(q, k, v, opts, with_stats)
+        log_once(f"gluon:{why}", f"STABLE_ATTN_FORWARD=gluon: the Triton forward serves this call ({why})")
     return _forward(q, k, v, key_padding_mask, opts, with_stats, config, None, sinks)
 
 

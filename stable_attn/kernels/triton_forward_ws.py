@@ -160,18 +160,20 @@ def serves(consts: dict, packed: bool) -> bool:
 
 
 def choice() -> str:
-    """``STABLE_ATTN_FORWARD``: ``"auto"`` (default), ``"ws"`` or ``"classic"``."""
+    """``STABLE_ATTN_FORWARD``: ``"auto"`` (default), ``"ws"``, ``"classic"`` or ``"gluon"`` (the Gluon forward of
+    gluon_forward.py where it serves the call, the current kernel elsewhere: triton_attention.forward)."""
     value = os.environ.get("STABLE_ATTN_FORWARD", "auto")
-    if value not in ("auto", "ws", "classic"):
+    if value not in ("auto", "ws", "classic", "gluon"):
         raise ValueError(f"STABLE_ATTN_FORWARD={value!r}: use 'auto' (the warp-specialized forward on sm_90 / "
-                         "sm_100 where it compiles), 'ws' (wherever it serves) or 'classic' (never)")
+                         "sm_100 where it compiles), 'ws' (wherever it serves), 'classic' (never) or 'gluon' (the "
+                         "Gluon forward where it serves, never run on a GPU yet)")
     return value
 
 
 def use(cc: int, is_cuda: bool, consts: dict, packed: bool) -> bool:
     """Whether the launcher takes the warp-specialized forward for these constants (module docstring)."""
     how = choice()
-    if how == "classic" or not serves(consts, packed):
+    if how in ("classic", "gluon") or not serves(consts, packed):
         return False
     if how == "ws":
         return True

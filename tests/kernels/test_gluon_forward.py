@@ -91,3 +91,34 @@ def test_compiles_to_a_tcgen05_pipeline_on_sm100(compiled):
     assert row["shared"] <= 232448, row
     # S = Q K^T, P-bar V and the two row-sum products per iteration (tcgen05: one instruction per 16-deep k-step)
     assert row["loop_mma"] == row["d"] // 16 + 2 * gluon_forward.BLOCK_N // 16, row
+
+
+def test_the_launcher_takes_it_only_when_asked_and_served(monkeypatch, caplog):
+    """``STABLE_ATTN_FORWARD=gluon`` reaches the Gluon forward where it serves the call; where it does not (here:
+    a CPU tensor), the Triton forward serves it with a log line saying why; unset, it is never consulted."""
+    from stable_attn.kernels import triton_attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    q[..., 0, :] = k[..., 0, :]  # a query tied with two keys at its max
+    k[..., 1, :] = k[..., 0, :]
+    opts = Options.create(head_dim=64, causal=True)
+    plain = triton_attention.forward(q, k, v, None, opts, True)
+    monkeypatch.setenv("STABLE_ATTN_FORWARD", "gluon")
+    with caplog.at_level("INFO", logger="stable_attn"):
+        asked = triton_attention.forward(q, k, v, None, opts, True)
+    assert torch.equal(asked[0], plain[0]) and torch.equal(asked[1], plain[1])
+    assert "the Triton forward serves this call (q on cpu" in caplog.text
+    # served: the Gluon forward's own result comes back (its GPU run is benchmarks/gluon_check.py's)
+    served = []
+    monkeypatch.setattr(gluon_forward, "serves", lambda *a: None)
+    monkeypatch.setattr(gluon_forward, "forward", lambda *a: served.append(a) or plain)
+    assert triton_attention.forward(q, k, v, None, opts, True) is plain and len(served) == 1
+    triton_attention.forward(q, k, v, None, opts, True, sinks=torch.zeros(2))  # sinks: not served, not asked
+    assert len(served) == 1
+    monkeypatch.delenv("STABLE_ATTN_FORWARD")
+    triton_attention.forward(q, k, v, None, opts, True)
+    assert len(served) == 1
+    monkeypatch.setenv("STABLE_ATTN_FORWARD", "fast")
+    with pytest.raises(ValueError, match="STABLE_ATTN_FORWARD='fast'.*'gluon'"):
+        triton_attention.forward(q, k, v, None, opts, True)
