@@ -52,7 +52,7 @@ MAX_QUERIES = tl.constexpr(decode_plan.MAX_QUERIES)
 _DECODE_SHARED_EXTRA = 16 * 1024
 MAX_ROWS = 64  # packed rows per program: more (G * Nq > 64) take several row blocks, each reading its split
 # (Q and K chunk, V block) columns where a head dim is above TILE_HEAD_DIM: 128 / 128 compiled without spills on
-# sm_80 and sm_90 (16 rows, 8 warps; benchmarks/kernel_resources.py --kernels decode --d 512)
+# sm_80 and sm_90 (16 rows, 8 warps, 2 stages; benchmarks/kernel_resources.py --kernels decode --d 512)
 WIDE_DECODE = (128, 128)
 
 
@@ -235,6 +235,8 @@ def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int,
     stages = 3 if launch.tile_generation(cc) == 90 else 2
     while stages > 1 and (stages - 1) * kv_bytes + _DECODE_SHARED_EXTRA > limit:
         stages -= 1
+    if consts["HEAD_D"] > consts["BLOCK_D"] or consts["HEAD_DV"] > consts["BLOCK_DV"]:
+        stages = min(stages, 2)  # D = 512 on sm_90: 3 stages spilled 40-48 bytes, 2 none
     return consts, dict(num_warps=warps, num_stages=stages, **launch.FWD_COMPILE_OPTIONS)
 
 

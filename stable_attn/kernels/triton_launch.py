@@ -117,25 +117,25 @@ def head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def wide_tiles(dtype: torch.dtype, cc: int) -> FwdConfig:
+def wide_tiles(dtype: torch.dtype, cc: int, plain: bool = True) -> FwdConfig:
     """The forward's tiling where a head dim is wider than a tile holds (``TILE_HEAD_DIM``, 256; Gemma 4's global
-    layers: 512; ``cc``: the tile generation).
+    layers: 512; ``cc``: the tile generation; ``plain``: no window, softcap, padding mask or dropout).
 
     The whole ``[BLOCK_M, 512]`` fp32 accumulator and the query tile do not fit in registers beside the score tile:
     every one-program tile compiled at D = 512 spilled on sm_90. So the scores come from column chunks of Q and K
     (``head_chunk``), loaded per key block (``triton_forward.chunked_products``: Q is never held whole), and V's
     head dim is split over programs (``dv_block`` columns each, ``triton_forward.dv_blocks``): every program of a
     row block recomputes the same scores, maxima, decisions and row sums, bit for bit, and owns its slice of the
-    output. The tiles, the widest without spills (benchmarks/kernel_resources.py; docs/lab/head-dim-512-kernels.md):
-    sm_90 64 x 128 in 8 warps, 128-column chunks and V blocks (4 programs per row block at Dv = 512; 64 x 128 with
-    4 warps spilled 504 bytes, 128 x 128 with 8 warps 168, V blocks of 256 184); sm_80 and sm_120 32 x 128, 64-column
-    chunks, 128-column V blocks (64 x 128 spilled 288 bytes there with those chunks, 368 with 128-column ones)."""
-    if dtype == torch.float32 or cc != 90:
-        chunk, split, cfg = 64, 128, FwdConfig(32, 8, 2)
-    else:
-        chunk, split, cfg = 128, 128, FwdConfig(64, 8, 2)
-    # both apply to whichever head dim is wider than they are (launch_constants): D = 512 with Dv = 256 splits V too
-    return dataclasses.replace(cfg, head_chunk=chunk, dv_block=split)
+    output. Both apply to whichever head dim is wider than they are (``launch_constants``). The tiles, the widest
+    without spills (benchmarks/kernel_resources.py, bf16, causal, with and without statistics;
+    docs/lab/head-dim-512-kernels.md): sm_90 plain 64 x 128 in 8 warps, 128-column chunks and V blocks (64 x 128 in
+    4 warps spilled 504 bytes, 128 x 128 168, V blocks of 256 184); sm_90 with the optional features 32 x 128,
+    64-column chunks and V blocks (128-column V blocks spilled 24 bytes with statistics); sm_80 and sm_120 32 x 128,
+    64-column chunks, 128-column V blocks (64 x 128 spilled 288 bytes there, 368 with 128-column chunks)."""
+    if cc == 90 and dtype != torch.float32:
+        return (FwdConfig(64, 8, 2, head_chunk=128, dv_block=128) if plain
+                else FwdConfig(32, 8, 2, head_chunk=64, dv_block=64))
+    return FwdConfig(32, 8, 2, head_chunk=64, dv_block=128)
 
 
 def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode: int = rules.MODE_EXACT,
@@ -170,7 +170,7 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode:
     """
     unseen = mode == rules.MODE_OFF and not stats and not forced_block_n
     if block_d > TILE_HEAD_DIM:  # the wider of the two head dims
-        return wide_tiles(dtype, cc)
+        return wide_tiles(dtype, cc, plain)
     wide = cc == 90 and dtype != torch.float32 and (block_d <= 64 or block_d <= 128 and tma) and plain
     if wide and (unseen or block_n == 128):
         return FwdConfig(128, 8, 2, block_n=128 if unseen else None, tma=block_d > 64)
@@ -373,7 +373,7 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
     if kind == "fwd":
         plain = not (window or softcap or dropout or kpm)
         if config is None and block_d > TILE_HEAD_DIM:
-            config = wide_tiles(dtype, gen)
+            config = wide_tiles(dtype, gen, plain)
         cfg = config or fwd_config(block_d, block_n, dtype, gen, mode=mode, stats=stats, plain=plain,
                                    forced_block_n=forced_block_n, tma=tma, causal=causal)
         if cfg.head_chunk is not None and cfg.head_chunk < consts["BLOCK_D"]:
