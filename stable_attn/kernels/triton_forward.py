@@ -338,7 +338,7 @@ def fwd_weights(l_i, ent_i, ent_l, s, m_blk, r_i, r_new, start_n, offs_n0, qk_sc
         # sum l would not do: in exact mode it adds the rounded P-bar, and under the stabilization's shift
         # (up to MAX_SHIFT) the mismatch would put that shift times bf16's rounding error into the entropy.
         # Moving the offset to r_new adds r_i - r_new to every earlier key's t, and alpha rescales P-bar.
-        if MASK:  # masked keys: t = -inf and P-bar = 0 add 0 (not 0 * inf); unmasked stretches have none
+        if MASK:  # masked or padded keys: t = -inf and P-bar = 0 add 0 (not 0 * inf)
             t = tl.maximum(t, -FP32_MAX)
         ent_i = alpha * (ent_i + (r_i - r_new) * ent_l) + tl.sum(p * t, 1)
         ent_l = ent_l * alpha + tl.sum(p, 1)
@@ -387,15 +387,16 @@ def fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s, top1, top2, kv_
                MASK: tl.constexpr, SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
                BLOCK_DV: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-               TMA: tl.constexpr):
+               TMA: tl.constexpr, HAS_KPM: tl.constexpr = False):
     """The online-softmax step of one block of the partition: ``fwd_decide``, ``fwd_weights``, ``fwd_pv``; the
     updated row state. ``kv_mask``: the V tile's (``offs_dv``, ``HEAD_DV``: the value head dim, apart from the
-    query's ``HEAD_D`` in multi-head latent attention)."""
+    query's ``HEAD_D`` in multi-head latent attention). ``HAS_KPM``: padded keys' scores are ``-inf`` in the
+    unmasked stretch too (the entropy's sums skip them: ``fwd_weights``)."""
     m_blk, m_new, r_new, m2_i, fixed = fwd_decide(m_i, r_i, m2_i, fixed, s, top1, top2, qk_scale2, tie2, min_shift2,
                                                   max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
     p_cast, alpha, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s, m_blk, r_i, r_new, start_n, offs_n0,
                                                    qk_scale2, seed,
-                                            drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT,
+                                            drop_p, drop_row, MASK or HAS_KPM, SOFTCAP, MODE, STATS, DROPOUT,
                                             BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV, DTYPE, UPCAST, PREC)
     acc = fwd_pv(acc, p_cast, alpha, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_dv, stride_vn, Nk, MASK,
                  HEAD_DV, BLOCK_DV, UPCAST, PREC, TMA)
@@ -424,7 +425,7 @@ def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_p
                       start_n,
                       offs_n0, offs_d, offs_dv, stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed,
                       drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE,
-                      UPCAST, PREC, TMA)
+                      UPCAST, PREC, TMA, HAS_KPM)
 
 
 @triton.jit
@@ -469,11 +470,11 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_pt
                                                  max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
         p_a, alpha_a, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s_a, mb_a, r_i, r_a, start_n, offs_n0,
                                                       qk_scale2, seed,
-                                               drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT,
+                                               drop_p, drop_row, MASK or HAS_KPM, SOFTCAP, MODE, STATS, DROPOUT,
                                                BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV, DTYPE, UPCAST, PREC)
         p_b, alpha_b, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s_b, mb_b, r_a, r_b, start_b, offs_n0,
                                                       qk_scale2, seed,
-                                               drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT,
+                                               drop_p, drop_row, MASK or HAS_KPM, SOFTCAP, MODE, STATS, DROPOUT,
                                                BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV, DTYPE, UPCAST, PREC)
         r_i = r_b
         acc = fwd_pv(acc, p_a, alpha_a, mask_a, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_dv, stride_vn, Nk,
@@ -486,7 +487,7 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_pt
             acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s_a, t1a, t2a, mask_a, tile_b, hkv, v_ptrs, start_n,
             offs_n0, offs_d, offs_dv,
             stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK,
-            SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST, PREC, TMA)
+            SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST, PREC, TMA, HAS_KPM)
     return acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l
 
 
