@@ -221,7 +221,7 @@ def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int,
                   HEAD_DV=head_dv, BLOCK_DV=launch.head_block(head_dv))
     if max(consts["BLOCK_D"], consts["BLOCK_DV"]) > TILE_HEAD_DIM:
         # head dim 512: Q and K in chunks, V split over programs, as the training forward (launch.wide_tiles)
-        chunk, split = WIDE_DECODE
+        chunk, split = WIDE_DECODE  # at most _ops.WIDE_TILE_COLS (kv_tile_bytes)
         consts["BLOCK_D"] = min(consts["BLOCK_D"], chunk)
         consts["BLOCK_DV"] = min(consts["BLOCK_DV"], split)
     wide_d = max(consts["BLOCK_D"], consts["BLOCK_DV"])

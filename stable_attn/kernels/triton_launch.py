@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .. import rules
 from .._checks import interpreting
-from .._ops import TILE_HEAD_DIM
+from .._ops import TILE_HEAD_DIM, WIDE_TILE_COLS
 from ..options import BLOCK_N, Options
 from .triton_order import causal_constant
 
@@ -133,9 +133,13 @@ def wide_tiles(dtype: torch.dtype, cc: int, plain: bool = True) -> FwdConfig:
     64-column chunks and V blocks (128-column V blocks spilled 24 bytes with statistics); sm_80 and sm_120 32 x 128,
     64-column chunks, 128-column V blocks (64 x 128 spilled 288 bytes there, 368 with 128-column chunks)."""
     if cc == 90 and dtype != torch.float32:
-        return (FwdConfig(64, 8, 2, head_chunk=128, dv_block=128) if plain
-                else FwdConfig(32, 8, 2, head_chunk=64, dv_block=64))
-    return FwdConfig(32, 8, 2, head_chunk=64, dv_block=128)
+        cfg = (FwdConfig(64, 8, 2, head_chunk=128, dv_block=128) if plain
+               else FwdConfig(32, 8, 2, head_chunk=64, dv_block=64))
+    else:
+        cfg = FwdConfig(32, 8, 2, head_chunk=64, dv_block=128)
+    # _ops.kv_tile_bytes counts the K and V tiles of these head dims at WIDE_TILE_COLS columns
+    assert max(cfg.head_chunk, cfg.dv_block) <= WIDE_TILE_COLS
+    return cfg
 
 
 def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode: int = rules.MODE_EXACT,

@@ -72,8 +72,9 @@ def test_varlen_and_decode(D, Dv):
 
 
 def test_triton_backend_serves_head_dims_up_to_512(caplog, monkeypatch):
-    """Head dims up to 512 reach the kernels with ``backend="triton"`` (nothing logged); float32 at 512 with the
-    default 128-key partition does not fit their shared memory: the PyTorch path serves it, logged once."""
+    """Head dims up to 512 reach the kernels with ``backend="triton"``, float32 included (its K and V tiles are
+    column chunks: 128 keys fit); nothing is logged. A 256-key partition in float32 does not fit their shared
+    memory: the PyTorch path serves it, logged once."""
     from stable_attn.kernels import triton_attention
 
     monkeypatch.setattr(_ops, "_logged_once", set())
@@ -82,20 +83,20 @@ def test_triton_backend_serves_head_dims_up_to_512(caplog, monkeypatch):
     monkeypatch.setattr(triton_attention, "_forward", lambda *a, **kw: launches.append(1) or real(*a, **kw))
     with caplog.at_level(logging.INFO, logger="stable_attn"):
         q, k, v, _ = _inputs(512, 512, B=1, Hq=2, Hkv=1, Nq=5, Nk=7)
-        for _ in range(2):
-            got = stable_attn.attention(q, k, v, causal=True, backend="triton")
-            assert torch.equal(got, stable_attn.attention(q, k, v, causal=True, backend="torch"))
-        assert not launches
-        assert _ops.backend_rule("triton", q, False, cuda=True, v=v) == ("torch", "kernel-gap")
+        got = stable_attn.attention(q, k, v, causal=True, backend="triton")
+        assert launches == [1] and not caplog.records
+        torch.testing.assert_close(got.double(), naive.attention(q, k, v, causal=True), rtol=1e-5, atol=2e-6)
         q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
         for dv in (512, 320):
             assert _ops.backend_rule("triton", q16, False, cuda=True, v=v16[..., :dv]) == ("triton", None)
         assert _ops.backend_rule("triton", q16[..., :64], False, cuda=True, v=v16) == ("triton", None)
-        small = stable_attn.attention(q, k, v, causal=True, backend="triton", block_n=64)
+        assert _ops.backend_rule("triton", q, False, cuda=True, v=v) == ("triton", None)
+        for _ in range(2):
+            wide = stable_attn.attention(q, k, v, causal=True, backend="triton", block_n=256)
+            assert torch.equal(wide, stable_attn.attention(q, k, v, causal=True, backend="torch", block_n=256))
         assert launches == [1]
-    torch.testing.assert_close(small.double(), naive.attention(q, k, v, causal=True), rtol=1e-5, atol=2e-6)
     assert [r.getMessage() for r in caplog.records] == [
-        "stable_attn: float32 at head dim 512 with 128-key blocks (K and V tiles of 262144 bytes, above the kernels' "
+        "stable_attn: float32 at head dim 512 with 256-key blocks (K and V tiles of 262144 bytes, above the kernels' "
         "131072; a smaller block_n fits) is served by the PyTorch path (stabilized, slower than the Triton kernel, "
         "which does not implement it)"]
 
