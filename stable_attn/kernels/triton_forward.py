@@ -768,15 +768,17 @@ def fwd_program(
                 k0 = tl.load(k0_ptr + c, mask=cols & (Nk > 0) if VARLEN else cols, other=0.0)
                 q_c = tl.load(q0_ptrs + c, mask=row_ok[:, None] & cols[None, :], other=0.0)
                 x0 += tl.sum(q_c.to(tl.float32) * k0.to(tl.float32)[None, :], 1)
-        elif TMA:  # key 0 picked out of the first key tile (an exact sum of one value and zeros)
-            offs_k0 = tl.arange(0, TILE_N)  # the K descriptor's rows
-            k_first = load_tile(K, K, tile_b, hkv, 0, stride_kn, offs_k0, offs_d, Nk, TILE_N, HEAD_D, BLOCK_D, TMA)
-            k0 = tl.sum(tl.where(offs_k0[:, None] == 0, k_first.to(tl.float32), 0.0), 0)
-            if VARLEN:
-                k0 = tl.where(Nk > 0, k0, 0.0)
         else:
-            k0 = tl.load(K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh + offs_d,
-                         mask=offs_d < (tl.minimum(Nk, 1) * HEAD_D if VARLEN else HEAD_D), other=0.0)
+            if TMA:  # key 0 picked out of the first key tile (an exact sum of one value and zeros)
+                offs_k0 = tl.arange(0, TILE_N)  # the K descriptor's rows
+                k_first = load_tile(K, K, tile_b, hkv, 0, stride_kn, offs_k0, offs_d, Nk, TILE_N, HEAD_D, BLOCK_D,
+                                    TMA)
+                k0 = tl.sum(tl.where(offs_k0[:, None] == 0, k_first.to(tl.float32), 0.0), 0)
+                if VARLEN:
+                    k0 = tl.where(Nk > 0, k0, 0.0)
+            else:
+                k0 = tl.load(K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh + offs_d,
+                             mask=offs_d < (tl.minimum(Nk, 1) * HEAD_D if VARLEN else HEAD_D), other=0.0)
             # reloaded: q itself need not stay in registers; its addresses are formed again here (64-bit row
             # offsets, not the loads' expression), so they are not kept, or spilled, across the key loop
             q_again = tl.load(Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
