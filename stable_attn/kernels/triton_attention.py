@@ -148,7 +148,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Two kernels (dK/dV, dQ) by default; ``STABLE_ATTN_BACKWARD=fused`` (or ``fused-atomic``) runs the
     fused prototype of ``triton_backward_fused.py`` instead (opt-in: docs/ARCHITECTURE.md says why), where v's head
-    dim is q's (the prototype has no value head dim of its own: the two kernels serve the rest).
+    dim is q's and at most 256 (the prototype has no value head dim of its own and no wider tiles: the two kernels
+    serve the rest).
     """
     mode = backward_mode()
     if mode != "two-kernel" and _fused_serves(q, v):

@@ -18,6 +18,10 @@ the whole cache and every query head re-reading its KV head. Here instead:
   (``R = max r_s``, ``w_s = exp2(r_s - R)``, ``O = sum w_s acc_s / sum w_s l_s``), no rounding point but the
   output's cast.
 
+Above 256 columns (Gemma 4's 512) Q and K come in column chunks and V's head dim is split over programs (the
+grid's second axis over (KV head, V block)), as in the training forward (``triton_forward.chunked_products``,
+``dv_blocks``); the first V block's program stores the row sums, offsets and maxima.
+
 ``reference_decode.py`` is the PyTorch mirror: the same splits, the same walk per split (``reference.walk_blocks``),
 the same merge; the offsets and maxima of every split are the same bits (tests/kernels/test_decode.py).
 Why restarting the offset keeps the rule's guarantee, and where the output differs from the training

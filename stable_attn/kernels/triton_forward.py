@@ -11,6 +11,13 @@ With ``TILE_N = 2 * BLOCK_N`` (``triton_launch.fwd_config``: the rule's modes on
 holds two blocks: one score product for both, then the rule, ``P-bar`` and ``P-bar V`` block by block
 (``fwd_tile``), the same operations on the same values as one block per tile.
 
+Head dims above 256 (Gemma 4's 512; ``triton_launch.wide_tiles``): ``HEAD_D > BLOCK_D`` means Q and K come in
+``BLOCK_D``-column chunks per key block (:func:`chunked_products`; ``q`` then holds pointers, the query is never
+held whole), ``HEAD_DV > BLOCK_DV`` that V's head dim is split over programs (:func:`dv_blocks`, the grid's
+second axis over (head, V block)): every program of a row block computes the same scores, decisions and row sums
+and stores its V block's output columns; the first stores lse and the statistics (docs/ALGORITHM.md, "Head dims
+above 256"). Below 257 columns both are whole, and the kernels compile to the SASS they had.
+
 Compile-time flags select every variant (mode, causal, window, softcap, dropout, padding mask,
 statistics), so a variant pays only for what it uses. ``TMA``: K and V arrive through tensor
 descriptors (``triton_tiles.load_tile``, shared with the backward); the launcher takes them for the 128-key tile
