@@ -249,10 +249,9 @@ def bwd_config(block_d: int, dtype: torch.dtype, cc: int, tma: bool = True, heav
         return BwdConfig(32, 128, 8, 2, 128, 64, 8, 2, tma=True)
     if block_d > TILE_HEAD_DIM:
         # head dim 512: the kernels hold whole rows ([16, 512] tiles of K, V and their fp32 gradients, or of Q, dO
-        # and dQ); 16 keys x 16 queries is spill-free on sm_80 and sm_90, with or without the heavy features; dQ
-        # over 32 queries is spill-free on sm_90 only where nothing heavy is live (128 bytes with; 200 on sm_80)
-        wide_dq = cc == 90 and not heavy and dtype != torch.float32
-        cfg = BwdConfig(16, 16, 8, 1, 32 if wide_dq else 16, 16, 4, 2 if cc == 90 else 1)
+        # and dQ); 16 keys x 16 queries is spill-free on sm_80 and sm_90, dense and packed, with or without the
+        # heavy features (dQ over 32 queries spilled 24 bytes packed on sm_90, 128 with the features, 200 on sm_80)
+        cfg = BwdConfig(16, 16, 8, 1, 16, 16, 4, 2 if cc == 90 else 1)
     elif block_d <= 64:
         cfg = BwdConfig(32, 64, 4, 1, 64, 64, 4, 3)
     elif block_d <= 128:

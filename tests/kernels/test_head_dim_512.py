@@ -57,7 +57,7 @@ def test_the_launcher_tiles_head_dim_512_in_chunks_and_value_blocks():
     # the backward holds whole rows in small tiles; below 256 nothing changes
     consts, _ = launch.launch_constants("bwd_dq", 512, BF16, 90, causal=True, window=False, softcap=False,
                                         dropout=False, kpm=False)
-    assert (consts["BLOCK_D"], consts["BLOCK_M"], consts["BLOCK_N"]) == (512, 32, 16)
+    assert (consts["BLOCK_D"], consts["BLOCK_M"], consts["BLOCK_N"]) == (512, 16, 16)
     consts, _ = launch.launch_constants("fwd", 256, BF16, 90, causal=True, window=False, softcap=False,
                                         dropout=False, kpm=False)
     assert (consts["BLOCK_D"], consts["BLOCK_DV"], launch.dv_blocks(consts)) == (256, 256, 1)
