@@ -200,8 +200,7 @@ def test_exhaustive(dtype, mode, causal, dims):
     D, Dv = dims
     g = torch.Generator().manual_seed(D + Dv + mode)
     q = torch.randn(1, 4, 33, D, generator=g)
-    k = torch.randn(1, 2, 45, D, generator=g)
-    q, k = tied(q, k)
+    k = torch.randn(1, 2, 45, D, generator=g)  # untied: run_case compares the decisions on rows with margins
     v = torch.randn(1, 2, 45, Dv, generator=g)
     do = torch.randn(1, 4, 33, Dv, generator=g)
     q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
