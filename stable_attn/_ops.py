@@ -77,22 +77,32 @@ def _elements_per_batch(q: torch.Tensor, k: torch.Tensor | None) -> int:
 
 
 # What the Triton kernels do not serve yet: the PyTorch path serves it (stabilized), logged once
-TRITON_MAX_HEAD_DIM = 256
+TRITON_MAX_HEAD_DIM = 512
+# The widest head dim one tile of the forward and decode kernels holds; wider ones (Gemma 4's 512) are walked in
+# column chunks of Q and K and split over programs in V's, at most WIDE_TILE_COLS columns each
+# (triton_launch.wide_tiles)
+TILE_HEAD_DIM = 256
+WIDE_TILE_COLS = 128
 # One K tile plus one V tile of a key block must fit in shared memory with room for the query tile (A100: 163 KiB)
 MAX_KV_TILE_BYTES = 128 * 1024
 
 
 def kv_tile_bytes(key_block: int, d: int, dv: int, element_size: int) -> int:
     """Bytes of one K and one V tile of ``key_block`` keys, each head dim padded to a power of two >= 16 (as
-    ``triton_launch.head_block`` pads it)."""
-    return key_block * sum(max(16, 1 << (x - 1).bit_length()) for x in (d, dv)) * element_size
+    ``triton_launch.head_block`` pads it); where either is above :data:`TILE_HEAD_DIM`, both come in chunks and
+    blocks of at most :data:`WIDE_TILE_COLS` columns."""
+    cols = [max(16, 1 << (x - 1).bit_length()) for x in (d, dv)]
+    if max(cols) > TILE_HEAD_DIM:
+        cols = [min(c, WIDE_TILE_COLS) for c in cols]
+    return key_block * sum(cols) * element_size
 
 
 def triton_gap(q: torch.Tensor, v: torch.Tensor | None, key_block: int = BLOCK_N) -> str | None:
     """Why the Triton kernels cannot serve these inputs (a phrase for the one-time log line), or None. Learned
     sinks they serve (forward, decode; the backward needs nothing for them), and a value head dim apart from the
     query's (each up to :data:`TRITON_MAX_HEAD_DIM`), where the ``key_block``-key K and V tiles fit
-    (:data:`MAX_KV_TILE_BYTES`: float32 at head dim 256 fits 64-key blocks, not the default 128)."""
+    (:data:`MAX_KV_TILE_BYTES`: float32 at head dim 256 fits 64-key blocks, not the default 128; at 512, whose
+    tiles are column chunks, 128)."""
     d = q.shape[-1]
     dv = d if v is None else v.shape[-1]
     if max(d, dv) > TRITON_MAX_HEAD_DIM:

@@ -39,7 +39,7 @@ def _decode(q, k, attn_mask, opts: Options, with_stats: int) -> bool:
 
 def _forward(q, k, v, sinks, key_padding_mask, attn_mask, opts: Options, with_stats: int,
              ) -> tuple[torch.Tensor, torch.Tensor, RowStats | None]:
-    # resolve_backend sent what the kernels lack (D or Dv > 256) to the PyTorch path
+    # resolve_backend sent what the kernels lack (float32 K and V tiles too large for them) to the PyTorch path
     if _decode(q, k, attn_mask, opts, with_stats):
         if opts.backend == "triton":
             from .kernels import triton_decode
@@ -159,7 +159,8 @@ def attention(
         q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``, v: ``[B, Hkv, Nk, Dv]`` with ``Hq % Hkv == 0``
             (GQA/MQA); ``Dv`` may differ from ``D`` (multi-head latent attention: nothing is padded); the
             output is ``[B, Hq, Nq, Dv]``. dtypes bfloat16, float16, float32; ``D, Dv <= 512`` (the Triton
-            kernels serve ``D, Dv <= 256``; the rest goes to the PyTorch path, logged once).
+            kernels serve all of them, above 256 in column chunks; what does not fit their shared memory goes to
+            the PyTorch path, logged once).
         causal: causal mask aligned bottom-right when ``Nq != Nk`` (query i sees keys
             ``j <= i + Nk - Nq``), as FlashAttention >= 2.1 and KV-cache decoding.
         scale: score scale, default ``1/sqrt(D)``.

@@ -66,7 +66,11 @@ class DecodeLaunch:
         self.out_shape, self.rows = (B, Hq, Nq, Dv), (B, Hq, Nq)
         self.partial_shapes = ((B, Hq, Nq, S, Dv), (B, Hq, Nq, S))
         self.has_kpm, self.has_sinks = key_padding_mask is not None, sinks
-        self.grids = [((S * n_rb, Hkv, nb), b_first) for b_first, nb in launch.batches(B)]
+        heads = Hkv * launch.dv_blocks(consts)  # grid rows: each KV head's programs over V's column blocks
+        if heads > launch.MAX_GRID_Y:
+            raise ValueError(f"Hkv={Hkv} KV heads with V's head dim {Dv} in {launch.dv_blocks(consts)} blocks: more "
+                             f"than the {launch.MAX_GRID_Y} grid rows CUDA allows")
+        self.grids = [((S * n_rb, heads, nb), b_first) for b_first, nb in launch.batches(B)]
         self.decode_args = dict(
             **launch.strides("q", q), **launch.strides("k", k), **launch.strides("v", v),
             stride_kpmb=key_padding_mask.stride(0) if key_padding_mask is not None else 0, Hq=Hq, G=G, Nq=Nq, Nk=Nk,
@@ -76,7 +80,7 @@ class DecodeLaunch:
         self.combine_grid = (B * Hq * Nq,) if B * Hq * Nq > 0 else None
         self.combine_args = dict(
             stride_ob=Hq * Nq * Dv, stride_oh=Nq * Dv, stride_on=Dv, Hq=Hq, Nq=Nq, n_splits=S, HEAD_D=Dv,
-            BLOCK_D=consts["BLOCK_DV"], BLOCK_S=triton.next_power_of_2(S), DTYPE=consts["DTYPE"], UPCAST=upcast,
+            BLOCK_D=launch.head_block(Dv), BLOCK_S=triton.next_power_of_2(S), DTYPE=consts["DTYPE"], UPCAST=upcast,
             num_warps=4, **launch.FWD_COMPILE_OPTIONS)  # no contraction: the mirror rounds each step
 
     def partials(self) -> tuple[torch.Tensor, ...]:

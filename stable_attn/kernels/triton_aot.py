@@ -268,6 +268,19 @@ def steady_loop(instrs: list[tuple[int, str]]) -> Loop:
     return min(inner, key=lambda lp: (lp.sass, lp.start))
 
 
+def key_loop(instrs: list[tuple[int, str]], chunks: int) -> Loop:
+    """The steady-state loop of a kernel that walks Q and K in ``chunks`` column chunks per key block (head dim 512:
+    ``triton_forward.chunked_products``): :func:`steady_loop` finds the chunk loop; one key block issues the loop
+    around it once and the chunk loop ``chunks`` times. Returned as one ``Loop`` with those counts (its
+    ``start``/``end`` the enclosing loop's); the chunk loop itself where ptxas unrolled it (no loop around)."""
+    inner = steady_loop(instrs)
+    outer = [lp for lp in find_loops(instrs) if lp is not inner and lp.start <= inner.start and inner.end <= lp.end]
+    if not outer:
+        return inner
+    key = min(outer, key=lambda lp: (lp.sass, lp.start))
+    return Loop(key.start, key.end, key.sass + (chunks - 1) * inner.sass, key.mma + (chunks - 1) * inner.mma)
+
+
 def iteration_flops(kind: str, block_m: int, block_n: int, block_d: int, block_dv: int | None = None) -> int:
     """Tensor FLOPs of one loop iteration over a ``block_m x block_n`` score tile at padded head dim ``block_d``
     (``block_dv``: V's, where it differs; the products with V or dO run over it).
@@ -317,9 +330,13 @@ def describe(v: Variant, cubin_dir: str | None = None) -> dict:
                loop_sass=None, loop_mma=None, mma_clk=None, issue_clk=None, R=None)
     looped = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic", "decode")
     if v.kind in looped and v.dtype != torch.float32:  # fp32 runs no tensor cores
-        loop = steady_loop(parse_sass(sass_of(cubin)))
-        mma_clk = iteration_flops(v.kind, block_m, block_n, head_block(v.head_dim),
-                                  head_block(v.value_dim or v.head_dim)) / TENSOR_FLOP_PER_CLK
+        consts, _ = _constants(v)
+        chunks = -(-consts["HEAD_D"] // consts["BLOCK_D"])  # > 1: Q and K in column chunks (head dim 512)
+        instrs = parse_sass(sass_of(cubin))
+        loop = key_loop(instrs, chunks) if chunks > 1 else steady_loop(instrs)
+        # the products over V's head dim run over this program's V block (split over programs at head dim 512)
+        dv_cols = min(head_block(v.value_dim or v.head_dim), consts.get("BLOCK_DV", consts["BLOCK_D"]))
+        mma_clk = iteration_flops(v.kind, block_m, block_n, head_block(v.head_dim), dv_cols) / TENSOR_FLOP_PER_CLK
         issue_clk = warps * loop.sass / ISSUE_PER_CLK
         row.update(loop_sass=loop.sass, loop_mma=loop.mma, mma_clk=mma_clk, issue_clk=issue_clk,
                    R=issue_clk / mma_clk)

@@ -16,7 +16,7 @@ import triton
 
 from .. import rules
 from .._checks import interpreting
-from .._ops import MAX_KV_TILE_BYTES, kv_tile_bytes, log_once
+from .._ops import MAX_KV_TILE_BYTES, TILE_HEAD_DIM, kv_tile_bytes, log_once
 from ..options import BLOCK_N, Options
 from ..stats import STATS_ENTROPY, RowStats
 from . import triton_forward_ws
@@ -104,6 +104,8 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed
         block_n=block_n, forced_block_n=opts.key_block_given, tma=launch.tma_compatible(k, v),
         upcast=interpreting(), config=config, sinks=sinks is not None, value_dim=Dv)
     block_n, tile_n = consts["BLOCK_N"], consts["TILE_N"]
+    heads = Hq * launch.dv_blocks(consts)  # grid rows: each head's programs over V's column blocks
+    launch.check_heads(heads)
 
     # the output has v's head dim (contiguous when it differs from q's: _checks.output_like)
     out = launch.empty_like(q) if Dv == D else launch.empty((*q.shape[:-1], Dv), dtype, q.device)
@@ -135,13 +137,13 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed
         # sm_90 / sm_100: the warp-specialized variant where it serves and compiles (triton_forward_ws.py)
         ws = triton_forward_ws.use(cc, q.is_cuda, consts, packed=False)
         for b_first, nb in launch.batches(B):
-            grid = (n_m, Hq, nb)
+            grid = (n_m, heads, nb)
             kw = dict(Q=q, K=k_in, V=v_in, KPM=kpm, stride_kpmb=kpm_stride, Nq=Nq, Nk=Nk, b_first=b_first, **args)
             ws = ws and triton_forward_ws.launch(grid, cc, consts, **kw)  # False: it did not compile
             if not ws:
                 attn_fwd_kernel[grid](**kw)
     elif min(n_m, Hq, B) > 0:
-        attn_fwd_varlen_kernel[(n_m, Hq, B)](Q=q, K=k_in, V=v_in, CuQ=packed.cu_q, CuK=packed.cu_k,
+        attn_fwd_varlen_kernel[(n_m, heads, B)](Q=q, K=k_in, V=v_in, CuQ=packed.cu_q, CuK=packed.cu_k,
                                              total_q=q.shape[0], **args)
         rows = (1, *rows)  # the statistics as one batch element: what AttentionStats.update reads
     row_stats = st.view(rows) if with_stats else None
@@ -155,10 +157,11 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Two kernels (dK/dV, dQ) by default; ``STABLE_ATTN_BACKWARD=fused`` (or ``fused-atomic``) runs the
     fused prototype of ``triton_backward_fused.py`` instead (opt-in: docs/ARCHITECTURE.md says why), where v's head
-    dim is q's (the prototype has no value head dim of its own: the two kernels serve the rest).
+    dim is q's and at most 256 (the prototype has no value head dim of its own and no wider tiles: the two kernels
+    serve the rest).
     """
     mode = backward_mode()
-    if mode != "two-kernel" and v.shape[-1] == q.shape[-1]:
+    if mode != "two-kernel" and _fused_serves(q, v):
         return backward_fused(do, q, k, v, out, lse2, key_padding_mask, opts, atomic=mode == "fused-atomic",
                               config=config)
     return _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, None)
@@ -179,10 +182,16 @@ def backward_varlen(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """
     packed = launch.packed_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mode = backward_mode()  # STABLE_ATTN_BACKWARD, as in backward()
-    if mode != "two-kernel" and v.shape[-1] == q.shape[-1]:
+    if mode != "two-kernel" and _fused_serves(q, v):
         return backward_fused(do, q, k, v, out, lse2, None, opts, atomic=mode == "fused-atomic", config=config,
                               packed=packed)
     return _backward(do, q, k, v, out, lse2, None, opts, config, packed)
+
+
+def _fused_serves(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the fused prototype serves these head dims: V's is q's, at most ``TILE_HEAD_DIM`` (its tiles were
+    never chosen wider; the two kernels serve the rest)."""
+    return v.shape[-1] == q.shape[-1] <= TILE_HEAD_DIM
 
 
 def _backward(do, q, k, v, out, lse2, key_padding_mask, opts, config, packed: Packed | None):

@@ -18,6 +18,10 @@ the whole cache and every query head re-reading its KV head. Here instead:
   (``R = max r_s``, ``w_s = exp2(r_s - R)``, ``O = sum w_s acc_s / sum w_s l_s``), no rounding point but the
   output's cast.
 
+Above 256 columns (Gemma 4's 512) Q and K come in column chunks and V's head dim is split over programs (the
+grid's second axis over (KV head, V block)), as in the training forward (``triton_forward.chunked_products``,
+``dv_blocks``); the first V block's program stores the row sums, offsets and maxima.
+
 ``reference_decode.py`` is the PyTorch mirror: the same splits, the same walk per split (``reference.walk_blocks``),
 the same merge; the offsets and maxima of every split are the same bits (tests/kernels/test_decode.py).
 Why restarting the offset keeps the rule's guarantee, and where the output differs from the training
@@ -31,12 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .._ops import TILE_HEAD_DIM
 from ..options import Options
 from . import decode_plan
 from . import triton_launch as launch
 from .triton_forward import (
     FP32_MAX,
     MODE_EXACT,
+    dv_blocks,
     fwd_blocks,
     sink_start,
     tc_row_sum_total,
@@ -49,6 +55,9 @@ MAX_QUERIES = tl.constexpr(decode_plan.MAX_QUERIES)
 # Shared memory the decode kernel takes beside its pipelined K/V tiles (12 KiB measured at D = 256, sm_90)
 _DECODE_SHARED_EXTRA = 16 * 1024
 MAX_ROWS = 64  # packed rows per program: more (G * Nq > 64) take several row blocks, each reading its split
+# (Q and K chunk, V block) columns where a head dim is above TILE_HEAD_DIM: 128 / 128 compiled without spills on
+# sm_80 and sm_90 (16 rows, 8 warps, 2 stages; benchmarks/kernel_resources.py --kernels decode --d 512)
+WIDE_DECODE = (128, 128)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "split", "n_splits", "b_first"])
@@ -70,7 +79,13 @@ def attn_decode_kernel(
     n_rb = tl.cdiv(G * Nq, BLOCK_M)
     split_id = tl.program_id(0) // n_rb
     rb = tl.program_id(0) % n_rb
-    hkv = tl.program_id(1)
+    DV_BLOCKS: tl.constexpr = dv_blocks(HEAD_DV, BLOCK_DV)
+    if DV_BLOCKS > 1:  # V's head dim split over programs, as in the training forward (triton_forward.fwd_program)
+        hkv = tl.program_id(1) // DV_BLOCKS
+        dv_lo = tl.program_id(1) % DV_BLOCKS * BLOCK_DV
+    else:
+        hkv = tl.program_id(1)
+        dv_lo = 0
     b = tl.program_id(2) + b_first
     b64 = b.to(tl.int64)
     pos_offset = Nk - Nq  # causal and window are aligned bottom-right
@@ -82,17 +97,26 @@ def attn_decode_kernel(
     h = hkv * G + g
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
+    if DV_BLOCKS > 1:
+        offs_dv = dv_lo + tl.arange(0, BLOCK_DV)
+    else:
+        offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     q_mask = row_ok[:, None]
-    if HEAD_D != BLOCK_D:
+    if HEAD_D % BLOCK_D != 0:
         q_mask = q_mask & (offs_d[None, :] < HEAD_D)
     acc_mask = q_mask  # the partial's rows and V's head-dim columns
-    if HEAD_DV != HEAD_D:
+    if HEAD_DV != HEAD_D or HEAD_D > BLOCK_D or DV_BLOCKS > 1:
         acc_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
-    q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + offs_i[:, None] * stride_qn + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    row_w = row_ok if DV_BLOCKS == 1 else row_ok & ((tl.zeros([BLOCK_M], tl.int32) + dv_lo) == 0)
+    if HEAD_D > BLOCK_D:  # q's rows as pointers, loaded chunk by chunk per key block (triton_forward.fwd_scores)
+        rows_c = tl.minimum(rows, G * Nq - 1)  # rows past the last read the last (never stored)
+        q = (Q + b64 * stride_qb + (hkv * G + rows_c // Nq)[:, None] * stride_qh + (rows_c % Nq)[:, None] * stride_qn
+             + offs_d[None, :])
+    else:
+        q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + offs_i[:, None] * stride_qn + offs_d[None, :],
+                    mask=q_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
     k_ptrs = K + b64 * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V + b64 * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_dv[None, :]
     kpm_ptrs = KPM + b64 * stride_kpmb + offs_n0
@@ -145,9 +169,9 @@ def attn_decode_kernel(
 
     part = ((b64 * Hq + h) * Nq + offs_i) * n_splits + split_id  # partial (b, h, i, split)
     tl.store(Acc + part[:, None] * HEAD_DV + offs_dv[None, :], acc, mask=acc_mask)
-    tl.store(Lsum + part, l_i, mask=row_ok)
-    tl.store(Roff + part, r_i, mask=row_ok)
-    tl.store(Mmax + part, m_i, mask=row_ok)
+    tl.store(Lsum + part, l_i, mask=row_w)  # the same bits in every program of V's blocks: the first writes them
+    tl.store(Roff + part, r_i, mask=row_w)
+    tl.store(Mmax + part, m_i, mask=row_w)
 
 
 @triton.jit(do_not_specialize=["Hq", "Nq", "n_splits"])
@@ -199,6 +223,11 @@ def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int,
                   BLOCK_D=launch.head_block(head_dim), BLOCK_M=block_rows(groups, nq), BLOCK_N=block_n,
                   DTYPE=launch.TL_DTYPE[dtype], UPCAST=upcast, PREC=launch.precision(dtype, upcast), HAS_SINKS=sinks,
                   HEAD_DV=head_dv, BLOCK_DV=launch.head_block(head_dv))
+    if max(consts["BLOCK_D"], consts["BLOCK_DV"]) > TILE_HEAD_DIM:
+        # head dim 512: Q and K in chunks, V split over programs, as the training forward (launch.wide_tiles)
+        chunk, split = WIDE_DECODE  # at most _ops.WIDE_TILE_COLS (kv_tile_bytes)
+        consts["BLOCK_D"] = min(consts["BLOCK_D"], chunk)
+        consts["BLOCK_DV"] = min(consts["BLOCK_DV"], split)
     wide_d = max(consts["BLOCK_D"], consts["BLOCK_DV"])
     # 8 warps where a K tile is 128 x 128 or more: with 4, the 128-key blocks at D = 128 took 255 registers and
     # spilled (stabilize off, sm_90: benchmarks/decode_resources.py)
@@ -210,6 +239,8 @@ def decode_constants(head_dim: int, dtype: torch.dtype, cc: int, *, groups: int,
     stages = 3 if launch.tile_generation(cc) == 90 else 2
     while stages > 1 and (stages - 1) * kv_bytes + _DECODE_SHARED_EXTRA > limit:
         stages -= 1
+    if consts["HEAD_D"] > consts["BLOCK_D"] or consts["HEAD_DV"] > consts["BLOCK_DV"]:
+        stages = min(stages, 2)  # D = 512 on sm_90: 3 stages spilled 40-48 bytes, 2 none
     return consts, dict(num_warps=warps, num_stages=stages, **launch.FWD_COMPILE_OPTIONS)
 
 

@@ -11,6 +11,13 @@ With ``TILE_N = 2 * BLOCK_N`` (``triton_launch.fwd_config``: the rule's modes on
 holds two blocks: one score product for both, then the rule, ``P-bar`` and ``P-bar V`` block by block
 (``fwd_tile``), the same operations on the same values as one block per tile.
 
+Head dims above 256 (Gemma 4's 512; ``triton_launch.wide_tiles``): ``HEAD_D > BLOCK_D`` means Q and K come in
+``BLOCK_D``-column chunks per key block (:func:`chunked_products`; ``q`` then holds pointers, the query is never
+held whole), ``HEAD_DV > BLOCK_DV`` that V's head dim is split over programs (:func:`dv_blocks`, the grid's
+second axis over (head, V block)): every program of a row block computes the same scores, decisions and row sums
+and stores its V block's output columns; the first stores lse and the statistics (docs/ALGORITHM.md, "Head dims
+above 256"). Below 257 columns both are whole, and the kernels compile to the SASS they had.
+
 Compile-time flags select every variant (mode, causal, window, softcap, dropout, padding mask,
 statistics), so a variant pays only for what it uses. ``TMA``: K and V arrive through tensor
 descriptors (``triton_tiles.load_tile``, shared with the backward); the launcher takes them for the 128-key tile
@@ -209,9 +216,43 @@ def block_offset(r, m_new, m_blk, m2_blk, tie2, min_shift2, max_shift2, beta, MO
 def kv_tile_mask(offs_n, offs_d, Nk, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
     """The rows of a K or V tile that exist (keys ``offs_n < Nk``) and its real head-dim columns."""
     mask = offs_n[:, None] < Nk
-    if HEAD_D != BLOCK_D:
+    if HEAD_D % BLOCK_D != 0:  # a tile (or the last of a wide head dim's column blocks) reaches past HEAD_D
         mask = mask & (offs_d[None, :] < HEAD_D)
     return mask
+
+
+@triton.constexpr_function
+def dv_blocks(head_dv, block_dv):
+    """Programs per (query block, head) that share its rows: one per ``BLOCK_DV`` columns of V and the output.
+    More than one only where V's head dim is wider than a tile holds (``triton_launch.wide_tiles``)."""
+    return (head_dv + block_dv - 1) // block_dv
+
+
+@triton.jit
+def chunked_products(q_ptrs, k_ptrs, start_n, offs_n, offs_d, stride_kn, Nk, MASK: tl.constexpr,
+                     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """``x = q.k`` of a tile where the head dim is wider than one tile (``HEAD_D > BLOCK_D``): Q and K come in
+    ``BLOCK_D``-column chunks, loaded here chunk by chunk (``q_ptrs``: the query rows' first columns), their
+    products summed in fp32 in a fixed order, so no program holds the whole query row in registers. Every program
+    of a row block runs the same chunks in the same order on the same data: the same bits of ``x``."""
+    x = tl.zeros([q_ptrs.shape[0], offs_n.shape[0]], tl.float32)
+    for c in range(0, HEAD_D, BLOCK_D):
+        if HEAD_D % BLOCK_D != 0:
+            cols = (c + offs_d)[None, :] < HEAD_D
+            q = tl.load(q_ptrs + c, mask=cols, other=0.0)
+            k_mask = cols & (offs_n[:, None] < Nk) if MASK else cols
+            k = tl.load(k_ptrs + start_n * stride_kn + c, mask=k_mask, other=0.0)
+        else:
+            q = tl.load(q_ptrs + c)
+            if MASK:
+                k = tl.load(k_ptrs + start_n * stride_kn + c, mask=offs_n[:, None] < Nk, other=0.0)
+            else:
+                k = tl.load(k_ptrs + start_n * stride_kn + c)
+        if UPCAST:
+            q = q.to(tl.float32)
+            k = k.to(tl.float32)
+        x = tl.dot(q, tl.trans(k), x, input_precision=PREC)
+    return x
 
 
 @triton.jit
@@ -219,20 +260,27 @@ def fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_
                cap_log2e, Nk, pos_offset, window, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                UPCAST: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
-    """Scores of the keys ``start_n + offs_n0`` against ``q`` (K loaded here) and the K/V row mask."""
+    """Scores of the keys ``start_n + offs_n0`` against ``q`` (K loaded here) and the K/V row mask. Where the
+    head dim is wider than a tile (``HEAD_D > BLOCK_D``) ``q`` holds the query rows' pointers and the products
+    come chunk by chunk (:func:`chunked_products`)."""
     offs_n = start_n + offs_n0
     kv_mask = kv_tile_mask(offs_n, offs_d, Nk, HEAD_D, BLOCK_D)
-    if TMA:
-        k = load_tile(k_ptrs, k_ptrs, tile_b, hkv, start_n, stride_kn, offs_n0, offs_d, Nk, offs_n0.shape[0],
-                      HEAD_D, BLOCK_D, TMA)
-    elif MASK:
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
-    elif HEAD_D != BLOCK_D:
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_D, other=0.0)
+    if HEAD_D > BLOCK_D:  # the products themselves; scores_tile below takes them as they are
+        x = chunked_products(q, k_ptrs, start_n, offs_n, offs_d, stride_kn, Nk, MASK, HEAD_D, BLOCK_D, UPCAST, PREC)
+        k = None
     else:
-        k = tl.load(k_ptrs + start_n * stride_kn)
-    if UPCAST:
-        k = k.to(tl.float32)
+        x = q
+        if TMA:
+            k = load_tile(k_ptrs, k_ptrs, tile_b, hkv, start_n, stride_kn, offs_n0, offs_d, Nk, offs_n0.shape[0],
+                          HEAD_D, BLOCK_D, TMA)
+        elif MASK:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
+        elif HEAD_D != BLOCK_D:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_D, other=0.0)
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn)
+        if UPCAST:
+            k = k.to(tl.float32)
     kp = offs_n0 < 0  # placeholder, only read when HAS_KPM
     if HAS_KPM:
         if MASK:
@@ -242,7 +290,7 @@ def fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_
     # without softcap s holds x = q.k: the maxima are taken on x and scaled after, the bits of the
     # maxima of fl(x * qk_scale2) (rounding is monotone and qk_scale2 > 0), and P-bar below rounds
     # once (docs/ALGORITHM.md, "Rounding points"); with softcap s holds the base-2 scores
-    s, _ = scores_tile(q, k, offs_m, offs_n, kp, qk_scale2 if SOFTCAP else None, cap_scale, cap_log2e, Nk,
+    s, _ = scores_tile(x, k, offs_m, offs_n, kp, qk_scale2 if SOFTCAP else None, cap_scale, cap_log2e, Nk,
                        pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
     return s, kv_mask
 
@@ -297,7 +345,7 @@ def fwd_weights(l_i, ent_i, ent_l, s, m_blk, r_i, r_new, start_n, offs_n0, qk_sc
         # sum l would not do: in exact mode it adds the rounded P-bar, and under the stabilization's shift
         # (up to MAX_SHIFT) the mismatch would put that shift times bf16's rounding error into the entropy.
         # Moving the offset to r_new adds r_i - r_new to every earlier key's t, and alpha rescales P-bar.
-        if MASK:  # masked keys: t = -inf and P-bar = 0 add 0 (not 0 * inf); unmasked stretches have none
+        if MASK:  # masked or padded keys: t = -inf and P-bar = 0 add 0 (not 0 * inf)
             t = tl.maximum(t, -FP32_MAX)
         ent_i = alpha * (ent_i + (r_i - r_new) * ent_l) + tl.sum(p * t, 1)
         ent_l = ent_l * alpha + tl.sum(p, 1)
@@ -329,7 +377,7 @@ def fwd_pv(acc, p_cast, alpha, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, o
                       HEAD_D, BLOCK_D, TMA)
     elif MASK:
         v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
-    elif HEAD_D != BLOCK_D:
+    elif HEAD_D % BLOCK_D != 0:
         v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_d[None, :] < HEAD_D, other=0.0)
     else:
         v = tl.load(v_ptrs + start_n * stride_vn)
@@ -346,15 +394,16 @@ def fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s, top1, top2, kv_
                MASK: tl.constexpr, SOFTCAP: tl.constexpr, MODE: tl.constexpr, STATS: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
                BLOCK_DV: tl.constexpr, DTYPE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-               TMA: tl.constexpr):
+               TMA: tl.constexpr, HAS_KPM: tl.constexpr = False):
     """The online-softmax step of one block of the partition: ``fwd_decide``, ``fwd_weights``, ``fwd_pv``; the
     updated row state. ``kv_mask``: the V tile's (``offs_dv``, ``HEAD_DV``: the value head dim, apart from the
-    query's ``HEAD_D`` in multi-head latent attention)."""
+    query's ``HEAD_D`` in multi-head latent attention). ``HAS_KPM``: padded keys' scores are ``-inf`` in the
+    unmasked stretch too (the entropy's sums skip them: ``fwd_weights``)."""
     m_blk, m_new, r_new, m2_i, fixed = fwd_decide(m_i, r_i, m2_i, fixed, s, top1, top2, qk_scale2, tie2, min_shift2,
                                                   max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
     p_cast, alpha, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s, m_blk, r_i, r_new, start_n, offs_n0,
                                                    qk_scale2, seed,
-                                            drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT,
+                                            drop_p, drop_row, MASK or HAS_KPM, SOFTCAP, MODE, STATS, DROPOUT,
                                             BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV, DTYPE, UPCAST, PREC)
     acc = fwd_pv(acc, p_cast, alpha, kv_mask, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_dv, stride_vn, Nk, MASK,
                  HEAD_DV, BLOCK_DV, UPCAST, PREC, TMA)
@@ -377,13 +426,13 @@ def fwd_block(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_p
     s, kv_mask = fwd_scores(q, tile_b, hkv, k_ptrs, kpm_ptrs, start_n, offs_m, offs_n0, offs_d, stride_kn,
                             qk_scale2, cap_scale, cap_log2e, Nk, pos_offset, window, MASK, CAUSAL, WINDOW, SOFTCAP,
                             HAS_KPM, HEAD_D, BLOCK_D, UPCAST, PREC, TMA)
-    if HEAD_DV != HEAD_D:  # the V tile's own columns
+    if HEAD_DV != HEAD_D or HEAD_D > BLOCK_D:  # the V tile's own columns
         kv_mask = kv_tile_mask(start_n + offs_n0, offs_dv, Nk, HEAD_DV, BLOCK_DV)
     return fwd_update(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s, None, None, kv_mask, tile_b, hkv, v_ptrs,
                       start_n,
                       offs_n0, offs_d, offs_dv, stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed,
                       drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE,
-                      UPCAST, PREC, TMA)
+                      UPCAST, PREC, TMA, HAS_KPM)
 
 
 @triton.jit
@@ -428,11 +477,11 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_pt
                                                  max_shift2, beta, SOFTCAP, MODE, STATS, UPCAST)
         p_a, alpha_a, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s_a, mb_a, r_i, r_a, start_n, offs_n0,
                                                       qk_scale2, seed,
-                                               drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT,
+                                               drop_p, drop_row, MASK or HAS_KPM, SOFTCAP, MODE, STATS, DROPOUT,
                                                BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV, DTYPE, UPCAST, PREC)
         p_b, alpha_b, l_i, ent_i, ent_l = fwd_weights(l_i, ent_i, ent_l, s_b, mb_b, r_a, r_b, start_b, offs_n0,
                                                       qk_scale2, seed,
-                                               drop_p, drop_row, MASK, SOFTCAP, MODE, STATS, DROPOUT,
+                                               drop_p, drop_row, MASK or HAS_KPM, SOFTCAP, MODE, STATS, DROPOUT,
                                                BLOCK_D if BLOCK_D >= BLOCK_DV else BLOCK_DV, DTYPE, UPCAST, PREC)
         r_i = r_b
         acc = fwd_pv(acc, p_a, alpha_a, mask_a, tile_b, hkv, v_ptrs, start_n, offs_n0, offs_dv, stride_vn, Nk,
@@ -445,7 +494,7 @@ def fwd_tile(acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, q, tile_b, hkv, k_pt
             acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l, s_a, t1a, t2a, mask_a, tile_b, hkv, v_ptrs, start_n,
             offs_n0, offs_d, offs_dv,
             stride_vn, qk_scale2, Nk, tie2, min_shift2, max_shift2, beta, seed, drop_p, drop_row, MASK,
-            SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST, PREC, TMA)
+            SOFTCAP, MODE, STATS, DROPOUT, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, DTYPE, UPCAST, PREC, TMA, HAS_KPM)
     return acc, l_i, m_i, r_i, m2_i, fixed, ent_i, ent_l
 
 
@@ -567,7 +616,13 @@ def fwd_program(
     resolved at compile time), so the dense kernel's code carries no varlen line.
     """
     start_m = query_block(Nq, BLOCK_M, CAUSAL, VARLEN)  # causal: the longest blocks first (triton_order.py)
-    h = tl.program_id(1)
+    DV_BLOCKS: tl.constexpr = dv_blocks(HEAD_DV, BLOCK_DV)
+    if DV_BLOCKS > 1:  # the programs of one row block split V's head dim; each computes every row's scores
+        h = tl.program_id(1) // DV_BLOCKS
+        dv_lo = tl.program_id(1) % DV_BLOCKS * BLOCK_DV
+    else:
+        h = tl.program_id(1)
+        dv_lo = 0
     b = tl.program_id(2) + b_first  # dense: launches in chunks of the batch start at b_first (grid limit)
     hkv = h // G
     pos_offset = Nk - Nq  # causal and window are aligned bottom-right
@@ -576,20 +631,31 @@ def fwd_program(
     offs_m = q_lo + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
+    if DV_BLOCKS > 1:
+        offs_dv = dv_lo + tl.arange(0, BLOCK_DV)
+    else:
+        offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Nq
     q_mask = row_ok[:, None]
-    if HEAD_D != BLOCK_D:
+    if HEAD_D % BLOCK_D != 0:
         q_mask = q_mask & (offs_d[None, :] < HEAD_D)
     o_mask = q_mask  # the output's rows and V's head-dim columns
-    if HEAD_DV != HEAD_D:
+    if HEAD_DV != HEAD_D or HEAD_D > BLOCK_D or DV_BLOCKS > 1:
         o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
+    # the row statistics and lse: every program of a row block computes the same bits, the first writes them
+    row_w = row_ok if DV_BLOCKS == 1 else row_ok & ((tl.zeros([BLOCK_M], tl.int32) + dv_lo) == 0)
     b64 = b.to(tl.int64)
-    q_ptrs = (Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
-              + offs_m[:, None] * stride_qn + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    if HEAD_D > BLOCK_D:
+        # a head dim wider than a tile: q stays in memory, loaded chunk by chunk with each key block
+        # (chunked_products); rows past Nq read row Nq - 1 (their scores are never stored)
+        q = (Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
+             + tl.minimum(offs_m, Nq - 1)[:, None] * stride_qn + offs_d[None, :])
+    else:
+        q_ptrs = (Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
+                  + offs_m[:, None] * stride_qn + offs_d[None, :])
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
     tile_b = k_start.to(tl.int32) if VARLEN else b  # what the descriptor loads index by
     if TMA:
         k_ptrs = K
@@ -684,42 +750,54 @@ def fwd_program(
     tl.store(o_ptrs, round_to(o, DTYPE, UPCAST).to(DTYPE), mask=o_mask)
     lse = tl.where(written, r_i + tl.log2(l_i), float("inf"))
     row_ptr = (h.to(tl.int64) * total_q + q_start + offs_m) if VARLEN else (b64 * Hq + h) * Nq + offs_m
-    tl.store(Lse + row_ptr, lse, mask=row_ok)
+    tl.store(Lse + row_ptr, lse, mask=row_w)
     if STATS:
         # saturation against the row max with the sink (two keys within sat2 of a sink above them stay < 1.0)
         top = tl.maximum(m_i, sink2) if HAS_SINKS else m_i
-        tl.store(StSat + row_ptr, ((m2_i >= top - sat2) & seen).to(tl.int8), mask=row_ok)
-        tl.store(StFixed + row_ptr, fixed, mask=row_ok)
-        tl.store(StMax + row_ptr, m_i / LOG2E, mask=row_ok)
+        tl.store(StSat + row_ptr, ((m2_i >= top - sat2) & seen).to(tl.int8), mask=row_w)
+        tl.store(StFixed + row_ptr, fixed, mask=row_w)
+        tl.store(StMax + row_ptr, m_i / LOG2E, mask=row_w)
         # H = ln 2 * (log2 L - ent / L) nats with L = ent_l; 0 where no key is seen, and where every P-bar
         # underflowed (L = 0: only the published rule's unbounded offset does that)
         if STATS == STATS_ENTROPY:
             ent_ok = seen & (ent_l > 0)
-            tl.store(StEnt + row_ptr, tl.where(ent_ok, (tl.log2(ent_l) - ent_i / ent_l) / LOG2E, 0.0), mask=row_ok)
+            tl.store(StEnt + row_ptr, tl.where(ent_ok, (tl.log2(ent_l) - ent_i / ent_l) / LOG2E, 0.0), mask=row_w)
         # the sink's score, recomputed from key 0 alone: the loops then carry no test for block 0
         # (fp32 sum in another order than the tile's dot: within summation-order differences)
         # (varlen: a sequence without keys has no key 0; the next sequence's must not be read)
-        if TMA:  # key 0 picked out of the first key tile (an exact sum of one value and zeros)
-            offs_k0 = tl.arange(0, TILE_N)  # the K descriptor's rows
-            k_first = load_tile(K, K, tile_b, hkv, 0, stride_kn, offs_k0, offs_d, Nk, TILE_N, HEAD_D, BLOCK_D, TMA)
-            k0 = tl.sum(tl.where(offs_k0[:, None] == 0, k_first.to(tl.float32), 0.0), 0)
-            if VARLEN:
-                k0 = tl.where(Nk > 0, k0, 0.0)
+        if HEAD_D > BLOCK_D:  # chunk by chunk, as the scores (no 512-wide row in registers)
+            k0_ptr = K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh + offs_d
+            q0_ptrs = (Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
+                       + offs_m.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+            x0 = tl.zeros([BLOCK_M], tl.float32)
+            for c in tl.static_range(0, HEAD_D, BLOCK_D):
+                cols = (c + offs_d) < HEAD_D
+                k0 = tl.load(k0_ptr + c, mask=cols & (Nk > 0) if VARLEN else cols, other=0.0)
+                q_c = tl.load(q0_ptrs + c, mask=row_ok[:, None] & cols[None, :], other=0.0)
+                x0 += tl.sum(q_c.to(tl.float32) * k0.to(tl.float32)[None, :], 1)
         else:
-            k0 = tl.load(K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh + offs_d,
-                         mask=offs_d < (tl.minimum(Nk, 1) * HEAD_D if VARLEN else HEAD_D), other=0.0)
-        # reloaded: q itself need not stay in registers; its addresses are formed again here (64-bit row
-        # offsets, not the loads' expression), so they are not kept, or spilled, across the key loop
-        q_again = tl.load(Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
-                          + offs_m.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_mask, other=0.0)
-        x0 = tl.sum(q_again.to(tl.float32) * k0.to(tl.float32)[None, :], 1)
+            if TMA:  # key 0 picked out of the first key tile (an exact sum of one value and zeros)
+                offs_k0 = tl.arange(0, TILE_N)  # the K descriptor's rows
+                k_first = load_tile(K, K, tile_b, hkv, 0, stride_kn, offs_k0, offs_d, Nk, TILE_N, HEAD_D, BLOCK_D,
+                                    TMA)
+                k0 = tl.sum(tl.where(offs_k0[:, None] == 0, k_first.to(tl.float32), 0.0), 0)
+                if VARLEN:
+                    k0 = tl.where(Nk > 0, k0, 0.0)
+            else:
+                k0 = tl.load(K + (k_start * stride_kn if VARLEN else b64 * stride_kb) + hkv * stride_kh + offs_d,
+                             mask=offs_d < (tl.minimum(Nk, 1) * HEAD_D if VARLEN else HEAD_D), other=0.0)
+            # reloaded: q itself need not stay in registers; its addresses are formed again here (64-bit row
+            # offsets, not the loads' expression), so they are not kept, or spilled, across the key loop
+            q_again = tl.load(Q + (q_start * stride_qn if VARLEN else b64 * stride_qb) + h * stride_qh
+                              + offs_m.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_mask, other=0.0)
+            x0 = tl.sum(q_again.to(tl.float32) * k0.to(tl.float32)[None, :], 1)
         key0 = tl.zeros([1], tl.int32)
         kp0 = key0 < 0  # placeholder, only read when HAS_KPM
         if HAS_KPM:
             kp0 = tl.load(KPM + b64 * stride_kpmb + key0) != 0
         s_first, _ = scores_tile(x0[:, None], None, offs_m, key0, kp0, qk_scale2, cap_scale, cap_log2e, Nk,
                                  pos_offset, window, True, CAUSAL, WINDOW, SOFTCAP, HAS_KPM, PREC)
-        tl.store(StSink + row_ptr, tl.exp2(tl.max(s_first, 1) - lse), mask=row_ok)
+        tl.store(StSink + row_ptr, tl.exp2(tl.max(s_first, 1) - lse), mask=row_w)
 
 
 @triton.jit(do_not_specialize=["Hq", "G", "Nq", "Nk", "window", "b_first", "seed"])

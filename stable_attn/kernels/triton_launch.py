@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .. import rules
 from .._checks import interpreting
+from .._ops import TILE_HEAD_DIM, WIDE_TILE_COLS
 from ..options import BLOCK_N, Options
 from .triton_order import causal_constant
 
@@ -63,7 +64,9 @@ class FwdConfig:
     the partition (stabilize off, no statistics); ``None`` means the partition's (``opts.block_n``).
     ``tile_n``: two blocks of the partition per key tile (``2 * opts.block_n``; K comes as one tile,
     the rule still decides block by block: ``triton_forward.fwd_tile``); ``None``: one block.
-    ``tma``: K and V come through tensor descriptors (sm_90, strides TMA accepts)."""
+    ``tma``: K and V come through tensor descriptors (sm_90, strides TMA accepts). ``head_chunk``: Q and K in
+    chunks of this many columns (the query's head dim wider than a tile: :func:`wide_tiles`); ``dv_block``: V and
+    the output split over programs of this many columns each; ``None``: whole."""
 
     block_m: int
     num_warps: int
@@ -71,6 +74,8 @@ class FwdConfig:
     block_n: int | None = None
     tma: bool = False
     tile_n: int | None = None
+    head_chunk: int | None = None
+    dv_block: int | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,31 @@ def head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def wide_tiles(dtype: torch.dtype, cc: int, plain: bool = True) -> FwdConfig:
+    """The forward's tiling where a head dim is wider than a tile holds (``TILE_HEAD_DIM``, 256; Gemma 4's global
+    layers: 512; ``cc``: the tile generation; ``plain``: no window, softcap, padding mask or dropout).
+
+    The whole ``[BLOCK_M, 512]`` fp32 accumulator and the query tile do not fit in registers beside the score tile:
+    every one-program tile compiled at D = 512 spilled on sm_90. So the scores come from column chunks of Q and K
+    (``head_chunk``), loaded per key block (``triton_forward.chunked_products``: Q is never held whole), and V's
+    head dim is split over programs (``dv_block`` columns each, ``triton_forward.dv_blocks``): every program of a
+    row block recomputes the same scores, maxima, decisions and row sums, bit for bit, and owns its slice of the
+    output. Both apply to whichever head dim is wider than they are (``launch_constants``). The tiles, the widest
+    without spills (benchmarks/kernel_resources.py, bf16, causal, with and without statistics;
+    docs/lab/head-dim-512-kernels.md): sm_90 plain 64 x 128 in 8 warps, 128-column chunks and V blocks (64 x 128 in
+    4 warps spilled 504 bytes, 128 x 128 168, V blocks of 256 184); sm_90 with the optional features 32 x 128,
+    64-column chunks and V blocks (128-column V blocks spilled 24 bytes with statistics); sm_80 and sm_120 32 x 128,
+    64-column chunks, 128-column V blocks (64 x 128 spilled 288 bytes there, 368 with 128-column chunks)."""
+    if cc == 90 and dtype != torch.float32:
+        cfg = (FwdConfig(64, 8, 2, head_chunk=128, dv_block=128) if plain
+               else FwdConfig(32, 8, 2, head_chunk=64, dv_block=64))
+    else:
+        cfg = FwdConfig(32, 8, 2, head_chunk=64, dv_block=128)
+    # _ops.kv_tile_bytes counts the K and V tiles of these head dims at WIDE_TILE_COLS columns
+    assert max(cfg.head_chunk, cfg.dv_block) <= WIDE_TILE_COLS
+    return cfg
+
+
 def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode: int = rules.MODE_EXACT,
                stats: bool = False, plain: bool = False, forced_block_n: bool = False,
                tma: bool = True, causal: bool = True) -> FwdConfig:
@@ -143,6 +173,8 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode:
     where no rule sees the partition there (``unseen``) it keeps 64-key tiles.
     """
     unseen = mode == rules.MODE_OFF and not stats and not forced_block_n
+    if block_d > TILE_HEAD_DIM:  # the wider of the two head dims
+        return wide_tiles(dtype, cc, plain)
     wide = cc == 90 and dtype != torch.float32 and (block_d <= 64 or block_d <= 128 and tma) and plain
     if wide and (unseen or block_n == 128):
         return FwdConfig(128, 8, 2, block_n=128 if unseen else None, tma=block_d > 64)
@@ -206,7 +238,7 @@ def bwd_config(block_d: int, dtype: torch.dtype, cc: int, tma: bool = True, heav
     128 or 64 keys. ``heavy`` (dropout or softcap: Philox counters or the tanh tile stay live) takes
     narrower steps (16 queries for dK/dV; dQ 128 x 64 at D=64, 128 x 32 at D=128), again the widest
     without spills. Chosen by benchmarks/kernel_resources.py (R, registers, spills; docs/BENCHMARKS.md).
-    Elsewhere (sm_80, fp32, D=256, strides TMA cannot take) pointer loads with the smaller tiles
+    Elsewhere (sm_80, fp32, D=256 and 512, strides TMA cannot take) pointer loads with the smaller tiles
     below, where the dK/dV kernel runs unpipelined (``stages1 = 1``): pipelined ones spilled.
     """
     if tma and cc == 90 and dtype != torch.float32 and block_d <= 128:
@@ -215,7 +247,12 @@ def bwd_config(block_d: int, dtype: torch.dtype, cc: int, tma: bool = True, heav
         if block_d <= 64:
             return BwdConfig(64, 128, 8, 2, 64, 128, 4, 2, tma=True)
         return BwdConfig(32, 128, 8, 2, 128, 64, 8, 2, tma=True)
-    if block_d <= 64:
+    if block_d > TILE_HEAD_DIM:
+        # head dim 512: the kernels hold whole rows ([16, 512] tiles of K, V and their fp32 gradients, or of Q, dO
+        # and dQ); 16 keys x 16 queries is spill-free on sm_80 and sm_90, dense and packed, with or without the
+        # heavy features (dQ over 32 queries spilled 24 bytes packed on sm_90, 128 with the features, 200 on sm_80)
+        cfg = BwdConfig(16, 16, 8, 1, 16, 16, 4, 2 if cc == 90 else 1)
+    elif block_d <= 64:
         cfg = BwdConfig(32, 64, 4, 1, 64, 64, 4, 3)
     elif block_d <= 128:
         dkdv = (32, 32, 4, 1) if cc == 90 else (32, 64, 8, 1)
@@ -338,8 +375,14 @@ def launch_constants(kind: str, head_dim: int, dtype: torch.dtype, cc: int, *, c
     consts["CAUSAL"] = causal_constant(causal, gen, kind, packed=kpm is None, equal_dims=head_dv == head_dim)
     if kind == "fwd":
         plain = not (window or softcap or dropout or kpm)
+        if config is None and block_d > TILE_HEAD_DIM:
+            config = wide_tiles(dtype, gen, plain)
         cfg = config or fwd_config(block_d, block_n, dtype, gen, mode=mode, stats=stats, plain=plain,
                                    forced_block_n=forced_block_n, tma=tma, causal=causal)
+        if cfg.head_chunk is not None and cfg.head_chunk < consts["BLOCK_D"]:
+            consts["BLOCK_D"] = cfg.head_chunk  # HEAD_D > BLOCK_D: the kernel walks Q and K in chunks
+        if cfg.dv_block is not None and cfg.dv_block < consts["BLOCK_DV"]:
+            consts["BLOCK_DV"] = cfg.dv_block  # HEAD_DV > BLOCK_DV: V's columns split over programs
         block_n = cfg.block_n or block_n
         tile_n = cfg.tile_n or block_n
         if tile_n not in (block_n, 2 * block_n):
@@ -393,6 +436,11 @@ def packed_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
             raise ValueError(f"{name}: one sequence spans {span} elements (max_seqlen={n}, strides {x.stride()}), "
                              f"more than the int32 offsets of the kernels address (< 2**31)")
     return Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q), int(max_seqlen_k))
+
+
+def dv_blocks(consts: dict) -> int:
+    """Programs per (query block, head): one per ``BLOCK_DV`` columns of V (``triton_forward.dv_blocks``)."""
+    return triton.cdiv(consts["HEAD_DV"], consts["BLOCK_DV"])
 
 
 def check_heads(Hq: int) -> None:

@@ -6,8 +6,9 @@ head dim 24 against value head dim 16; Gemma 4: a sliding layer of head dim 8 an
 and checked for: fp32 logits and every parameter gradient (no padding, right padding, left
 padding, ragged lengths in one batch); bf16 logits and gradients within bf16 error of the fp32 model;
 greedy ``generate()`` with a KV cache (left-padded ragged prompts) identical to the reference; and a
-switch to ``"stable_attn"`` and back at run time. Tests run on the PyTorch backend (CPU); DeepSeek-V3 also on
-the Triton kernels under ``TRITON_INTERPRET=1`` (:func:`test_deepseek_v3_on_the_triton_kernels_matches_eager`).
+switch to ``"stable_attn"`` and back at run time. Tests run on the PyTorch backend (CPU); DeepSeek-V3 and Gemma 4
+also on the Triton kernels under ``TRITON_INTERPRET=1`` (:func:`test_deepseek_v3_on_the_triton_kernels_matches_eager`,
+:func:`test_gemma4_on_the_triton_kernels_matches_eager`).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def _families() -> list[Family]:
                                 vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
                # its fp32 gradient noise is larger: sdpa's own gradients differ from eager's by 1.0e-5 of the
                # largest one (3.2e-3 of 311), ours by 1.2e-5
-               paths=(dispatch.TRITON_DENSE, dispatch.PYTORCH), grad_atol_rel=5e-5),
+               grad_atol_rel=5e-5),
     ]
 
 
@@ -327,6 +328,57 @@ def test_deepseek_v3_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
         with torch.no_grad():
             ours = model.generate(**prompt)
         assert launches == ["_forward"] * 2 + ["run"] * 6  # prefill, then 3 steps x 2 layers on the decode kernel
+    assert not [r for r in caplog.records if "PyTorch path" in r.getMessage()]
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        assert torch.equal(ours, model.generate(**prompt))
+
+
+@pytest.mark.skipif("gemma4" not in FAMILIES, reason="this transformers has no Gemma 4 (the floor environment)")
+def test_gemma4_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
+    """Gemma 4's sliding layer (head dim 8) and global layer (head dim 512: Q and K in column chunks, V split over
+    programs) on the Triton kernels (the interpreter): fp32 logits and every gradient as eager's, unpadded and
+    right-padded, and greedy ``generate()`` (prefill, then the decode kernel) gives eager's tokens; the global
+    layer's calls reach the kernels (the head dims of the launches say so), none is logged as sent to the
+    PyTorch path."""
+    from stable_attn.kernels import triton_attention
+    from stable_attn.kernels.decode_launch import DecodeLaunch
+
+    launches = []
+    for module, name in ((triton_attention, "_forward"), (triton_attention, "_backward")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: launches.append(
+            (_name, a[1 if _name == "_backward" else 0].shape[-1])) or _real(*a, **kw))
+    real_run = DecodeLaunch.run
+    monkeypatch.setattr(DecodeLaunch, "run", lambda self, q, *a, **kw: launches.append(("run", q.shape[-1]))
+                        or real_run(self, q, *a, **kw))
+    family = FAMILIES["gemma4"]
+    model = build(family, "eager")
+    w = weights_for()
+    cases = [batch(None), batch("right")]
+    reference = [run(model, ids, mask, w) for ids, mask in cases]
+    model.set_attn_implementation("stable_attn")
+    st.configure(model, backend="triton")
+    with caplog.at_level(logging.INFO, logger="stable_attn"):
+        for (ids, mask), (ref_logits, ref_grads) in zip(cases, reference, strict=True):
+            launches.clear()
+            logits, grads = run(model, ids, mask, w)
+            assert sorted(launches) == [("_backward", 8), ("_backward", 512), ("_forward", 8), ("_forward", 512)]
+            assert_close_scaled(logits, ref_logits, 1e-4, 1e-5, "gemma4 triton logits")
+            assert_grads_close(grads, ref_grads, 1e-4, family.grad_atol_rel, "gemma4 triton")
+        # 16-key blocks and a 33-token prompt, one row left-padded: the steps after the prefill see at least two
+        # key blocks, so the global layer takes the decode kernel (decode_plan.takes_decode)
+        st.configure(model, backend="triton", block_n=16)
+        ids = torch.randint(2, VOCAB, (2, 33), generator=torch.Generator().manual_seed(3))
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        prompt = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True,
+                      pad_token_id=0)
+        launches.clear()
+        with torch.no_grad():
+            ours = model.generate(**prompt)
+        assert launches[:2] == [("_forward", 8), ("_forward", 512)] and ("run", 512) in launches
+        assert all(name in ("run", "_forward") for name, _ in launches) and len(launches) == 8
     assert not [r for r in caplog.records if "PyTorch path" in r.getMessage()]
     model.set_attn_implementation("eager")
     with torch.no_grad():

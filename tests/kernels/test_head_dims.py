@@ -1,9 +1,10 @@
 """Head dims beyond the common case: a value head dim apart from the query's (multi-head latent attention,
 DeepSeek-V3's 192 / 128) and head dim 512 (Gemma 4's global layers), on the PyTorch path, against the fp64
 oracle: forward, every gradient, GQA, causal, varlen, the decode path, the statistics. Nothing is padded:
-the output has v's head dim. The Triton kernels serve ``D, Dv <= 256`` (each its own tile, under
-``TRITON_INTERPRET=1`` here, outputs poisoned first: conftest.py); head dims above 256 with
-``backend="triton"`` go to the PyTorch path with a one-time log line.
+the output has v's head dim. The Triton kernels serve ``D, Dv <= 512`` (under ``TRITON_INTERPRET=1`` here,
+outputs poisoned first: conftest.py; above 256 in column chunks and V blocks, tests/kernels/test_head_dim_512.py);
+what they cannot serve (float32 K and V tiles beyond their shared memory) goes to the PyTorch path with a
+one-time log line.
 """
 
 from __future__ import annotations
@@ -70,21 +71,34 @@ def test_varlen_and_decode(D, Dv):
     torch.testing.assert_close(got.double(), naive.attention(q, k, v, causal=True), rtol=1e-5, atol=2e-6)
 
 
-def test_triton_backend_sends_head_dims_above_256_to_the_pytorch_path(caplog, monkeypatch):
+def test_triton_backend_serves_head_dims_up_to_512(caplog, monkeypatch):
+    """Head dims up to 512 reach the kernels with ``backend="triton"``, float32 included (its K and V tiles are
+    column chunks: 128 keys fit); nothing is logged. A 256-key partition in float32 does not fit their shared
+    memory: the PyTorch path serves it, logged once."""
+    from stable_attn.kernels import triton_attention
+
     monkeypatch.setattr(_ops, "_logged_once", set())
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = []
+    real = triton_attention._forward
+    monkeypatch.setattr(triton_attention, "_forward", lambda *a, **kw: launches.append(1) or real(*a, **kw))
     with caplog.at_level(logging.INFO, logger="stable_attn"):
-        for D, Dv in ((512, 512), (512, 512), (64, 512)):
-            q, k, v, _ = _inputs(D, Dv, Nq=5, Nk=7)
-            got = stable_attn.attention(q, k, v, causal=True, backend="triton")
-            assert torch.equal(got, stable_attn.attention(q, k, v, causal=True, backend="torch"))
-        q, _, v, _ = _inputs(24, 16)
-        assert _ops.backend_rule("triton", q, False, cuda=False, v=v) == ("triton", None)
-    messages = [r.getMessage() for r in caplog.records]
-    assert messages == [
-        "stable_attn: head dim 512 > 256 is served by the PyTorch path (stabilized, slower than the Triton kernel, "
-        "which does not implement it)",
-    ]
+        q, k, v, _ = _inputs(512, 512, B=1, Hq=2, Hkv=1, Nq=5, Nk=7)
+        got = stable_attn.attention(q, k, v, causal=True, backend="triton")
+        assert launches == [1] and not caplog.records
+        torch.testing.assert_close(got.double(), naive.attention(q, k, v, causal=True), rtol=1e-5, atol=2e-6)
+        q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
+        for dv in (512, 320):
+            assert _ops.backend_rule("triton", q16, False, cuda=True, v=v16[..., :dv]) == ("triton", None)
+        assert _ops.backend_rule("triton", q16[..., :64], False, cuda=True, v=v16) == ("triton", None)
+        assert _ops.backend_rule("triton", q, False, cuda=True, v=v) == ("triton", None)
+        for _ in range(2):
+            wide = stable_attn.attention(q, k, v, causal=True, backend="triton", block_n=256)
+            assert torch.equal(wide, stable_attn.attention(q, k, v, causal=True, backend="torch", block_n=256))
+        assert launches == [1]
+    assert [r.getMessage() for r in caplog.records] == [
+        "stable_attn: float32 at head dim 512 with 256-key blocks (K and V tiles of 262144 bytes, above the kernels' "
+        "131072; a smaller block_n fits) is served by the PyTorch path (stabilized, slower than the Triton kernel, "
+        "which does not implement it)"]
 
 
 def test_float32_tiles_too_large_for_the_default_partition_go_to_the_pytorch_path(caplog, monkeypatch):
@@ -115,7 +129,7 @@ def test_float32_tiles_too_large_for_the_default_partition_go_to_the_pytorch_pat
 
 # ---------------------------------------------------------------- the Triton kernels, Dv != D (no log line)
 
-TRITON_DIMS = [(24, 16), (16, 40), (192, 128)]
+TRITON_DIMS = [(24, 16), (16, 40), (192, 128), (512, 512)]
 
 
 def _hard_inputs(D, Dv, dtype, seed, Nq=23, Nk=19):
@@ -164,17 +178,18 @@ def test_triton_unequal_head_dims_match_the_oracle(D, Dv, dtype, caplog):
     torch.testing.assert_close(st.max_logit, ref.max_logit, rtol=1e-6, atol=1e-6)
 
 
-def test_triton_unequal_head_dims_with_the_fused_backward_take_the_two_kernels(monkeypatch):
-    """The fused backward prototype has no value head dim of its own: with it selected, Dv != D gets the two
-    kernels' gradients, bit for bit."""
-    q, k, v, do, kpm = _hard_inputs(24, 16, torch.float32, seed=3, Nq=9, Nk=21)
+@pytest.mark.parametrize("D, Dv", [(24, 16), (512, 512)])
+def test_triton_unequal_head_dims_with_the_fused_backward_take_the_two_kernels(monkeypatch, D, Dv):
+    """The fused backward prototype has no value head dim of its own, and no tiles wider than 256: with it
+    selected, Dv != D and head dim 512 get the two kernels' gradients, bit for bit."""
+    q, k, v, do, kpm = _hard_inputs(D, Dv, torch.float32, seed=3, Nq=9, Nk=21)
     _, want, _ = _run("triton", q, k, v, do, causal=True, block_n=16)
     monkeypatch.setenv("STABLE_ATTN_BACKWARD", "fused")
     _, got, _ = _run("triton", q, k, v, do, causal=True, block_n=16)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("D, Dv", [(24, 16), (16, 40)])
+@pytest.mark.parametrize("D, Dv", [(24, 16), (16, 40), (512, 512)])
 def test_triton_varlen_and_decode_with_unequal_head_dims(D, Dv):
     """Packed sequences: each sequence's output and gradients bit for bit the dense kernels' on it alone; the
     decode kernel: the PyTorch decode path's partials' decisions, and the oracle."""

@@ -38,6 +38,8 @@ REPRESENTATIVE = [
     Variant("bwd_dq", FP16, 64, True, cc=80, features=True, varlen=True),
     # multi-head latent attention: DeepSeek-V3's q/k head dim 192 against v head dim 128 (V tiled at 128)
     Variant("fwd", BF16, 192, True, EXACT, True, 90, value_dim=128),
+    # Gemma 4's global layers: head dim 512 (Q and K in column chunks, V split over programs)
+    Variant("fwd", BF16, 512, True, EXACT, True, 90),
 ]
 
 FULL = [Variant("fwd", dt, d, causal, mode, False, cc)
@@ -58,6 +60,13 @@ FULL += [Variant(kind, BF16, d, True, EXACT, kind == "fwd", cc, features=varlen,
                                                            ((24, 16), (16, 40), (192, 128)), (80, 90), (False, True))]
 FULL += [Variant("decode", BF16, d, True, EXACT, cc=cc, value_dim=dv)
          for (d, dv), cc in itertools.product(((24, 16), (192, 128)), (80, 90))]
+# head dim 512 and partial chunks or V blocks beside it, every kernel, dense and packed (decode: dense)
+FULL += [Variant(kind, dt, d, True, EXACT, kind == "fwd", cc, features=varlen, varlen=varlen, value_dim=dv)
+         for kind, dt, (d, dv), cc, varlen in itertools.product(("fwd", "bwd_dkdv", "bwd_dq"), (BF16, FP16),
+                                                               ((512, None), (512, 320), (320, 512)), (80, 90),
+                                                               (False, True))]
+FULL += [Variant("decode", BF16, d, True, EXACT, cc=cc, value_dim=dv)
+         for (d, dv), cc in itertools.product(((512, None), (320, 512)), (80, 90))]
 
 
 def check(v: Variant, r: dict) -> None:
@@ -256,3 +265,22 @@ def test_unequal_head_dims_without_spills_on_sm90():
 @pytest.mark.parametrize("variant", FULL, ids=lambda v: v.name)
 def test_every_variant_compiles(variant):
     check(variant, describe_in_subprocess([variant])[0])
+
+
+# Gemma 4's head dim 512 on sm_90: every kernel the launchers pick for it (the forward and decode in column chunks
+# and V blocks, every mode, with and without statistics and the optional features; the backward's 16-row tiles),
+# spill-free (triton_launch.wide_tiles, bwd_config; docs/lab/head-dim-512-kernels.md)
+WIDE_SM90 = [Variant("fwd", BF16, 512, True, mode, stats, 90, features=f)
+             for mode, stats, f in itertools.product((OFF, EXACT, PAPER), (False, True), (False, True))
+             if not stats or mode == EXACT]
+WIDE_SM90 += [Variant(kind, BF16, 512, True, cc=90, features=f) for kind in ("bwd_dkdv", "bwd_dq")
+              for f in (False, True)]
+WIDE_SM90 += [Variant("decode", BF16, 512, True, mode, cc=90, features=f) for mode in (OFF, EXACT, PAPER)
+              for f in (False, True)]
+
+
+@pytest.mark.slow
+def test_head_dim_512_without_spills_on_sm90():
+    for v, r in zip(WIDE_SM90, describe_in_subprocess(WIDE_SM90), strict=True):
+        check(v, r)
+        assert r["spill_bytes"] == 0, f"{v.name}: {r['spill_bytes']} B spilled"

@@ -5,7 +5,7 @@ the layer on a CUDA device -- the Triton kernels (dense or varlen) or the PyTorc
 
 - warns, once per model and reason, when a layer on a CUDA device is served by the PyTorch path for a
   reason other than being on the CPU (a materialized 4D mask, a problem too large for the kernels' offsets,
-  what the kernels do not implement: head dim > 256),
+  what the kernels do not implement: float32 K and V tiles beyond their shared memory),
   naming the model, the reason and what to change. The warning works under ``torch.compile(fullgraph=True)``:
   :func:`warn_once` takes constant arguments and dynamo runs it while tracing (no graph break);
 - feeds :func:`stable_attn.explain` (eager runs only), which prints, per layer, the path and the reason.
@@ -52,7 +52,7 @@ _ADVICE = {
                "attention_mask (or none) and the model's own causal or sliding pattern",
     "size": "more than 2^31 elements of q, k or v in one batch element (beyond the kernels' 32-bit offsets): "
             "use a smaller batch element or shorter sequences",
-    "kernel-gap": "a feature the Triton kernels do not implement yet (a head dim above 256, or float32 K and V "
+    "kernel-gap": "a feature the Triton kernels do not implement yet (a head dim above 512, or float32 K and V "
                   "tiles of the key partition beyond the kernels' shared memory: a smaller block_n fits); the "
                   "PyTorch path serves it, stabilized and monitored",
 }
