@@ -476,6 +476,12 @@ class StableAttentionTrainerCallback(TrainerCallback, ExportableState):
         if control.should_save:
             self.engine.settle()  # device_skip: a dropped step's host-side optimizer state back before the save
 
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.engine.settle()  # device_skip: save_strategy="epoch" saves after this hook, before any step's
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.engine.settle()  # device_skip: a save for the best metric comes after the evaluation
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._taps is not None:
             self._taps.flush()

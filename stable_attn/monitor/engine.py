@@ -261,6 +261,8 @@ class MonitorEngine:
     def end_run(self, when: str) -> None:
         """Close the alert channels (within one webhook timeout in all), say what they did not deliver,
         put back ``F.scaled_dot_product_attention`` and switch statistics off. Idempotent."""
+        if self._device is not None and self._device.updates.armed:
+            self._device.updates.select()  # a run ending inside a gated step: its optimizer step will not come now
         self.settle()
         self.desk.defer = False
         self.desk.flush(self._facts())  # a step that raised after its spike was judged: without its statistics

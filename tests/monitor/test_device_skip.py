@@ -202,6 +202,67 @@ def test_the_gate_puts_back_host_state_and_fresh_state_at_the_read():
     assert opt.state[p]["count"] == 4
 
 
+def test_a_read_before_the_step_ends_waits_for_the_gate():
+    """The step read (a state_dict, a summary) between the gate and the step's end: the dropped update, NaN
+    included, still goes, device bits first, then the host's; read before the optimizer step, the same."""
+    for read_before_step in (False, True):
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.full((3,), math.nan)
+        opt = torch.optim.AdamW([p], lr=0.1)
+        gate = UpdateGate()
+        gate.arm(opt, [p], torch.tensor(False))
+        if read_before_step:
+            gate.settle(dropped=True)
+        opt.step()
+        if not read_before_step:
+            gate.settle(dropped=True)
+        assert torch.isnan(p).all() and p in opt.state  # nothing undone before the step ends
+        gate.select()
+        assert torch.equal(p.detach(), torch.ones(3)) and p not in opt.state, read_before_step
+
+
+def test_a_second_optimizer_step_in_one_gated_step_is_refused():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = torch.optim.SGD([p], lr=0.1)
+    gate = UpdateGate()
+    gate.arm(opt, [p], torch.tensor(True))
+    with pytest.raises(RuntimeError, match="one optimizer step per training step.*device_skip=False"):
+        gate.arm(opt, [p], torch.tensor(True))
+    gate.select()
+    gate.arm(opt, [p], torch.tensor(True))  # the next step's gate
+
+
+def test_a_run_closed_inside_a_dropped_step_keeps_the_old_weights(tmp_path):
+    """A loop that saves (state_dict) after the optimizer step and breaks before end_step: the dropped update is
+    not left in the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = StableAttentionGuard(on_spike="skip", swap=False, device_skip=True, on_alert=lambda a: None)
+    guard.setup(model, opt, [], log_dir=str(tmp_path))
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):
+        guard.begin_step(step)
+        loss = model(torch.randn(8, 4, generator=gen)).pow(2).mean()
+        guard.add_loss(loss * (math.nan if step == 2 else 1.0))
+        loss.backward()
+        if step == 2:
+            before = [t.detach().clone() for t in model.parameters()]
+            for t in model.parameters():
+                t.grad.fill_(math.nan)
+        assert guard.before_optimizer_step().apply
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            guard.state_dict()  # read now: the NaN step is judged, its undo waits for the gate
+            break
+        guard.end_step()
+    guard.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    assert guard.skipped_steps == [2]
+
+
 def test_the_float_order_and_the_edge_search():
     values = [-math.inf, -1e300, -1.0, -5e-324, 0.0, 5e-324, 1.0, 2.0, 1e308]
     keys = [_key(v) for v in values]

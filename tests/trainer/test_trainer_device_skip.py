@@ -31,3 +31,23 @@ def test_trainer_device_skip_equals_the_host_path(tmp_path, pretrained):
     assert optimizer_digest(dev_trainer.optimizer) == optimizer_digest(host_trainer.optimizer)
     assert dev_alerts == host_alerts and host_alerts
     assert dev.engine._device.mismatches == 0
+
+
+def test_every_save_of_the_trainer_sees_the_last_step_read(tmp_path, pretrained):
+    """save_strategy="epoch" (and "best") saves after on_epoch_end / on_evaluate, not in on_step_end: the
+    last gated step must be read (a dropped one's host-side optimizer state put back) before the optimizer is
+    written."""
+    cb = StableAttentionTrainerCallback(on_spike="skip", device_skip=True)
+    trainer = make_trainer(str(tmp_path), [cb], steps=BAD + 2, weights=pretrained, corrupt=[BAD - 1], batches=BAD,
+                           save_strategy="epoch")
+    saves, save = [], trainer._save_checkpoint
+
+    def checked_save(*args, **kwargs):
+        saves.append((trainer.state.global_step, cb.engine._device.pending))
+        return save(*args, **kwargs)
+
+    trainer._save_checkpoint = checked_save
+    trainer.train()
+    assert [step for step, _ in saves] == [BAD, BAD + 2]
+    assert all(pending is None for _, pending in saves), saves
+    assert cb.skipped_steps == [BAD]

@@ -215,9 +215,19 @@ class UpdateGate:
         self._host: list[tuple[Any, Any, Any]] = []  # (owner, key, saved value) put back by settle
         self._fresh: list[Any] = []  # parameters without optimizer state before the step
         self._optimizer: Any = None
+        self._armed = False  # between arm and select: the optimizer step may still be to come
+        self._deferred: bool | None = None  # a settle that came while armed: done by select, after the step
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
 
     def arm(self, optimizer: Any, params: Iterable[torch.nn.Parameter], keep: torch.Tensor) -> None:
-        self._keep, self._optimizer = keep, optimizer
+        if self._armed:
+            raise RuntimeError("device_skip=True gates one optimizer step per training step, and a second one came "
+                               "before the step ended (end_step, or the callback's end of the batch): several "
+                               "optimizers, or optimizer steps inside one training step, need device_skip=False")
+        self._keep, self._optimizer, self._armed, self._deferred = keep, optimizer, True, None
         self._device, self._host, self._fresh = [], [], []
         state = getattr(optimizer, "state", {})
         for p in params:
@@ -235,7 +245,7 @@ class UpdateGate:
 
     def select(self) -> None:
         """After the optimizer step: a dropped step's parameters and device state get their old bits (no host read)."""
-        keep, saved, self._device = self._keep, self._device, []
+        keep, saved, self._device, self._armed = self._keep, self._device, [], False
         if keep is None:
             return
         with torch.no_grad():
@@ -245,9 +255,17 @@ class UpdateGate:
                     _local(now).copy_(torch.where(keep.to(_local(now).device), _local(now), _local(old)))
                 else:  # replaced by another shape or type: put back on the host once the step is read
                     self._host.append((owner, key, old))
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self.settle(deferred)
 
     def settle(self, dropped: bool) -> None:
-        """The step was read: if it was dropped, put back its host-side state and drop the state it created."""
+        """The step was read: if it was dropped, put back its host-side state and drop the state it created.
+        Read before :meth:`select` (a ``state_dict`` between the optimizer step and the step's end), it waits for
+        select: the device bits first, then the host's, whenever the optimizer steps."""
+        if self._armed:
+            self._deferred = dropped
+            return
         host, fresh, self._host, self._fresh = self._host, self._fresh, [], []
         optimizer, self._optimizer, self._keep = self._optimizer, None, None
         if not dropped or optimizer is None:
