@@ -11,6 +11,8 @@ by name.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 
@@ -50,6 +52,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask:
 
         why = gluon_forward.serves(q, k, v, opts)
         if why is None:
+            log_once("gluon", "STABLE_ATTN_FORWARD=gluon: the Gluon forward serves the calls it can; it has not been "
+                              "checked on a GPU yet (benchmarks/gluon_check.py)", logging.WARNING)
             return gluon_forward.forward(q, k, v, opts, with_stats)
         log_once(f"gluon:{why}", f"STABLE_ATTN_FORWARD=gluon: the Triton forward serves this call ({why})")
     return _forward(q, k, v, key_padding_mask, opts, with_stats, config, None, sinks)
@@ -105,7 +109,7 @@ def _forward(q, k, v, key_padding_mask, opts, with_stats, config, packed: Packed
         upcast=interpreting(), config=config, sinks=sinks is not None, value_dim=Dv)
     block_n, tile_n = consts["BLOCK_N"], consts["TILE_N"]
     heads = Hq * launch.dv_blocks(consts)  # grid rows: each head's programs over V's column blocks
-    launch.check_heads(heads)
+    launch.check_heads(Hq, heads // Hq)
 
     # the output has v's head dim (contiguous when it differs from q's: _checks.output_like)
     out = launch.empty_like(q) if Dv == D else launch.empty((*q.shape[:-1], Dv), dtype, q.device)

@@ -443,11 +443,13 @@ def dv_blocks(consts: dict) -> int:
     return triton.cdiv(consts["HEAD_DV"], consts["BLOCK_DV"])
 
 
-def check_heads(Hq: int) -> None:
-    """The heads are the grid's second dimension; no launch splits them (the batch is split, see batches)."""
-    if Hq > MAX_GRID_Y:
-        raise ValueError(f"Hq={Hq} query heads: the Triton kernels launch one grid row per head and CUDA allows at "
-                         f"most {MAX_GRID_Y}; split the heads over several calls")
+def check_heads(Hq: int, v_blocks: int = 1) -> None:
+    """The heads (times V's column blocks above 256 columns) are the grid's second dimension; no launch splits
+    them (the batch is split, see batches)."""
+    if Hq * v_blocks > MAX_GRID_Y:
+        rows = f"{Hq} x {v_blocks} V blocks = {Hq * v_blocks} grid rows" if v_blocks > 1 else "one grid row per head"
+        raise ValueError(f"Hq={Hq} query heads: the Triton kernels launch {rows} and CUDA allows at most "
+                         f"{MAX_GRID_Y}; split the heads over several calls")
 
 
 def batches(B: int) -> list[tuple[int, int]]:

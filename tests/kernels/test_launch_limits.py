@@ -124,3 +124,13 @@ def test_heads_beyond_the_grid_limit_are_refused(monkeypatch):
         ta.forward_varlen(pq, pk, pv, cu(lens), cu(lens), 5, 5, Options(), False)
     q3, k3, v3, _, _ = _inputs(1, 3, 1, 8, 16, torch.float32, seed=4)
     ta.forward(q3, k3, v3, None, Options(), False)  # at the limit: served
+
+
+def test_heads_times_v_blocks_beyond_the_grid_limit_name_both(monkeypatch):
+    """Above 256 columns each head has a grid row per V block: the refusal names the heads and the blocks."""
+    monkeypatch.setattr(launch, "MAX_GRID_Y", 7)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 4, 512, generator=g) for _ in range(3))
+    with pytest.raises(ValueError, match=r"Hq=2 query heads: the Triton kernels launch 2 x \d+ V blocks = \d+ "
+                                         r"grid rows and CUDA allows at most 7"):
+        ta.forward(q, k, v, None, Options.create(head_dim=512), False)

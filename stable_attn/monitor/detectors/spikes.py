@@ -250,6 +250,10 @@ class SpikeDetector:
             "noisy_progress_share", noisy_progress_share, allow_zero=True)
         if not isinstance(warmup_drift, bool):
             raise TypeError(f"warmup_drift must be a bool, got {warmup_drift!r}")
+        if not warmup_drift and lr_restart_ratio is None:
+            raise ValueError("warmup_drift=False holds the drift rule during a warm-up the learning rate shows, and "
+                             "lr_restart_ratio=None ignores the learning rate: set lr_restart_ratio (default 2.0) or "
+                             "leave warmup_drift=True")
         self.warmup_drift = warmup_drift
         self._lrs = ScheduleTracker(lr_restart_ratio)
         self.lr_restart_ratio = self._lrs.restart_ratio

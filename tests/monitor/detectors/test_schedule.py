@@ -114,6 +114,8 @@ def test_lr_restart_ratio_is_checked(bad: float) -> None:
         SpikeDetector.loss().update(0, 1.0, lr="fast")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="warmup_drift"):
         SpikeDetector.loss(warmup_drift=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="warmup_drift=False.*lr_restart_ratio=None"):
+        SpikeDetector.loss(warmup_drift=False, lr_restart_ratio=None)  # it would hold nothing
 
 
 def test_the_judge_passes_the_learning_rate_to_both_detectors() -> None:
