@@ -339,11 +339,14 @@ class ThreadGather:
 def ranks_run(tmp_path, device_skip: bool, steps: int = 40) -> dict:
     """Two thread ranks, each its own data; rank 1 alone sees a garbled batch at step 12 and a NaN loss at 20."""
     gather, out, errors = ThreadGather(2), {}, []
+    models = {}
+    for r in (0, 1):  # built here: the threads would race for the global generator
+        torch.manual_seed(0)
+        models[r] = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
     def rank(r: int) -> None:
         try:
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+            model = models[r]
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
             guard = StableAttentionGuard(on_spike="skip", swap=False, device_skip=device_skip, alerts_file=None)
             guard.setup(model, opt, log_dir=str(tmp_path / f"rank{r}"), log_every_n_steps=15,
