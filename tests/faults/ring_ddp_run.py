@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from distributed_helpers import all_gather, digest, write_results
+from distributed_helpers import all_gather, digest, shutdown, write_results
 
 # ring_loop (and so stable_attn) is imported in the ranks only: the parent just spawns them.
 
@@ -48,8 +48,10 @@ def rank_main(rank: int, out: str, cases: list[str]) -> None:
                       "final": digest(loop.model)}
             loop.engine.end_run("at the end of the test")
             write_results(folder, rank, result)
+        shutdown()  # both ranks done: leave together (gloo's threads torn down at exit could abort a rank)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from distributed_helpers import write_results
+from distributed_helpers import shutdown, write_results
 
 
 def model() -> torch.nn.Module:
@@ -54,7 +54,7 @@ def main(out: str) -> None:
     full_elems = sum(p.numel() for p in reference.parameters())
     write_results(out, rank, {"norm": norm, "expected": expected, "shard_only": shard_only,
                               "dtensor": grads_are_dtensors, "local_elems": local_elems, "full_elems": full_elems})
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":
