@@ -40,8 +40,14 @@ def _local_total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(norms, 2.0)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
+    """A sharded tensor (FSDP2, tensor parallel), told by its type's name: torch.distributed need not import."""
     return type(t).__name__ == "DTensor"
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, in place; a plain tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
@@ -53,15 +59,15 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | 
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return None
-    if not any(_is_dtensor(g) for g in grads):
+    if not any(is_dtensor(g) for g in grads):
         return _local_total_norm(grads).detach()
     groups: dict[object, list[torch.Tensor]] = {}  # by device mesh; None: plain (replicated) gradients
     for g in grads:
-        groups.setdefault(g.device_mesh if _is_dtensor(g) else None, []).append(g)
+        groups.setdefault(g.device_mesh if is_dtensor(g) else None, []).append(g)
     norms = []
     for g in groups.values():
         norm = _local_total_norm(g)
-        norms.append((norm.full_tensor() if _is_dtensor(norm) else norm).detach())
+        norms.append((norm.full_tensor() if is_dtensor(norm) else norm).detach())
     if len(norms) == 1:
         return norms[0]
     device = norms[0].device
@@ -75,7 +81,7 @@ def nonfinite_grads(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | 
     Local to this rank (sharded gradients are checked shard by shard; no collective), and without a
     host read: the caller decides when to look.
     """
-    grads = [g.to_local() if _is_dtensor(g) else g for g in (p.grad for p in parameters if p.grad is not None)]
+    grads = [local(g) for g in (p.grad for p in parameters if p.grad is not None)]
     grads = [g.detach() for g in grads if g.numel()]  # max-abs has no identity on an empty tensor
     if not grads:
         return None

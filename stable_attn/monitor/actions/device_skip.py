@@ -44,6 +44,7 @@ import torch
 
 from ..detectors.events import SpikeEvent
 from ..detectors.spikes import NOISY_RELATIVE_NOISE, SpikeDetector
+from ..grad_norm import local
 from ..loop import Decision, World
 from ..names import GRAD_NORM, LOSS
 from ..verdict import GRAD_NORM_CONFIRM_SHARE, RankReading, confirms_itself
@@ -196,11 +197,6 @@ def keep_factor(table: torch.Tensor, bounds: torch.Tensor, *, has_norm: bool, sc
     return ~(drop | spiked)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded (DTensor) parameter or state, in place; a plain tensor itself."""
-    return tensor.to_local() if type(tensor).__name__ == "DTensor" else tensor
-
-
 def _pinned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory() if torch.cuda.is_available() else tensor
 
@@ -252,7 +248,7 @@ class UpdateGate:
             for owner, key, old in saved:
                 now = owner if key is None else owner.get(key)
                 if isinstance(now, torch.Tensor) and now.shape == old.shape and now.dtype == old.dtype:
-                    _local(now).copy_(torch.where(keep.to(_local(now).device), _local(now), _local(old)))
+                    local(now).copy_(torch.where(keep.to(local(now).device), local(now), local(old)))
                 else:  # replaced by another shape or type: put back on the host once the step is read
                     self._host.append((owner, key, old))
         deferred, self._deferred = self._deferred, None

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from .. import names
+from ..grad_norm import is_dtensor, local
 from ..layer_stats import LayerStats
 from ..verdict import RankReading
 from .alert import Alert, checkpoint_name, json_safe
@@ -133,14 +134,14 @@ def top_grad_norms(named: Iterable[tuple[str, torch.Tensor]], top: int = TOP_GRA
     pairs = [(name, g) for name, g in named if g is not None and g.numel()]
     if not pairs:
         return None
-    local = any(type(g).__name__ == "DTensor" for _, g in pairs)
-    grads = [(g.to_local() if type(g).__name__ == "DTensor" else g).detach() for _, g in pairs]
+    sharded = any(is_dtensor(g) for _, g in pairs)
+    grads = [local(g).detach() for _, g in pairs]
     norms = torch._foreach_norm(grads, 2.0)
     device = norms[0].device
     values = torch.stack([n.float().to(device) for n in norms]).cpu().tolist()
     ranked = sorted(zip(values, (name for name, _ in pairs)),
                     key=lambda p: (math.isfinite(p[0]), -p[0] if math.isfinite(p[0]) else 0.0))
-    return {"scope": "local" if local else "global", "parameters": len(pairs),
+    return {"scope": "local" if sharded else "global", "parameters": len(pairs),
             "top": [[name, value] for value, name in ranked[:top]]}
 
 

@@ -273,3 +273,21 @@ def test_the_report_shows_the_evidence_and_reads_old_lines(tmp_path, capsys) -> 
     columns = "step | kind | metric | value | baseline | threshold | score | layers | action | message | checkpoint"
     assert f"| {columns} |" in md
     capsys.readouterr()
+
+
+def test_top_grad_norms_of_sharded_gradients_say_their_scope(tmp_path) -> None:
+    """DTensor gradients (FSDP2, tensor parallel) are measured on this rank's shard, and the evidence says so."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        grads = [("a", distribute_tensor(torch.full((4,), 3.0), mesh, [Shard(0)])), ("b", torch.ones(2))]
+        got = top_grad_norms(grads)
+        assert got["scope"] == "local" and got["parameters"] == 2
+        assert got["top"][0] == ["a", 6.0]
+        assert top_grad_norms([("b", torch.ones(2))])["scope"] == "global"
+    finally:
+        dist.destroy_process_group()
