@@ -288,21 +288,13 @@ def test_generate_with_kv_cache_matches_reference(name):
     assert torch.equal(out["stable_attn"], out[family.reference])
 
 
-def test_deepseek_v3_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
-    """Multi-head latent attention (q/k head dim 24, v head dim 16, nothing padded) on the Triton kernels (the
-    interpreter): fp32 logits and every gradient as eager's, unpadded and right-padded, and greedy ``generate()``
-    (prefill, then the decode kernel) gives eager's tokens; every call reaches the kernels, none is logged as
-    sent to the PyTorch path."""
-    from stable_attn.kernels import triton_attention
-    from stable_attn.kernels.decode_launch import DecodeLaunch
-
-    launches = []
-    # the decode kernel's launches: a repeated call skips triton_decode.forward, never DecodeLaunch.run (call_cache.py)
-    for module, name in ((triton_attention, "_forward"), (triton_attention, "_backward"), (DecodeLaunch, "run")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: launches.append(_name)
-                            or _real(*a, **kw))
-    family = FAMILIES["deepseek_v3"]
+def _on_the_triton_kernels(name: str, launches: list, trained, generated, caplog) -> None:
+    """The family ``name`` on the Triton kernels (the interpreter) against eager: fp32 logits and every gradient,
+    unpadded and right-padded (``trained(launches)`` checks each step's launches), then greedy ``generate()``
+    with 16-key blocks and a 33-token prompt, one row left-padded, so the steps after the prefill see at least
+    two key blocks and take the decode kernel (decode_plan.takes_decode; ``generated(launches)`` checks them):
+    eager's tokens. No call is logged as sent to the PyTorch path."""
+    family = FAMILIES[name]
     model = build(family, "eager")
     w = weights_for()
     cases = [batch(None), batch("right")]
@@ -313,11 +305,9 @@ def test_deepseek_v3_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
         for (ids, mask), (ref_logits, ref_grads) in zip(cases, reference, strict=True):
             launches.clear()
             logits, grads = run(model, ids, mask, w)
-            assert launches == ["_forward"] * 2 + ["_backward"] * 2
-            assert_close_scaled(logits, ref_logits, 1e-4, 1e-5, "deepseek_v3 triton logits")
-            assert_grads_close(grads, ref_grads, 1e-4, family.grad_atol_rel, "deepseek_v3 triton")
-        # 16-key blocks and a 33-token prompt, one row left-padded: the steps after the prefill see at least two
-        # key blocks, so they take the decode kernel (decode_plan.takes_decode)
+            trained(launches)
+            assert_close_scaled(logits, ref_logits, 1e-4, 1e-5, f"{name} triton logits")
+            assert_grads_close(grads, ref_grads, 1e-4, family.grad_atol_rel, f"{name} triton")
         st.configure(model, backend="triton", block_n=16)
         ids = torch.randint(2, VOCAB, (2, 33), generator=torch.Generator().manual_seed(3))
         mask = torch.ones_like(ids)
@@ -327,20 +317,40 @@ def test_deepseek_v3_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
         launches.clear()
         with torch.no_grad():
             ours = model.generate(**prompt)
-        assert launches == ["_forward"] * 2 + ["run"] * 6  # prefill, then 3 steps x 2 layers on the decode kernel
+        generated(launches)
     assert not [r for r in caplog.records if "PyTorch path" in r.getMessage()]
     model.set_attn_implementation("eager")
     with torch.no_grad():
         assert torch.equal(ours, model.generate(**prompt))
 
 
+def test_deepseek_v3_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
+    """Multi-head latent attention (q/k head dim 24, v head dim 16, nothing padded) on the Triton kernels: every
+    call reaches the kernels (_on_the_triton_kernels)."""
+    from stable_attn.kernels import triton_attention
+    from stable_attn.kernels.decode_launch import DecodeLaunch
+
+    launches = []
+    # the decode kernel's launches: a repeated call skips triton_decode.forward, never DecodeLaunch.run (call_cache.py)
+    for module, name in ((triton_attention, "_forward"), (triton_attention, "_backward"), (DecodeLaunch, "run")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: launches.append(_name)
+                            or _real(*a, **kw))
+
+    def trained(launches):
+        assert launches == ["_forward"] * 2 + ["_backward"] * 2
+
+    def generated(launches):
+        assert launches == ["_forward"] * 2 + ["run"] * 6  # prefill, then 3 steps x 2 layers on the decode kernel
+
+    _on_the_triton_kernels("deepseek_v3", launches, trained, generated, caplog)
+
+
 @pytest.mark.skipif("gemma4" not in FAMILIES, reason="this transformers has no Gemma 4 (the floor environment)")
 def test_gemma4_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
     """Gemma 4's sliding layer (head dim 8) and global layer (head dim 512: Q and K in column chunks, V split over
-    programs) on the Triton kernels (the interpreter): fp32 logits and every gradient as eager's, unpadded and
-    right-padded, and greedy ``generate()`` (prefill, then the decode kernel) gives eager's tokens; the global
-    layer's calls reach the kernels (the head dims of the launches say so), none is logged as sent to the
-    PyTorch path."""
+    programs) on the Triton kernels: the global layer's calls reach the kernels, the head dims of the launches
+    say so (_on_the_triton_kernels)."""
     from stable_attn.kernels import triton_attention
     from stable_attn.kernels.decode_launch import DecodeLaunch
 
@@ -352,37 +362,15 @@ def test_gemma4_on_the_triton_kernels_matches_eager(monkeypatch, caplog):
     real_run = DecodeLaunch.run
     monkeypatch.setattr(DecodeLaunch, "run", lambda self, q, *a, **kw: launches.append(("run", q.shape[-1]))
                         or real_run(self, q, *a, **kw))
-    family = FAMILIES["gemma4"]
-    model = build(family, "eager")
-    w = weights_for()
-    cases = [batch(None), batch("right")]
-    reference = [run(model, ids, mask, w) for ids, mask in cases]
-    model.set_attn_implementation("stable_attn")
-    st.configure(model, backend="triton")
-    with caplog.at_level(logging.INFO, logger="stable_attn"):
-        for (ids, mask), (ref_logits, ref_grads) in zip(cases, reference, strict=True):
-            launches.clear()
-            logits, grads = run(model, ids, mask, w)
-            assert sorted(launches) == [("_backward", 8), ("_backward", 512), ("_forward", 8), ("_forward", 512)]
-            assert_close_scaled(logits, ref_logits, 1e-4, 1e-5, "gemma4 triton logits")
-            assert_grads_close(grads, ref_grads, 1e-4, family.grad_atol_rel, "gemma4 triton")
-        # 16-key blocks and a 33-token prompt, one row left-padded: the steps after the prefill see at least two
-        # key blocks, so the global layer takes the decode kernel (decode_plan.takes_decode)
-        st.configure(model, backend="triton", block_n=16)
-        ids = torch.randint(2, VOCAB, (2, 33), generator=torch.Generator().manual_seed(3))
-        mask = torch.ones_like(ids)
-        mask[1, :5] = 0
-        prompt = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True,
-                      pad_token_id=0)
-        launches.clear()
-        with torch.no_grad():
-            ours = model.generate(**prompt)
+
+    def trained(launches):
+        assert sorted(launches) == [("_backward", 8), ("_backward", 512), ("_forward", 8), ("_forward", 512)]
+
+    def generated(launches):
         assert launches[:2] == [("_forward", 8), ("_forward", 512)] and ("run", 512) in launches
         assert all(name in ("run", "_forward") for name, _ in launches) and len(launches) == 8
-    assert not [r for r in caplog.records if "PyTorch path" in r.getMessage()]
-    model.set_attn_implementation("eager")
-    with torch.no_grad():
-        assert torch.equal(ours, model.generate(**prompt))
+
+    _on_the_triton_kernels("gemma4", launches, trained, generated, caplog)
 
 
 def test_generate_with_a_static_cache_matches_sdpa(monkeypatch):
