@@ -7,7 +7,7 @@ Run:  python benchmarks/real_runs.py                      (the corpus + 9 synthe
       python benchmarks/real_runs.py --agreement               (only: a lower gradient-norm bar where the loss agrees)
 
 The corpus is ``benchmarks/data/real_runs/`` (its ``manifest.json`` names every run's source): the loss,
-gradient-norm and learning-rate series of 38 public ``transformers.Trainer`` runs and 4 CPU runs of
+gradient-norm and learning-rate series of 82 public ``transformers.Trainer`` runs and 4 CPU runs of
 ``benchmarks/record_cpu_runs.py``, each real event labelled by eye with its signals and step window, and the
 context (warm-up, restarts, epoch boundaries, quantised or exactly-zero losses) that is not an event.
 Each rule sees one signal of one run from its first logged point, one value per point, as a callback fed
