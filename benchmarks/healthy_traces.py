@@ -128,11 +128,14 @@ def replay(runs: dict, **loss_options) -> None:
         final = f"{statistics.median(values[-10:]):.3g}" if bad == "None" else "-"  # median of the last 10
         print(f"| {key} | {held} | {final} | {shown} | {unconfirmed} | {hit} |")
         initial = statistics.median(values[:5])
+        norms = [v for _, v in trace[names.GRAD_NORM]]
         for i in range(8, len(values)):
             median = statistics.median(values[i - 5:i])
             corrupted = bad != "None" and trace[names.LOSS][i][0] == int(bad)
             if bad == "None" or corrupted:
-                excursions.append((corrupted, task, values[i] / median, (values[i] - median) / (initial - median)))
+                norm = norms[i] / statistics.median(norms[i - 5:i]) if i < len(norms) else math.nan
+                excursions.append((corrupted, task, values[i] / median, (values[i] - median) / (initial - median),
+                                   norm))
     print()
     for held in (g for g in groups if g in present):
         print(f"seeds {held}: {false_alarms[held]} spike alert(s) on the healthy runs; corrupted batches alerted on "
@@ -141,11 +144,26 @@ def replay(runs: dict, **loss_options) -> None:
     print("| task | healthy batches: largest ratio over the median of 5 | largest share of progress undone | "
           "corrupted batches: smallest ratio | smallest share undone |")
     print("|---|---|---|---|---|")
-    for task in sorted({t for _, t, _, _ in excursions}):
-        ok = [(r, m) for c, t, r, m in excursions if t == task and not c]
-        bad = [(r, m) for c, t, r, m in excursions if t == task and c]
+    for task in sorted({t for _, t, *_ in excursions}):
+        ok = [(r, m) for c, t, r, m, _ in excursions if t == task and not c]
+        bad = [(r, m) for c, t, r, m, _ in excursions if t == task and c]
         print(f"| {task} | {max(r for r, _ in ok):.2f} | {max(m for _, m in ok):.2f} | "
               f"{min(r for r, _ in bad):.2f} | {min(m for _, m in bad):.2f} |")
+    print()
+    # Does the gradient norm tell apart what the loss cannot? The healthy batches at least as large (loss over the
+    # median of 5) as the smallest corrupted one, beside the corrupted ones, both signals' ratios.
+    print("| task | corrupted batches: loss ratio | their gradient-norm ratio | healthy batches with a loss ratio at "
+          "least the smallest corrupted one | their gradient-norm ratio |")
+    print("|---|---|---|---|---|")
+    for task in sorted({t for _, t, *_ in excursions}):
+        bad = [(r, n) for c, t, r, _, n in excursions if t == task and c]
+        if not bad:
+            continue
+        floor = min(r for r, _ in bad)
+        alike = [(r, n) for c, t, r, _, n in excursions if t == task and not c and r >= floor]
+        spread = (lambda xs: f"{min(xs):.2f}-{max(xs):.2f}" if xs else "-")
+        print(f"| {task} | {spread([r for r, _ in bad])} | {spread([n for _, n in bad])} | {len(alike)} | "
+              f"{spread([n for _, n in alike])} |")
     print()
     print(f"| task | healthy runs | noise / loss | skewness, linear space | skewness, log space |  (from step "
           f"{SHAPE_FROM}, about the centred median of {SHAPE_WINDOW}; mean over runs)")

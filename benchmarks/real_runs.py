@@ -5,6 +5,8 @@ Run:  python benchmarks/real_runs.py                      (the corpus + 9 synthe
       python benchmarks/real_runs.py --traces 4 --steps 1500   (a quick look)
       python benchmarks/real_runs.py --markdown table.md --json summary.json
       python benchmarks/real_runs.py --agreement               (only: a lower gradient-norm bar where the loss agrees)
+      python benchmarks/real_runs.py --frontier                (only: every target against settings of our options;
+                                                          about 8 minutes)
 
 The corpus is ``benchmarks/data/real_runs/`` (its ``manifest.json`` names every run's source): the loss,
 gradient-norm and learning-rate series of 82 public ``transformers.Trainer`` runs and 4 CPU runs of
@@ -427,6 +429,17 @@ def cluster_trace(seed: int, steps: int) -> tuple[sd.Trace, None]:
                                grey=trace.grey & clean), None
 
 
+def synthetic_families(traces: int, steps: int) -> dict[str, list[tuple[sd.Trace, np.ndarray | None]]]:
+    """Every synthetic family's traces (with the learning rate where the family has a schedule), by name."""
+    out = {}
+    for family in FAMILIES + tuple(RESTART_FAMILIES) + tuple(WARMUP_FAMILIES) + (CLUSTER_FAMILY,):
+        out[family] = [restart_trace(seed, steps, family) if family in RESTART_FAMILIES
+                       else warmup_trace(seed, steps, family) if family in WARMUP_FAMILIES
+                       else cluster_trace(seed, steps) if family == CLUSTER_FAMILY
+                       else (sd.make_trace(seed, steps, family), None) for seed in range(traces)]
+    return out
+
+
 def score_synthetic(traces: list[tuple[sd.Trace, np.ndarray | None]], rule: Rule) -> SyntheticScore | None:
     out = SyntheticScore()
     for trace, lrs in traces:
@@ -483,6 +496,62 @@ def agreement_table(series: list[Series]) -> list[str]:
         lines.append(f"| {name[0]} | {name[1]} | {score.caught} of {score.events} "
                      f"| {score.rate():.1f} ({score.benign}) | {', '.join(added) or '-'} |")
     return lines
+
+
+# -------------------------------------------------------------------------------------------- frontier
+# Settings of the detectors' public options, each the move that one measured trade-off of docs/DETECTORS.md makes
+# (the loss's options, the gradient norm's): the frontier table scores each against every target of the real-runs
+# evaluation, so that what one setting gains is read beside what it loses.
+FRONTIER: tuple[tuple[str, dict, dict], ...] = (
+    ("defaults", {}, {}),
+    ("z_threshold=5.5", {"z_threshold": 5.5}, {"z_threshold": 5.5}),
+    ("z_threshold=5", {"z_threshold": 5.0}, {"z_threshold": 5.0}),
+    ("loss start_ratio=1.8", {"start_ratio": 1.8}, {}),
+    ("loss gross_ratio=1.4", {"gross_ratio": 1.4}, {}),
+    ("warmup_drift=False", {"warmup_drift": False}, {"warmup_drift": False}),
+    ("grad-norm gross_ratio=4.5", {}, {"gross_ratio": 4.5}),
+)
+# The targets: every labelled event caught; benign episodes per 10k points at most these; on every synthetic family
+# recall at least FRONTIER_RECALL at most FRONTIER_BENIGN benign episodes per 10k clean steps.
+FRONTIER_CORPUS_BENIGN = {"loss": 0.5, "grad_norm": 2.0}
+FRONTIER_RECALL, FRONTIER_BENIGN = 0.97, 0.2
+
+
+def setting_rule(loss: dict, grad_norm: dict) -> Rule:
+    """Ours with these options (on the loss, on the gradient norm), fed the learning rate."""
+    return lambda values, signal, lrs=None: lr_detector_flags(
+        preset(signal, **(loss if signal == "loss" else grad_norm)), values, lrs)
+
+
+def frontier_table(series: list[Series], families: dict[str, list]) -> list[str]:
+    """One row per setting of FRONTIER: each target's value, a bold value where the target is met, and how many
+    targets are met."""
+    head = ["setting", "loss events", "loss benign / 10k", "grad-norm events", "grad-norm benign / 10k"]
+    head += [f"{family}: recall, benign / 10k" for family in families] + ["targets met"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    total = 4 + len(families)
+    for name, loss, grad_norm in FRONTIER:
+        rule, cells, met = setting_rule(loss, grad_norm), [], 0
+        for signal in SIGNALS:
+            score = CorpusScore()
+            for s in series:
+                if s.signal == signal:
+                    score_series(score, s, rule(s.values, signal, s.lrs))
+            every, quiet = score.caught == score.events, score.rate() <= FRONTIER_CORPUS_BENIGN[signal]
+            met += every + quiet
+            cells += [_bold(f"{score.caught} of {score.events}", every), _bold(f"{score.rate():.1f}", quiet)]
+        for traces in families.values():
+            result = score_synthetic(traces, rule)
+            assert result is not None
+            ok = result.recall.recall_value() >= FRONTIER_RECALL and result.rate() <= FRONTIER_BENIGN
+            met += ok
+            cells.append(_bold(f"{result.recall.recall_value():.3f}, {result.rate():.2f}", ok))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {met} of {total} |")
+    return lines
+
+
+def _bold(text: str, met: bool) -> str:
+    return f"**{text}**" if met else text
 
 
 # ---------------------------------------------------------------------------------------------- reporting
@@ -578,7 +647,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="also write the summary numbers to this file")
     parser.add_argument("--agreement", action="store_true",
                         help="only print the table of a lower gradient-norm bar where the loss agrees (corpus)")
+    parser.add_argument("--frontier", action="store_true",
+                        help="only print the table of the targets against settings of the detectors' options")
     args = parser.parse_args(argv)
+    if args.frontier:
+        t0 = time.perf_counter()
+        text = "\n".join(frontier_table(load_series(), synthetic_families(args.traces, args.steps)) + [
+            "", f"Command: `python benchmarks/real_runs.py {' '.join(argv or [])}`; machine: {cpu_model()}, "
+            f"{os.cpu_count()} cores visible, Python {platform.python_version()}, numpy {np.__version__}; "
+            f"{datetime.date.today().isoformat()}; {time.perf_counter() - t0:.0f} s."])
+        print(text)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text + "\n")
+        return {"frontier": text}
     if args.agreement:
         text = "\n".join(agreement_table(load_series()))
         print(text)
@@ -589,11 +671,7 @@ def main(argv: list[str] | None = None) -> dict:
     series = load_series()
     corpus = score_corpus(series)
     synthetic: dict[str, dict[str, SyntheticScore | None]] = {name: {} for name in RULES}
-    for family in FAMILIES + tuple(RESTART_FAMILIES) + tuple(WARMUP_FAMILIES) + (CLUSTER_FAMILY,):
-        traces = [restart_trace(seed, args.steps, family) if family in RESTART_FAMILIES
-                  else warmup_trace(seed, args.steps, family) if family in WARMUP_FAMILIES
-                  else cluster_trace(seed, args.steps) if family == CLUSTER_FAMILY
-                  else (sd.make_trace(seed, args.steps, family), None) for seed in range(args.traces)]
+    for family, traces in synthetic_families(args.traces, args.steps).items():
         for name, rule in RULES.items():
             synthetic[name][family] = score_synthetic(traces, rule)
 

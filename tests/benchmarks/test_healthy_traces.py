@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,6 +43,19 @@ def test_replay_reports_the_engines_alerts_and_the_unconfirmed_gradient_norm_jum
     assert "| text/7/50 | fresh | - | 50: " in out and "seeds looked at" not in out
     assert "seeds fresh: 0 spike alert(s) on the healthy runs; corrupted batches alerted on their step: 1/1" in out
     assert "| text |" in out.split("corrupted batches: smallest ratio")[1]
+
+
+def test_replay_sets_both_signals_of_the_corrupted_batches_beside_the_healthy_ones_as_large(capsys):
+    """The overlap table: the corrupted batch's loss and norm ratios, and the healthy batches whose loss ratio is at
+    least as large (here one, at step 40, its norm ordinary)."""
+    healthy = _run(None)
+    healthy["train/loss"][40] = (40, healthy["train/loss"][40][1] * 20.0)
+    ht.replay({"text/0/None": healthy, "text/0/50": _run(50)})
+    row = capsys.readouterr().out.split("their gradient-norm ratio |")[2].split("\n")[2]
+    bad = _run(50)
+    loss = 5.6 / statistics.median(v for _, v in bad["train/loss"][45:50])  # over the median of the 5 before
+    norm = 20.0 / 0.95  # the norm alternates 1.05 (even steps) and 0.95 (odd): 3 of the 5 before are 0.95
+    assert row == f"| text | {loss:.2f}-{loss:.2f} | {norm:.2f}-{norm:.2f} | 1 | {1.05 / 0.95:.2f}-{1.05 / 0.95:.2f} |"
 
 
 def test_noise_shape_tells_gaussian_noise_from_log_normal_noise():

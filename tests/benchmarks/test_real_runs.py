@@ -159,3 +159,20 @@ def test_the_agreement_table_bounds_what_a_lower_bar_buys() -> None:
     assert rows[0][0] == "| ours alone" and rows[0][2] == "8 of 10" and rows[0][3].endswith("(1)")
     assert len(rows) == 1 + len(rr.AGREEMENT_BARS)
     assert all(int(row[3].split("(")[1].rstrip(")")) > 1 for row in rows[1:])
+
+
+def test_the_frontier_scores_every_setting_against_every_target() -> None:
+    """``--frontier``: one row per setting; its count of targets met is the number of cells shown met (bold), and the
+    defaults' corpus cells are ours' scores of the main table."""
+    series = rr.load_series()
+    families = rr.synthetic_families(2, 600)
+    rows = [line.strip("| ").split(" | ") for line in rr.frontier_table(series, families)[2:]]
+    assert [row[0] for row in rows] == [name for name, _, _ in rr.FRONTIER]
+    for row in rows:
+        assert len(row) == 6 + len(families)
+        assert row[-1] == f"{sum(cell.startswith('**') for cell in row[1:-1])} of {4 + len(families)}"
+    ours = rr.score_corpus(series)["ours"]
+    loss, grad_norm = ours["loss"], ours["grad_norm"]
+    assert rows[0][1].strip("*") == f"{loss.caught} of {loss.events}"
+    assert rows[0][3].strip("*") == f"{grad_norm.caught} of {grad_norm.events}"
+    assert rows[0][4].strip("*") == f"{grad_norm.rate():.1f}"
