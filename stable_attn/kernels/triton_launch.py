@@ -152,7 +152,7 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode:
     shared memory (``num_stages`` copies). Chosen so that no plain D <= 128 variant spills registers on
     sm_80 or sm_90 (benchmarks/kernel_resources.py) except stabilize off with statistics at D = 64 on
     sm_90 (8 / 32 bytes causal / not on the 128 x 128 tile, which runs at half the static R of the
-    64 x 128 tile that does not spill; docs/BENCHMARKS.md, "Issue 24").
+    64 x 128 tile that does not spill; docs/lab/forward-issue-rate.md, "decisions per 128 keys").
 
     On sm_90, 16-bit, D <= 128, plain variants (``plain``: no window, softcap, padding mask or dropout),
     a 128-key partition (the default, ``options.BLOCK_N``, or ``block_n=128`` set by the user) takes
