@@ -40,6 +40,7 @@ from .. import rules
 from .._checks import interpreting
 from .._ops import TILE_HEAD_DIM, WIDE_TILE_COLS
 from ..options import BLOCK_N, Options
+from .triton_forward import dv_blocks as _dv_blocks
 from .triton_order import causal_constant
 
 # No implicit multiply-add contraction in the forward: P-bar's single rounding is the kernel's explicit
@@ -439,8 +440,9 @@ def packed_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
 
 
 def dv_blocks(consts: dict) -> int:
-    """Programs per (query block, head): one per ``BLOCK_DV`` columns of V (``triton_forward.dv_blocks``)."""
-    return triton.cdiv(consts["HEAD_DV"], consts["BLOCK_DV"])
+    """Programs per (query block, head): one per ``BLOCK_DV`` columns of V. The grid must match the count the
+    forward and decode kernels derive, so it calls their constexpr function (plain Python on the host)."""
+    return _dv_blocks(consts["HEAD_DV"], consts["BLOCK_DV"])
 
 
 def check_heads(Hq: int, v_blocks: int = 1) -> None:
