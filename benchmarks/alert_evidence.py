@@ -1,4 +1,4 @@
-"""What an alert's evidence costs on the step that alerts (issue 26; docs/BENCHMARKS.md, "Alert evidence").
+"""What an alert's evidence costs on the step that alerts (docs/lab/callback-overhead.md, "Alert evidence").
 
 The evidence (stable_attn/monitor/alerts/evidence.py) is gathered only when an alert is delivered, except the loss
 window and the learning rates, kept every step (a deque append and a list of floats), and the per-head

@@ -24,7 +24,7 @@ over trials; ``|t| >= 3`` counts as biased.
     python benchmarks/bias_study.py --device cuda     # GPU: Triton kernel and bf16 tensor-core matmuls
     python benchmarks/bias_study.py --pbar e4m3       # FP8: P-bar and V in E4M3 for the product
 
-``--pbar e4m3`` is the FP8 study (issue 23, item 6): model (d) with ``P-bar`` rounded to E4M3 for the
+``--pbar e4m3`` is the FP8 study: model (d) with ``P-bar`` rounded to E4M3 for the
 product and ``V`` in E4M3 (as FP8 attention kernels take them), on the H100 model's fp8 path
 (``e_fp8_h100``: 32 products a fused block, 13 fraction bits, truncation) and, to separate the two,
 with exact products and fp32 round-to-nearest-even in order (``e_fp8_ieee``); ``O`` stays bf16. Our

@@ -19,14 +19,14 @@ implementation once per round, in a rotated order), and each cell is the median 
 clock and thermal drift hit all implementations alike. TFLOP/s count the visible (query, key)
 pairs: forward ``4 * pairs * D`` per head, backward 2.5x that, forward + backward 3.5x.
 
-Packed documents (issue 14): per D, documents of random lengths (64 to 4096 tokens, fixed seed) that
+Packed documents: per D, documents of random lengths (64 to 4096 tokens, fixed seed) that
 fill the same 16k tokens, causal, bf16, stabilize=True, timed as ``stable_attn.attention_varlen`` on
 the packed ``[total, H, D]`` tensors against ``stable_attn.attention`` on the same documents padded to
 the longest one (``[docs, H, longest, D]`` with a key padding mask: what a padded batch costs). Both
 count the same useful FLOPs (the visible pairs inside the documents); the varlen output and gradients
 are first checked against the padded ones at the real tokens.
 
-Decoding (issue 24): one ``generate()`` step of one layer's attention, one query against a cache of 4k and 32k
+Decoding: one ``generate()`` step of one layer's attention, one query against a cache of 4k and 32k
 keys, B in {1, 32}, 32 query heads on 8 KV heads, D = 128, bf16, no gradient: SDPA-flash (the KV heads repeated
 once, outside the timing, as a GQA model's sdpa path hands them), and ``stable_attn.attention`` with
 ``stabilize=False`` and ``True``, which take the decode kernel (kernels/triton_decode.py: split keys). Reported as

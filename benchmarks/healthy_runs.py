@@ -13,7 +13,7 @@ Tasks (none was used to choose a number of the detector):
 
 - ``memorise``: the tiny byte-level GPT-2 of tests/callbacks/callback_lm.py memorising a period-7 byte
   pattern (random phase per sample) with 0.3% of the bytes random: the loss falls to 0.005-0.2 nats and
-  the batch noise reaches several times the loss (issue 21's kind of run);
+  the batch noise reaches several times the loss;
 - ``small_batch``: the same model on the Python documentation text (callback_lm.py), batches of 2 chunks
   of 32 bytes, lr 3e-3 from random weights: a noisy loss at 2-3 nats;
 - ``text``: callback_lm.py's own run, 8 chunks per batch, from random weights;

@@ -1,4 +1,4 @@
-"""``on_spike="recover"`` on a CPU run with an injected bad data window (issue 26, item 4).
+"""``on_spike="recover"`` on a CPU run with an injected bad data window.
 
 Run:  python benchmarks/recovery_run.py              (4 runs of ~600 steps; a few minutes on 1 thread)
       python benchmarks/recovery_run.py --batches 400

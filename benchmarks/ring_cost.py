@@ -1,4 +1,4 @@
-"""What one snapshot of the ``on_spike="recover"`` ring costs, in host memory and on disk (issue 26, item 1).
+"""What one snapshot of the ``on_spike="recover"`` ring costs, in host memory and on disk.
 
 Run:  python benchmarks/ring_cost.py                       (50M parameters, AdamW; about 10 s)
       python benchmarks/ring_cost.py --params 200 --repeats 3

@@ -39,7 +39,7 @@ per-step noise at step t):
   traces (AR(1), phi 0.2-0.8, sigma(t) is its marginal deviation) and whose level changes abruptly
   (x0.4-2.5 at 1-3 random steps); clusters of hard batches (2-8 steps in a row at 2-4 sigma, plus the
   isolated ones); and events from step 20 on, inside the steep first descent.
-- **scale/noise** (issue 21's kind, never tuned on; :func:`scale_curve_noise`): held-out curves rescaled
+- **scale/noise** (never tuned on; :func:`scale_curve_noise`): held-out curves rescaled
   to end at 0.001-10 nats, white noise of 1-50% of the loss, relative or absolute, drifting +-50%, benign
   3-sigma outliers; scored twice on the same draws: with Gaussian noise added in linear space, and with
   the noise made log-normal at the same size (:func:`multiplicative`), the shape real noisy runs have.
@@ -94,7 +94,7 @@ FA_TARGET = 0.2  # false alarms per 10,000 clean steps
 # revision it closes (10000: the first; 20000: the second, when the first had been seen; 30000: the
 # third, when all three earlier held-out sets had been looked at).
 FRESH_SEEDS = (10_000, 20_000, 30_000)
-SCALE_FAMILIES = ("scale", "scale_lognormal")  # issue 21's held-out kind: additive (Gaussian) or log-normal noise
+SCALE_FAMILIES = ("scale", "scale_lognormal")  # the scale/noise held-out kind: additive (Gaussian) or log-normal noise
 
 
 @dataclass
@@ -177,7 +177,7 @@ def heldout_noise(
 
 
 def scale_curve_noise(rng: np.random.Generator, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Issue 21's held-out kind (never tuned on): a held-out curve rescaled to end at 0.001-10 nats
+    """The scale/noise held-out kind (never tuned on): a held-out curve rescaled to end at 0.001-10 nats
     (log-uniform), white noise of 1-50% of the loss (log-uniform; relative to the curve in half the
     traces, of fixed size in nats, i.e. absolute, in the other half) whose size drifts by +-50% over
     200-800 steps; in 30% of the traces the tuning family's data-mixture rise (``make_trace``)."""
@@ -493,7 +493,7 @@ def main() -> None:
     for start in FRESH_SEEDS:
         fresh = [make_trace(start + seed, args.steps, "heldout") for seed in range(n_held)]
         families.append((f"fresh held-out (seeds {start}+)", fresh))
-    # issue 21: loss scale 0.001-10 nats, noise 1-50% (relative or absolute) drifting +-50%, 3-sigma outliers
+    # loss scale 0.001-10 nats, noise 1-50% (relative or absolute) drifting +-50%, 3-sigma outliers
     scale_traces = [make_trace(seed, args.steps, "scale") for seed in range(n_held)]
     families.append(("scale/noise held-out (issue 21)", scale_traces))
     # the same traces (same curves, noise sizes, events) with log-normal noise: the shape of real noisy runs

@@ -53,6 +53,7 @@ from .. import stats as _stats
 from ..options import Options
 from ..stats import RowStats
 from . import triton_launch as launch
+from .triton_tiles import key_range
 
 MODE_OFF = gl.constexpr(rules.MODE_OFF)
 MODE_EXACT = gl.constexpr(rules.MODE_EXACT)
@@ -121,23 +122,17 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_re
 
 @gluon.jit
 def _key_blocks(Nq, Nk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
-    """This program's rows and key blocks: ``(q_lo, pos_offset, lo, mid_hi, hi)``, ``triton_tiles.key_range``
-    without a window: ``[lo, hi)`` holds every visible key, ``[lo, mid_hi)`` the blocks every row sees in full."""
+    """This program's rows and key blocks: ``(q_lo, pos_offset, lo, mid_hi, hi)``. ``[lo, hi)`` holds every visible
+    key, ``[lo, mid_hi)`` the blocks every row sees in full: ``triton_tiles.key_range`` without a window, called
+    rather than copied so both forwards walk the same blocks (a ``triton.jit`` function called from Gluon compiles
+    with Gluon's semantics; this one takes and returns scalars only)."""
     if CAUSAL:  # the longest query blocks first (triton_order.query_block)
         start_m = gl.num_programs(0) - 1 - gl.program_id(0)
     else:
         start_m = gl.program_id(0)
     q_lo = start_m * BM
     pos_offset = Nk - Nq  # causal is aligned bottom-right
-    q_last = gl.minimum(q_lo + BM, Nq) - 1
-    hi = Nk
-    full_hi = (Nk // BN) * BN
-    if CAUSAL:
-        hi = gl.maximum(gl.minimum(Nk, q_last + pos_offset + 1), 0)
-        full_hi = gl.minimum(full_hi, (gl.maximum(q_lo + pos_offset + 1, 0) // BN) * BN)
-    hi = gl.cdiv(hi, BN) * BN
-    lo = hi * 0
-    mid_hi = gl.minimum(gl.maximum(full_hi, lo), hi)
+    lo, mid_lo, mid_hi, hi = key_range(q_lo, Nq, Nk, pos_offset, 0, CAUSAL, False, BM, BN)
     return q_lo, pos_offset, lo, mid_hi, hi
 
 

@@ -40,6 +40,7 @@ from .. import rules
 from .._checks import interpreting
 from .._ops import TILE_HEAD_DIM, WIDE_TILE_COLS
 from ..options import BLOCK_N, Options
+from .triton_forward import dv_blocks as _dv_blocks
 from .triton_order import causal_constant
 
 # No implicit multiply-add contraction in the forward: P-bar's single rounding is the kernel's explicit
@@ -152,7 +153,7 @@ def fwd_config(block_d: int, block_n: int, dtype: torch.dtype, cc: int, *, mode:
     shared memory (``num_stages`` copies). Chosen so that no plain D <= 128 variant spills registers on
     sm_80 or sm_90 (benchmarks/kernel_resources.py) except stabilize off with statistics at D = 64 on
     sm_90 (8 / 32 bytes causal / not on the 128 x 128 tile, which runs at half the static R of the
-    64 x 128 tile that does not spill; docs/BENCHMARKS.md, "Issue 24").
+    64 x 128 tile that does not spill; docs/lab/forward-issue-rate.md, "decisions per 128 keys").
 
     On sm_90, 16-bit, D <= 128, plain variants (``plain``: no window, softcap, padding mask or dropout),
     a 128-key partition (the default, ``options.BLOCK_N``, or ``block_n=128`` set by the user) takes
@@ -439,8 +440,9 @@ def packed_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
 
 
 def dv_blocks(consts: dict) -> int:
-    """Programs per (query block, head): one per ``BLOCK_DV`` columns of V (``triton_forward.dv_blocks``)."""
-    return triton.cdiv(consts["HEAD_DV"], consts["BLOCK_DV"])
+    """Programs per (query block, head): one per ``BLOCK_DV`` columns of V. The grid must match the count the
+    forward and decode kernels derive, so it calls their constexpr function (plain Python on the host)."""
+    return _dv_blocks(consts["HEAD_DV"], consts["BLOCK_DV"])
 
 
 def check_heads(Hq: int, v_blocks: int = 1) -> None:

@@ -7,7 +7,7 @@ the CPU, the tiny byte-level GPT-2 of callback_lm.py, real text.
 - ``stable-attn report`` on the run directory shows the alert the callback wrote;
 - a healthy low-loss run (memorising a pattern, loss 0.005-0.2 nats with batch noise up to several times
   the loss) with ``on_spike="skip"`` skips nothing and ends with the weights of the run that only warns,
-  and a corrupted batch in it is still skipped (issue 21).
+  and a corrupted batch in it is still skipped.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_the_report_shows_the_alert_of_a_default_run(tmp_path, pretrained, capsy
     assert f"| alerts: spike | {n_spikes} |" in md
 
 
-# ---------------------------------------------------------------- issue 21: a healthy low-loss run
+# ---------------------------------------------------------------- a healthy low-loss run
 def fit_periodic(tmp_path, steps: int, on_spike: str, seed: int = 1, corrupt=()):
     received: list[Alert] = []
     cb = StableAttentionCallback(on_spike=on_spike, on_alert=received.append)
@@ -94,12 +94,12 @@ def fit_periodic(tmp_path, steps: int, on_spike: str, seed: int = 1, corrupt=())
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_healthy_low_loss_run_skips_nothing(tmp_path, seed):
-    # Before issue 21 the gross rule (1.25x the median of 5) and the jump rules, blind to this noise,
-    # flagged 30-35 of 200 healthy steps from step ~60 on, and "skip" dropped 68-72 updates. With the
-    # noise-relative bars seeds 1 and 2 still skipped 1 and 5 (a batch with several random bytes, the
-    # Poisson tail of a noise whose median lies far below its mean, read as a jump at 0.1 nats); since the
+    # Why the bars are noise-relative and gated: a fixed gross rule (1.25x the median of 5) and jump rules
+    # blind to this noise flag 30-35 of 200 healthy steps from step ~60 on, and "skip" drops 68-72 updates.
+    # Noise-relative bars alone still skip 1 and 5 steps at seeds 1 and 2 (a batch with several random bytes,
+    # the Poisson tail of a noise whose median lies far below its mean, read as a jump at 0.1 nats); the
     # noisy-loss gate (noisy_progress_share=0.1: at 10-14% noise such a batch undoes 3-6% of the progress)
-    # none, and skip leaves the weights as the run that only warns.
+    # leaves none, and skip leaves the weights as the run that only warns.
     module, cb, received = fit_periodic(tmp_path, 200, "skip", seed=seed)
     assert cb.skipped_steps == [], [a.format() for a in received]
     assert [a for a in received if a.kind == "spike"] == [], [a.format() for a in received]

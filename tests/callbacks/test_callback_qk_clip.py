@@ -1,4 +1,4 @@
-"""StableAttentionCallback(qk_clip=tau) end to end in a Lightning Trainer on the CPU (issue 25).
+"""StableAttentionCallback(qk_clip=tau) end to end in a Lightning Trainer on the CPU.
 
 Tiny GPT-2 (fused ``c_attn``) and Llama (GQA) built with ``attn_implementation="stable_attn"``, their attention
 weights scaled up so tau sits between the heads' max logits (qk_clip_lm.py). Every optimizer step's edit is

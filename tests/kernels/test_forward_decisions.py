@@ -210,7 +210,7 @@ def test_running_second_max_gives_the_count_verdict():
 
 @pytest.mark.parametrize("mode", [rules.MODE_EXACT, rules.MODE_PAPER])
 def test_default_partition_is_128_keys_in_both_backends(mode):
-    """The default key partition is 128 keys (issue 24) in the PyTorch path and in the kernel on the tile
+    """The default key partition is 128 keys in the PyTorch path and in the kernel on the tile
     the launcher picks: a tie between keys 60 and 70 (one 128-key block, two 64-key blocks) fires the
     rule by default and with ``block_n=128``, never with ``block_n=64``; both backends count the same
     fixed blocks."""

@@ -4,7 +4,9 @@ Gluon kernels do not run under ``TRITON_INTERPRET=1`` in Triton 3.9, so its numb
 (benchmarks/gluon_check.py, first step of benchmarks/gpu_check.sh, against kernels/reference.py and the current
 kernel's decisions). On the CPU: it compiles for sm_90 and sm_100 into the pipelines it is written as
 (producer/consumer split with its register budgets, TMA, wgmma or tcgen05, mbarriers; on sm_90 no spill; the figures
-of docs/lab/gluon-forward.md), and calls it does not serve raise naming the argument.
+of docs/lab/gluon-forward.md), calls it does not serve raise naming the argument, and the key blocks it walks
+(``triton_tiles.key_range``, which the Triton kernels call too; run under the interpreter) are checked against every
+visible (query row, key) pair.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from stable_attn import rules
 from stable_attn.kernels import gluon_forward
+from stable_attn.kernels.triton_tiles import key_range
 from stable_attn.options import Options
 from stable_attn.stats import STATS_ENTROPY
 
@@ -122,3 +128,52 @@ def test_the_launcher_takes_it_only_when_asked_and_served(monkeypatch, caplog):
     monkeypatch.setenv("STABLE_ATTN_FORWARD", "fast")
     with pytest.raises(ValueError, match="STABLE_ATTN_FORWARD='fast'.*'gluon'"):
         triton_attention.forward(q, k, v, None, opts, True)
+
+
+@triton.jit
+def _key_range_kernel(QLo, Nq, Nk, Window, Out, N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    i = tl.arange(0, N)
+    nq = tl.load(Nq + i)
+    nk = tl.load(Nk + i)
+    ranges = key_range(tl.load(QLo + i), nq, nk, nk - nq, tl.load(Window + i), CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    for j in tl.static_range(4):
+        tl.store(Out + 4 * i + j, ranges[j])
+
+
+def _blocks(keys: np.ndarray, block_n: int) -> list[int]:
+    return sorted({int(j) // block_n * block_n for j in keys})
+
+
+@pytest.mark.parametrize("block_m, block_n", [(128, 128), (128, 64), (64, 64), (16, 128), (32, 32)])
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_blocks_are_those_with_a_visible_key(causal, window, block_m, block_n):
+    """``triton_tiles.key_range``, which the Triton kernels and the Gluon forward's ``_key_blocks`` (no window, 128 x
+    128) call, against every (query row, key) pair of the row block, causal and window aligned bottom-right
+    (``pos_offset = Nk - Nq``): ``[lo, hi)`` walks exactly the blocks holding a key some real row sees, and
+    ``[mid_lo, mid_hi)`` exactly the blocks every row of the ``BLOCK_M`` tile sees in full (the window's bound
+    taken from the tile's last row, present or not: never a block a real row sees only in part). Odd lengths,
+    more queries than keys (causal rows that see nothing) and the row blocks at both ends."""
+    lengths = (1, 7, 62, 64, 65, 100, 129, 300)  # Nk - Nq = +-1, 2, 3: diagonals by a block edge
+    windows = (1, 5, 64, 1000) if window else (0,)
+    cases = [(q_lo, nq, nk, w) for nq in lengths for nk in lengths for w in windows for q_lo in range(0, nq, block_m)]
+    n = triton.next_power_of_2(len(cases))
+    cols = [torch.tensor([c[i] for c in cases] + [cases[0][i]] * (n - len(cases)), dtype=torch.int32)
+            for i in range(4)]
+    out = torch.full((n, 4), -1, dtype=torch.int32)
+    _key_range_kernel[(1,)](*cols, out, N=n, CAUSAL=causal, WINDOW=window, BLOCK_M=block_m, BLOCK_N=block_n)
+    for (q_lo, nq, nk, w), (lo, mid_lo, mid_hi, hi) in zip(cases, out.tolist()):
+        keys = np.arange(nk)[None, :]
+        pos = np.arange(q_lo, q_lo + block_m)[:, None] + nk - nq  # each row's diagonal key
+        seen = np.ones((block_m, nk), dtype=bool)
+        if causal:
+            seen &= keys <= pos
+        if window:
+            seen &= keys > pos - w
+        real = seen[: min(block_m, nq - q_lo)]
+        where = f"q_lo={q_lo}, Nq={nq}, Nk={nk}, window={w}: {lo, mid_lo, mid_hi, hi}"
+        assert lo <= mid_lo <= mid_hi <= hi and all(x % block_n == 0 for x in (lo, mid_lo, mid_hi, hi)), where
+        assert list(range(lo, hi, block_n)) == _blocks(np.flatnonzero(real.any(axis=0)), block_n), where
+        in_full = [b for b in range(0, nk, block_n) if b + block_n <= nk and seen[:, b:b + block_n].all()]
+        assert list(range(mid_lo, mid_hi, block_n)) == in_full, where

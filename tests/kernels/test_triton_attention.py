@@ -214,7 +214,7 @@ def test_off_without_statistics_takes_wide_key_tiles(D, causal, Nk, monkeypatch)
     o64 = naive.attention(qd, kd, vd, causal=causal, scale=opts.scale)
     no_worse_than_reference(out, r_out, o64, dtype, "out")
     # a rule or statistics see the partition: on the default 128-key partition the same 128 x 128 tile, its
-    # key block the partition's (block_n None); a forced 64-key partition keeps issue 11's tiles (with a
+    # key block the partition's (block_n None); a forced 64-key partition keeps its own tiles (with a
     # rule two blocks per K tile at D = 128, one per iteration of a 4-warp, 128-row tile at D = 64)
     for kw in (dict(mode=rules.MODE_EXACT), dict(mode=rules.MODE_EXACT, block_n=64), dict(block_n=64)):
         ta.forward(q, k, v, None, opts_for(D, causal, **{"mode": rules.MODE_OFF, **kw}), False)
@@ -228,8 +228,8 @@ def test_off_without_statistics_takes_wide_key_tiles(D, causal, Nk, monkeypatch)
 @pytest.mark.parametrize("mode", [rules.MODE_EXACT, rules.MODE_PAPER, rules.MODE_OFF])
 def test_128_key_partition_takes_the_128_wide_tile(D, mode):
     """The default partition (128 keys) and ``block_n=128`` set by the user get the same sm_90 tile,
-    128 x 128 with 8 warps, in every mode, with and without statistics (before issue 24 a user's
-    ``block_n=128`` got a 64 x 128 tile); a forced 64-key partition keeps issue 11's tiles."""
+    128 x 128 with 8 warps, in every mode, with and without statistics; a forced 64-key partition keeps
+    its own tiles (128 x 128 with two 64-key blocks and 8 warps at D = 128, 128 x 64 with 4 warps at D = 64)."""
     assert Options().key_block == 128
     for stats in (False, True):
         tiles = {forced: launch.launch_constants("fwd", D, torch.bfloat16, 90, causal=True, window=False, softcap=False,

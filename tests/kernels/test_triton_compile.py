@@ -87,7 +87,7 @@ def test_representative_variants_compile(representative, i):
     check(REPRESENTATIVE[i], representative[i])
 
 
-# Issue 11's static targets for the backward on Hopper (bf16, causal): wgmma, no spills, and at D=128
+# The backward's static targets on Hopper (bf16, causal): wgmma, no spills, and at D=128
 # an issue-to-tensor clock ratio R (triton_aot.describe) of at most 0.80 for both gradient kernels.
 BACKWARD_TARGETS = [Variant(kind, BF16, d, True, cc=90) for kind in ("bwd_dkdv", "bwd_dq") for d in (64, 128)]
 
@@ -158,7 +158,7 @@ def test_blackwell_targets_fit_their_shared_memory():
         assert r["limit"] == launch.SHARED_LIMIT[v.cc] and r["spill_bytes"] == 0, f"{v.name}: {r}"
 
 
-# Issue 11's off target (bf16, sm_90): stabilize off without statistics, 128-key tiles whatever the
+# The off target (bf16, sm_90): stabilize off without statistics, 128-key tiles whatever the
 # partition (no rule sees it), R <= 0.65 at D = 128, wgmma and no spills at D = 64 / 128 either way.
 OFF_TARGETS = [Variant("fwd", BF16, 128, True, OFF, False, 90), Variant("fwd", BF16, 64, False, OFF, False, 90)]
 
@@ -171,9 +171,9 @@ def test_forward_off_wide_key_tiles():
             assert r["R"] <= 0.65, f"{v.name}: R = {r['R']:.2f} > 0.65 (loop of {r['loop_sass']} SASS per warp)"
 
 
-# Issue 24's forward targets on Hopper (bf16, causal and not, D = 64 / 128): the default 128-key partition
+# The forward's targets on Hopper (bf16, causal and not, D = 64 / 128): the default 128-key partition
 # on the 128 x 128 tile, 8 warps, in every mode; zero spills and wgmma; R(exact) <= 1.20 R(off) at both
-# (docs/BENCHMARKS.md), R(exact + stats) <= 1.05 R(exact), and issue 11's absolute targets: exact R <= 0.80
+# (docs/BENCHMARKS.md), R(exact + stats) <= 1.05 R(exact), and the absolute targets: exact R <= 0.80
 # / 1.25, exact + stats <= 0.88 / 1.35, off <= 0.65 at D = 128.
 RATIO_TARGET = 1.20
 WIDE = [Variant("fwd", BF16, d, causal, mode, stats, 90)
@@ -210,23 +210,24 @@ def test_forward_128_key_partition_targets(wide, v):
             assert r["R"] <= 1.05 * exact["R"], f"{v.name}: R = {r['R']:.3f} > 1.05 x {exact['R']:.3f}"
 
 
-# D = 64 was the last to meet it (1.21x / 1.22x until the row sum's two accumulators, triton_launch.row_sum_parts)
+# D = 64 is the tightest case: without the row sum's two accumulators (triton_launch.row_sum_parts) its exact
+# mode exceeds the bound (1.21x / 1.22x causal / not; docs/lab/forward-issue-rate.md)
 @pytest.mark.parametrize("causal", [True, False])
 def test_forward_d64_exact_within_20_percent_of_off(wide, causal):
     off, exact = (wide[Variant("fwd", BF16, 64, causal, mode, False, 90).name] for mode in (OFF, EXACT))
     assert exact["R"] <= RATIO_TARGET * off["R"], f"R(exact) {exact['R']:.3f} > {RATIO_TARGET} x R(off) {off['R']:.3f}"
 
 
-# A 64-key partition set by the user keeps issue 11's tiles (bf16, sm_90): at D = 128 two 64-key blocks
+# A 64-key partition set by the user keeps its own tiles (bf16, sm_90): at D = 128 two 64-key blocks
 # per 128-key tile, the rule per block; at D = 64 one warpgroup over 128 query rows and one 64-key block
-# per iteration; wgmma, no spills; issue 11's bounds (exact 0.80 / 1.25, exact + stats 0.88 / 1.35).
+# per iteration; wgmma, no spills; the absolute bounds (exact 0.80 / 1.25, exact + stats 0.88 / 1.35).
 FORCED_64 = [Variant("fwd", BF16, 128, True, EXACT, False, 90, block_n=64),
              Variant("fwd", BF16, 128, True, EXACT, True, 90, block_n=64),
              Variant("fwd", BF16, 64, True, EXACT, False, 90, block_n=64),
              Variant("fwd", BF16, 64, True, EXACT, True, 90, block_n=64)]
 
 
-def test_forward_forced_64_key_partition_keeps_issue_11_tiles():
+def test_forward_forced_64_key_partition_keeps_its_tiles():
     for v, r in zip(FORCED_64, describe_in_subprocess(FORCED_64), strict=True):
         check(v, r)
         tile = (128, 128, 8) if v.head_dim == 128 else (128, 64, 4)

@@ -14,7 +14,8 @@ from stable_attn.monitor import names
 from stable_attn.monitor.config import MonitorConfig
 from stable_attn.monitor.engine import MonitorEngine
 
-# The defaults as they were when the arguments were spelt out in three constructors (issue 29): unchanged.
+# Every argument's default, written out once here: MonitorConfig owns them, the constructors and their
+# docstrings take them from it, and a changed default must fail this test.
 DEFAULTS = {
     "on_spike": "warn", "log_every_n_steps": None, "swap": True, "patch_sdpa": False, "loss_detector": None,
     "grad_norm_detector": None, "monitor_grad_norm": True, "attention_stats": True, "early_warnings": True,
@@ -23,7 +24,7 @@ DEFAULTS = {
     "lr_factor": 1.0, "lr_steps": 100, "max_recoveries": 3, "cooldown_steps": 50, "on_alert": None, "webhook_url": None,
     "webhook_timeout": 2.0, "webhook_headers": None, "alerts_file": names.ALERTS_FILE, "layer_window": 10,
     "not_training_after": 10, "not_training_stop_after": 100,
-    # issue 21: the cap and cool-down of spike actions, added last
+    # the spike actions' cap, cool-down and confirmation
     "spike_action_cap": 10, "spike_action_cooldown": 20, "spike_confirm_steps": 3,
     "diagnose_spikes": False, "qk_clip": None,
     "qk_clip_alpha": 0.5, "device_skip": False,

@@ -156,7 +156,7 @@ def test_probe_h100_reports_every_layer_from_the_labs_functions(monkeypatch):
     for layer, (q, k, v, rows, fix, kw, out) in zip([x for x in report.layers for _ in (0, 1)], calls):
         assert layer.rows == 100 and layer.rows_total == seen_rows and rows.shape == (100, 3)
         r = layer.fixes[fix]
-        # the kernel's partition with the rule (128 keys, issue 24); off with a padding mask the 64-key tile
+        # the kernel's partition with the rule (the default 128 keys); off with a padding mask the 64-key tile
         assert r.key_block == (128 if fix == "ours" else 64)
         # the reported O statistics are those of the lab's output against the oracle on the same rows
         exact = probe_mod.naive.attention(q, k, v, **kw_without_model(kw))[rows[:, 0], rows[:, 1], rows[:, 2]]

@@ -104,7 +104,7 @@ def test_tensor_core_attention_scores_are_tensor_core_products():
 
 
 def test_kernel_key_block_follows_the_launcher():
-    # the rule's modes walk the 128-key partition everywhere (issue 24); stabilize off, which no rule sees,
+    # the rule's modes walk the default 128-key partition everywhere; stabilize off, which no rule sees,
     # the kernel's tile: 128 keys on sm_90's plain variants, 64 on A100 and with a padding mask
     for gpu in ("h100", "a100", "ieee"):
         for fix in ("ours", "paper"):

@@ -1,4 +1,4 @@
-"""StableAttentionTrainerCallback(qk_clip=tau) end to end in a transformers.Trainer on the CPU (issue 25).
+"""StableAttentionTrainerCallback(qk_clip=tau) end to end in a transformers.Trainer on the CPU.
 
 The tiny models and the exact per-step edit check are tests/callbacks/qk_clip_lm.py's (the Lightning tests use
 them too). The Trainer numbers a step by the update it makes (1-based): metrics, alerts and skips use it.

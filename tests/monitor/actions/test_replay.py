@@ -1,4 +1,4 @@
-"""stable_attn.monitor.actions.replay and pv_fp32 (issue 26, item 3): replay a spiking step three ways and say
+"""stable_attn.monitor.actions.replay and pv_fp32: replay a spiking step three ways and say
 whether the spike is the attention numerics or the data; the fp32-P-bar-V variant of the PyTorch path;
 diagnose_spikes."""
 

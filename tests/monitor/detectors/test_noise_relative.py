@@ -1,4 +1,4 @@
-"""Issue 21: detectors judged against the run's own noise, flagged values re-entering the baseline, the
+"""Detectors judged against the run's own noise, flagged values re-entering the baseline, the
 re-baseline by share, and the cap on spike actions."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def noisy_loss(seed: int, level: float, cv: float, steps: int = 1500, additive: 
 @pytest.mark.parametrize("cv", [0.01, 0.3, 1.0])
 @pytest.mark.parametrize("additive", [False, True])
 def test_silent_at_any_loss_scale_and_noise_level(level, cv, additive):
-    # Before issue 21, 0.3 and 1.0 of noise raised hundreds of gross alerts per 1,500 steps at every level.
+    # Bars blind to the run's noise raise hundreds of gross alerts per 1,500 steps at 0.3 and 1.0 of noise,
+    # at every level.
     for seed in range(2):
         assert run(SpikeDetector(), noisy_loss(seed, level, cv, additive=additive)) == [], (seed, level, cv)
 
