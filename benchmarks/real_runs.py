@@ -89,7 +89,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # machine.py, sp
 import spike_detection as sd  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
-from stable_attn.monitor import SpikeDetector  # noqa: E402
+from stable_attn.monitor import SpikeDetector, names  # noqa: E402
+from stable_attn.monitor.verdict import RankReading, StepJudge  # noqa: E402
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "real_runs")
 SIGNALS = ("loss", "grad_norm")
@@ -265,6 +266,40 @@ RULES: dict[str, Rule] = {
 
 
 # ------------------------------------------------------------------------------------------------ scores
+# The row of what a user sees: both signals of a run judged together, as the callbacks' engine judges them.
+ENGINE_ROW = "ours, as the engine alerts (both signals judged together)"
+
+
+def engine_flags(series: list[Series]) -> dict[tuple[str, str], np.ndarray]:
+    """Per (run, signal), the points the engine treats as spikes: each logged step's loss and gradient norm judged
+    together by the engine's ``StepJudge`` (the callbacks' detectors, ``on_spike="warn"``, the learning rate), so a
+    gradient-norm jump counts only where the loss confirms it (``monitor/verdict.py``); a step that logs one signal
+    is judged on that one. No GradScaler is assumed (a non-finite norm is a spike)."""
+    runs: dict[str, dict[str, Series]] = {}
+    for s in series:
+        runs.setdefault(s.run, {})[s.signal] = s
+    out = {}
+    for run, both in runs.items():
+        at = {signal: {int(step): i for i, step in enumerate(s.steps.tolist())} for signal, s in both.items()}
+        flags = {signal: np.zeros(len(s.values), dtype=bool) for signal, s in both.items()}
+        judge = StepJudge("warn", preset("loss"), preset("grad_norm"))
+        for step in sorted(set().union(*at.values())):
+            i, j = at.get("loss", {}).get(step), at.get("grad_norm", {}).get(step)
+            lrs = [float(both[signal].lrs[k]) for signal, k in (("loss", i), ("grad_norm", j))
+                   if k is not None and both[signal].lrs is not None]
+            reading = RankReading(float(both["loss"].values[i]) if i is not None else math.nan,
+                                  float(both["grad_norm"].values[j]) if j is not None else math.nan,
+                                  has_loss=i is not None)
+            judged = judge.judge(step, [reading], has_norm=j is not None, scaler=False,
+                                 lr=lrs[0] if lrs else math.nan)
+            if i is not None:
+                flags["loss"][i] = bool(judged.events[names.LOSS])
+            if j is not None:  # one rank: its norm's event counts unless it went unconfirmed
+                flags["grad_norm"][j] = bool(judged.events[names.GRAD_NORM]) and not judged.unconfirmed
+        out.update({(run, signal): f for signal, f in flags.items()})
+    return out
+
+
 def episodes(flags: np.ndarray) -> list[tuple[int, int]]:
     """Maximal runs of consecutive flagged points, as (first index, last index)."""
     out, start = [], None
@@ -314,13 +349,19 @@ def score_series(score: CorpusScore, series: Series, flags: np.ndarray) -> None:
 
 
 def score_corpus(series: list[Series]) -> dict[str, dict[str, CorpusScore]]:
+    """Every rule's scores per signal, and right after ours the engine's (ENGINE_ROW)."""
     out: dict[str, dict[str, CorpusScore]] = {}
+    engine = engine_flags(series)
     for name, rule in RULES.items():
         for s in series:
             flags = rule(s.values, s.signal, s.lrs)
             if flags is None:
                 continue
             score_series(out.setdefault(name, {}).setdefault(s.signal, CorpusScore()), s, flags)
+        if name == "ours":
+            for s in series:
+                score_series(out.setdefault(ENGINE_ROW, {}).setdefault(s.signal, CorpusScore()), s,
+                             engine[(s.run, s.signal)])
     return out
 
 
@@ -474,7 +515,7 @@ def agreement_table(series: list[Series]) -> list[str]:
     for s in series:
         runs.setdefault(s.run, {})[s.signal] = s
     lines = ["| norm bar R_n | loss bar R_l | events caught | benign episodes / 10k points "
-             "| points added outside ours |", "|---|---|---|---|---|"]
+             "| points added outside ours (the first 6) |", "|---|---|---|---|---|"]
     for bar_norm, bar_loss in ((0.0, 0.0),) + AGREEMENT_BARS:
         score, added = CorpusScore(), []
         for run, both in runs.items():
@@ -494,7 +535,7 @@ def agreement_table(series: list[Series]) -> list[str]:
             score_series(score, norm, flags)
         name = ("ours alone", "-") if not bar_norm else (f"{bar_norm:g}", f"{bar_loss:g}")
         lines.append(f"| {name[0]} | {name[1]} | {score.caught} of {score.events} "
-                     f"| {score.rate():.1f} ({score.benign}) | {', '.join(added) or '-'} |")
+                     f"| {score.rate():.1f} ({score.benign}) | {_some(added)} |")
     return lines
 
 
@@ -554,6 +595,12 @@ def _bold(text: str, met: bool) -> str:
     return f"**{text}**" if met else text
 
 
+def _some(points: list[str], shown: int = 6) -> str:
+    """The first ``shown`` points and how many more."""
+    more = f" and {len(points) - shown} more" if len(points) > shown else ""
+    return (", ".join(points[:shown]) + more) or "-"
+
+
 # ---------------------------------------------------------------------------------------------- reporting
 def corpus_table(scores: dict[str, dict[str, CorpusScore]], signal: str) -> list[str]:
     first = next(iter(scores.values()))[signal]
@@ -608,15 +655,16 @@ def kind_table(results: dict[str, dict[str, SyntheticScore | None]]) -> list[str
 
 def event_table(series: list[Series]) -> list[str]:
     """Per labelled event and signal: the step of each rule's first flag inside the window ('-': missed)."""
-    names = [n for n in RULES]
-    lines = ["| run | event | signal | steps | " + " | ".join(names) + " |", "|---|---|---|---|" + "---|" * len(names)]
+    engine = engine_flags(series)
+    heads = [h for name in RULES for h in ((name, ENGINE_ROW) if name == "ours" else (name,))]
+    lines = ["| run | event | signal | steps | " + " | ".join(heads) + " |", "|---|---|---|---|" + "---|" * len(heads)]
     for s in series:
         for event in s.events:
             lo, hi = event["steps"]
             window = (s.steps >= lo) & (s.steps <= hi)
             cells = []
-            for rule in RULES.values():
-                flags = rule(s.values, s.signal, s.lrs)
+            for name in heads:
+                flags = engine[(s.run, s.signal)] if name == ENGINE_ROW else RULES[name](s.values, s.signal, s.lrs)
                 hits = np.nonzero(window & flags)[0] if flags is not None else []
                 cells.append("n/a" if flags is None else (str(int(s.steps[hits[0]])) if len(hits) else "missed"))
             lines.append(f"| {s.run} | {event['kind']} | {s.signal} | {lo}-{hi} | " + " | ".join(cells) + " |")

@@ -105,7 +105,7 @@ def test_short_benchmark_scores_every_rule_on_every_signal(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "**Loss, real runs**" in text and "**Gradient norm, real runs**" in text
     corpus = summary["corpus"]
-    assert set(corpus) == set(rr.RULES)
+    assert set(corpus) == set(rr.RULES) | {rr.ENGINE_ROW}
     for name, per in corpus.items():
         assert set(per) == ({"grad_norm"} if name.startswith("cosmos") else set(rr.SIGNALS))
         for s in per.values():
@@ -153,12 +153,15 @@ def test_holding_the_drift_in_a_warm_up_trades_a_real_event_for_quiet_warm_ups()
 
 
 def test_the_agreement_table_bounds_what_a_lower_bar_buys() -> None:
-    """``--agreement``: ours alone catches 8 of the 10 gradient-norm events at 1 benign episode; every lower bar where
-    the loss agrees adds benign episodes (the small-batch run's hard batches move both signals)."""
-    rows = [line.split(" | ") for line in rr.agreement_table(rr.load_series())[2:]]
-    assert rows[0][0] == "| ours alone" and rows[0][2] == "8 of 10" and rows[0][3].endswith("(1)")
+    """``--agreement``: the first row is ours alone (its gradient-norm score of the main table); every lower bar where
+    the loss agrees adds benign episodes (hard batches move both signals)."""
+    series = rr.load_series()
+    ours = rr.score_corpus(series)["ours"]["grad_norm"]
+    rows = [line.split(" | ") for line in rr.agreement_table(series)[2:]]
+    assert rows[0][0] == "| ours alone" and rows[0][2] == f"{ours.caught} of {ours.events}"
+    assert rows[0][3].endswith(f"({ours.benign})")
     assert len(rows) == 1 + len(rr.AGREEMENT_BARS)
-    assert all(int(row[3].split("(")[1].rstrip(")")) > 1 for row in rows[1:])
+    assert all(int(row[3].split("(")[1].rstrip(")")) > ours.benign for row in rows[1:])
 
 
 def test_the_frontier_scores_every_setting_against_every_target() -> None:
@@ -176,3 +179,23 @@ def test_the_frontier_scores_every_setting_against_every_target() -> None:
     assert rows[0][1].strip("*") == f"{loss.caught} of {loss.events}"
     assert rows[0][3].strip("*") == f"{grad_norm.caught} of {grad_norm.events}"
     assert rows[0][4].strip("*") == f"{grad_norm.rate():.1f}"
+
+
+def test_the_engine_row_alerts_a_gradient_norm_jump_only_where_the_loss_confirms_it() -> None:
+    """ENGINE_ROW: a run's loss and norm judged together. A norm jump with an ordinary loss is flagged by the norm's
+    detector but not by the engine; with the loss up at the same step both are; a step logging one signal is judged
+    on it."""
+    steps = np.arange(0, 400, 2)
+    loss = noisy(len(steps), seed=1) * (1.0 + 2.0 * np.exp(-steps / 100.0))  # a run that makes progress
+    norm = noisy(len(steps), seed=2)
+    norm[150] *= 20.0  # alone
+    norm[170] *= 20.0
+    loss[170] *= 3.0  # with the loss
+    series = [rr.Series("r", "loss", steps, loss), rr.Series("r", "grad_norm", steps[:-10], norm[:-10])]
+    flags = rr.engine_flags(series)
+    alone = rr.ours_flags(norm[:-10], "grad_norm")
+    assert alone[150] and alone[170]
+    assert np.flatnonzero(flags[("r", "grad_norm")]).tolist() == [170]
+    assert np.flatnonzero(flags[("r", "loss")]).tolist() == [170]
+    assert np.flatnonzero(rr.ours_flags(loss, "loss")).tolist() == [170]
+    assert len(flags[("r", "loss")]) == len(steps) and len(flags[("r", "grad_norm")]) == len(steps) - 10

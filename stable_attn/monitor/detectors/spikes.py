@@ -90,6 +90,10 @@ _FIRST_VALUES = 5
 # ``noisy_progress_share`` of the run's progress: a loss that has fallen far below its start and is that
 # noisy has healthy batches of a few times its level (docs/DETECTORS.md, "A low, noisy loss").
 NOISY_RELATIVE_NOISE = 0.05
+# Progress (the fall from the run's start to its baseline) counts only beyond this many noise sigmas per update:
+# on a loss that has not moved, start and baseline differ by noise alone, and a share over that difference read an
+# ordinary value as undoing the progress twice over (and so confirmed every gradient-norm jump; monitor/verdict.py).
+_MIN_PROGRESS_NOISE = 3.0
 # The drift sum divides its increments by sqrt((1 + rho) / (1 - rho)) for the residuals' lag-1
 # autocorrelation rho (the long-run standard deviation of an AR(1) in units of its marginal one),
 # with rho capped here: beyond it a "noise" is a trend the forecast should follow.
@@ -647,19 +651,38 @@ class SpikeDetector:
         """The share of the run's progress that ``value`` undoes: its rise over the current baseline (the
         forecast, never below the lowest recent value) over the fall from the run's start (the median of
         its first 5 finite values) to that baseline. None before a baseline, or while the metric is not
-        below its start. On the tasks of ``benchmarks/healthy_traces.py`` a corrupted batch undid 0.91 to
-        3.0 of the progress, healthy batches at most 0.05 (memorisation), 0.29 (text) and 1.05 (batches
-        of two short chunks)."""
+        below its start by more than 3 noise sigmas per update (a fall within the noise is no progress).
+        On the tasks of ``benchmarks/healthy_traces.py`` a corrupted batch undid 0.91 to 3.0 of the
+        progress, healthy batches at most 0.05 (memorisation), 0.29 (text) and 1.05 (batches of two
+        short chunks)."""
         if self._level is None:
             return None
         floor = min(self._window) if self._window else -math.inf
         return self._share(value, self._to_value(max(self._level + self._trend, floor)))
 
+    @property
+    def stalled(self) -> bool:
+        """True once the noise window is full (32 finite values) and the metric has not fallen from the run's start
+        (the median of its first 5) by more than 3 noise sigmas per update: it has made no progress a share could be
+        measured in. Before that the run is young, not stalled (a loss takes some updates to start falling)."""
+        if self._level is None or self._seen <= _NOISE_WINDOW:
+            return False
+        floor = min(self._window) if self._window else -math.inf
+        base = self._to_value(max(self._level + self._trend, floor))
+        return median(self._first) - base <= _MIN_PROGRESS_NOISE * self._noise_in_units(base)
+
     def _share(self, value: float, base: float) -> float | None:
         if len(self._first) < min(_FIRST_VALUES, self.gross_warmup):
             return None
         progress = median(self._first) - base
-        return (value - base) / progress if progress > 0.0 else None
+        if progress <= _MIN_PROGRESS_NOISE * self._noise_in_units(base):
+            return None  # no progress beyond the noise: a share of it would be a ratio of noise
+        return (value - base) / progress
+
+    def _noise_in_units(self, level: float) -> float:
+        """The run's measured noise per update in the metric's units, at ``level``."""
+        rel, absolute = self._window_noise()
+        return max(rel, absolute) * abs(level) if self.log_space else rel
 
     def _material(self, value: float, reference: float) -> bool:
         """A rise to ``value`` from ``reference`` (transformed) undoes at least the share of the run's progress
