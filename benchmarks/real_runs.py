@@ -117,6 +117,7 @@ class Series:
     values: np.ndarray
     events: list[dict] = field(default_factory=list)  # manifest events of this signal
     lrs: np.ndarray | None = None  # the learning rate at each point (NaN where the run did not log it)
+    blind: bool = False  # labelled before any detector ran on it, after every detector change: never tuned on
 
 
 def load_manifest(folder: str = CORPUS) -> dict:
@@ -138,7 +139,7 @@ def load_series(folder: str = CORPUS) -> list[Series]:
             events = [e for e in run["events"] if signal in e["signals"]]
             steps, values, lrs = (np.array(column) for column in zip(*kept))
             out.append(Series(run["id"], signal, steps.astype(int), values, events,
-                              None if np.isnan(lrs).all() else lrs))
+                              None if np.isnan(lrs).all() else lrs, bool(run.get("blind", False))))
     return out
 
 
@@ -718,6 +719,8 @@ def main(argv: list[str] | None = None) -> dict:
     verified = sd.verify_lightning_reimplementation(args.verify_steps) if args.verify_steps else 0
     series = load_series()
     corpus = score_corpus(series)
+    blind = [s for s in series if s.blind]
+    corpus_blind = score_corpus(blind)
     synthetic: dict[str, dict[str, SyntheticScore | None]] = {name: {} for name in RULES}
     for family, traces in synthetic_families(args.traces, args.steps).items():
         for name, rule in RULES.items():
@@ -726,6 +729,11 @@ def main(argv: list[str] | None = None) -> dict:
     lines = corpus_summary(series) + [""]
     for signal, title in (("loss", "Loss"), ("grad_norm", "Gradient norm")):
         lines += [f"**{title}, real runs**", ""] + corpus_table(corpus, signal) + [""]
+    runs = len({s.run for s in blind})
+    for signal, title in (("loss", "Loss"), ("grad_norm", "Gradient norm")):
+        lines += [f"**{title}, the {runs} runs labelled blind** (added and labelled after every detector change, "
+                  "before any detector ran on them: data no rule was tuned on)", ""]
+        lines += corpus_table(corpus_blind, signal) + [""]
     lines += ["**Labelled events: the step of each rule's first flag in the event's window**", ""]
     lines += event_table(series) + [""]
     lines += [f"**Loss, synthetic families** ({args.traces} traces x {args.steps} steps each; "
@@ -745,13 +753,17 @@ def main(argv: list[str] | None = None) -> dict:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
+    def scores(table: dict[str, dict[str, CorpusScore]]) -> dict:
+        return {name: {signal: {"runs": s.runs, "runs_alerted": s.runs_alerted, "points": s.points,
+                                "benign_episodes": s.benign, "benign_per_10k": s.rate(), "flagged": s.flagged,
+                                "events": s.events, "caught": s.caught,
+                                "mean_delay": float(np.mean(s.delays)) if s.delays else None,
+                                "benign_at": s.benign_at}
+                       for signal, s in per.items()} for name, per in table.items()}
+
     summary = {
-        "corpus": {name: {signal: {"runs": s.runs, "runs_alerted": s.runs_alerted, "points": s.points,
-                                   "benign_episodes": s.benign, "benign_per_10k": s.rate(), "flagged": s.flagged,
-                                   "events": s.events, "caught": s.caught,
-                                   "mean_delay": float(np.mean(s.delays)) if s.delays else None,
-                                   "benign_at": s.benign_at}
-                          for signal, s in per.items()} for name, per in corpus.items()},
+        "corpus": scores(corpus),
+        "corpus_blind": scores(corpus_blind),
         "synthetic": {name: {family: None if s is None else {
             "benign_per_10k": s.rate(), "traces_alerted": s.traces_alerted, "traces": s.traces,
             "recall": s.recall.recall_value()} for family, s in per.items()} for name, per in synthetic.items()},

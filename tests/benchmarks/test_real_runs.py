@@ -40,6 +40,7 @@ def test_corpus_is_whole_sourced_and_keeps_held_out_owners_out():
         steps = [int(r["step"]) for r in rows]
         assert steps == sorted(set(steps)) and len(rows) == run["points"], run["id"]
         assert all(math.isfinite(float(r["loss"])) for r in rows)
+        assert run.get("blind", False) in (True, False)
         logged = {s for s in rr.SIGNALS if any(r[s] for r in rows)}
         assert set(run["signals"]) == logged
         for item in run["context"] + run["events"]:
@@ -106,6 +107,10 @@ def test_short_benchmark_scores_every_rule_on_every_signal(tmp_path, capsys):
     assert "**Loss, real runs**" in text and "**Gradient norm, real runs**" in text
     corpus = summary["corpus"]
     assert set(corpus) == set(rr.RULES) | {rr.ENGINE_ROW}
+    assert "labelled blind**" in text and set(summary["corpus_blind"]) == set(corpus)
+    for name, per in summary["corpus_blind"].items():  # a part of the corpus
+        for signal, s in per.items():
+            assert 0 < s["points"] < corpus[name][signal]["points"] and s["events"] <= corpus[name][signal]["events"]
     for name, per in corpus.items():
         assert set(per) == ({"grad_norm"} if name.startswith("cosmos") else set(rr.SIGNALS))
         for s in per.values():
