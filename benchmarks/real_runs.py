@@ -20,7 +20,9 @@ Rules (each is given exactly what its source does; none is tuned here):
 - **ours**: ``SpikeDetector.loss()`` on the loss and ``SpikeDetector.grad_norm()`` on the gradient norm, as
   ``MonitorEngine`` builds them, each value with the run's learning rate at that point (as the engine passes the
   optimizer's); a point is flagged when ``update`` returns an event. A reference row: the same without the
-  learning rate (a loop that does not pass it). Another (not a default): ``warmup_drift=False``, no drift alert
+  learning rate (a loop that does not pass it). ``ENGINE_ROW``: what the engine alerts, each logged step's loss and
+  gradient norm judged together by its ``StepJudge`` (a gradient-norm jump counts only where the loss confirms it;
+  no GradScaler assumed, so a non-finite norm counts). Another (not a default): ``warmup_drift=False``, no drift alert
   while a warm-up's learning rate rises. Another (not a default): the same with ``gross_z=0``, the gross
   rule's ratio without its noise bar. Another:
   ``rising_noise=False, start_ratio=None``, the gradient-norm detector before it measured its noise on rises only
@@ -569,7 +571,7 @@ def frontier_table(series: list[Series], families: dict[str, list]) -> list[str]
     """One row per setting of FRONTIER: each target's value, a bold value where the target is met, and how many
     targets are met."""
     head = ["setting", "loss events", "loss benign / 10k", "grad-norm events", "grad-norm benign / 10k"]
-    head += [f"{family}: recall, benign / 10k" for family in families] + ["targets met"]
+    head += [f"{family} (loss): recall, benign / 10k" for family in families] + ["targets met"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     total = 4 + len(families)
     for name, loss, grad_norm in FRONTIER:

@@ -10,9 +10,7 @@ The rules, in one place:
 - a spike (loss or gradient norm, on any rank) drops the update unless ``on_spike="warn"``;
 - a gradient-norm jump (rules ``gross`` and ``jump``) is a spike only when the loss confirms it: the loss
   is flagged at the same step (any rank), or the rank's loss undoes at least ``GRAD_NORM_CONFIRM_SHARE``
-  (half) of the run's progress (:meth:`SpikeDetector.progress_share`), or the rank's loss is
-  :attr:`~SpikeDetector.stalled` (it has not fallen beyond its noise after 32 values: a share of no progress is no
-  measure, so the loss neither confirms nor denies and the norm's detector decides). Alone it is counted
+  (half) of the run's progress (:meth:`SpikeDetector.progress_share`). Alone it is counted
   (``Judgement.unconfirmed``, the engine's summary), not alerted or acted on: healthy small-batch runs
   jump 4-30x in one step with an ordinary loss, while every corrupted batch measured raised the loss
   (``benchmarks/healthy_traces.py``, docs/DETECTORS.md). A gradient-norm drift, and a NaN or inf, need no
@@ -273,8 +271,6 @@ class StepJudge:
         # Measured before the loss enters its detector: against the baseline the value is judged by.
         shares = {rank: loss_det[rank].progress_share(r.loss) for rank, r in enumerate(rows)
                   if r.has_loss and math.isfinite(r.loss)}
-        # A loss that has made no progress beyond its noise can neither confirm nor deny: its share is no measure.
-        stalled = {rank for rank, r in enumerate(rows) if r.has_loss and loss_det[rank].stalled}
         baselines = {names.LOSS: {rank: getattr(loss_det[rank], "baseline", None)
                                   for rank, r in enumerate(rows) if r.has_loss}}
         if has_norm:
@@ -290,7 +286,7 @@ class StepJudge:
         loss_events = [(rank, e) for rank, e in loss_events if e is not None]
         norm_events = [(rank, e) for rank, e in norm_events if e is not None]
         flagged = {names.LOSS: dict(loss_events), names.GRAD_NORM: dict(norm_events)}  # before confirmation
-        norm_events, unconfirmed = self._confirmed(norm_events, bool(loss_events), shares, stalled)
+        norm_events, unconfirmed = self._confirmed(norm_events, bool(loss_events), shares)
         bad_grad_ranks = [] if scaler else [rank for rank, r in enumerate(rows) if r.bad_grads]
         nonfinite_loss = any(r.has_loss and not math.isfinite(r.loss) for r in rows)
         nonfinite = nonfinite_loss or bool(bad_grad_ranks)
@@ -338,12 +334,12 @@ class StepJudge:
         return out
 
     def _confirmed(self, events: list[tuple[int, SpikeEvent]], loss_flagged: bool,
-                   shares: dict[int, float | None], stalled: set[int]) -> tuple[list[tuple[int, SpikeEvent]], int]:
+                   shares: dict[int, float | None]) -> tuple[list[tuple[int, SpikeEvent]], int]:
         """The gradient-norm events that count as spikes (see the module) and how many did not."""
         kept = []
         for rank, event in events:
             share = shares.get(rank)
-            if (loss_flagged or confirms_itself(event) or rank in stalled
+            if (loss_flagged or confirms_itself(event)
                     or (share is not None and share >= GRAD_NORM_CONFIRM_SHARE)):
                 kept.append((rank, event))
         # A confirmed event after unconfirmed ones of the same episode is the first one alerted.

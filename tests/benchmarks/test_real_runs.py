@@ -184,23 +184,43 @@ def test_the_frontier_scores_every_setting_against_every_target() -> None:
     assert rows[0][1].strip("*") == f"{loss.caught} of {loss.events}"
     assert rows[0][3].strip("*") == f"{grad_norm.caught} of {grad_norm.events}"
     assert rows[0][4].strip("*") == f"{grad_norm.rate():.1f}"
+    assert rows[0][2].strip("*") == f"{loss.rate():.1f}"
+    # bold exactly where met
+    assert rows[0][2].startswith("**") == (loss.rate() <= rr.FRONTIER_CORPUS_BENIGN["loss"])
+    assert rows[0][4].startswith("**") == (grad_norm.rate() <= rr.FRONTIER_CORPUS_BENIGN["grad_norm"])
+    assert rows[0][3].startswith("**") == (grad_norm.caught == grad_norm.events)
+    assert any(row[1:-1] != rows[0][1:-1] for row in rows[1:])  # the settings reach the detectors
 
 
 def test_the_engine_row_alerts_a_gradient_norm_jump_only_where_the_loss_confirms_it() -> None:
-    """ENGINE_ROW: a run's loss and norm judged together. A norm jump with an ordinary loss is flagged by the norm's
-    detector but not by the engine; with the loss up at the same step both are; a step logging one signal is judged
-    on it."""
-    steps = np.arange(0, 400, 2)
-    loss = noisy(len(steps), seed=1) * (1.0 + 2.0 * np.exp(-steps / 100.0))  # a run that makes progress
-    norm = noisy(len(steps), seed=2)
-    norm[150] *= 20.0  # alone
-    norm[170] *= 20.0
-    loss[170] *= 3.0  # with the loss
-    series = [rr.Series("r", "loss", steps, loss), rr.Series("r", "grad_norm", steps[:-10], norm[:-10])]
+    """ENGINE_ROW: a run's loss and norm judged together, matched by step (the norm logged at other steps than the
+    loss in part: steps with one signal are judged on it). A norm jump with an ordinary loss is flagged by the norm's
+    detector but not by the engine; with the loss up at the same step both are; the learning rate reaches the
+    detectors (a restart the engine follows, without which the loss flags it)."""
+    loss_steps = np.arange(0, 600, 2)
+    norm_steps = np.concatenate([np.arange(0, 400, 2), np.arange(401, 600, 2)])  # from 401 on, steps of its own
+    loss = noisy(len(loss_steps), seed=1) * (1.0 + 2.0 * np.exp(-loss_steps / 100.0))  # a run that makes progress
+    norm = noisy(len(norm_steps), seed=2)
+    norm[150] *= 20.0  # step 300: alone
+    norm[170] *= 20.0  # step 340: with the loss
+    loss[170] *= 3.0
+    lrs = np.where(loss_steps < 480, 1e-3 * (1.0 - loss_steps / 480.0) + 1e-6, 1e-3)  # a restart at step 480
+    restart = loss_steps >= 480
+    loss[restart] *= 1.0 + 0.8 * np.exp(-(loss_steps[restart] - 480) / 30.0)  # the loss jumps with it, settles
+    norm_lrs = np.interp(norm_steps, loss_steps, lrs)
+    series = [rr.Series("r", "loss", loss_steps, loss, lrs=lrs),
+              rr.Series("r", "grad_norm", norm_steps, norm, lrs=norm_lrs)]
     flags = rr.engine_flags(series)
-    alone = rr.ours_flags(norm[:-10], "grad_norm")
+    alone = rr.ours_flags(norm, "grad_norm", norm_lrs)
     assert alone[150] and alone[170]
     assert np.flatnonzero(flags[("r", "grad_norm")]).tolist() == [170]
     assert np.flatnonzero(flags[("r", "loss")]).tolist() == [170]
-    assert np.flatnonzero(rr.ours_flags(loss, "loss")).tolist() == [170]
-    assert len(flags[("r", "loss")]) == len(steps) and len(flags[("r", "grad_norm")]) == len(steps) - 10
+    assert np.flatnonzero(rr.ours_flags(loss, "loss", lrs)).tolist() == [170]
+    assert len(np.flatnonzero(rr.ours_flags(loss, "loss"))) > 1  # without the learning rate the restart is flagged
+    assert len(flags[("r", "loss")]) == len(loss_steps) and len(flags[("r", "grad_norm")]) == len(norm_steps)
+    norm_only = np.flatnonzero(flags[("r", "grad_norm")][200:])  # steps 401+: judged on the norm alone
+    assert norm_only.tolist() == []
+    jumpy = norm.copy()
+    jumpy[250] *= 30.0  # step 501, a norm-only step: nothing can confirm it
+    assert not rr.engine_flags([series[0], rr.Series("r", "grad_norm", norm_steps, jumpy, lrs=norm_lrs)])[
+        ("r", "grad_norm")][250]

@@ -87,7 +87,6 @@ def main(weights: str, out: str, monitor_grad_norm: bool = True) -> None:
         "global_step": trainer.global_step,
         "skipped_steps": cb.skipped_steps,
         "alert_count": cb.alert_count,
-        "unconfirmed": cb.engine.unconfirmed_grad_norm_jumps,
         "unchanged_at_bad": probe.before == probe.after,
         "final": digest(module),
         "had_dispatcher": probe.had_dispatcher,

@@ -155,11 +155,7 @@ def _hint(detector: SpikeDetector, event: SpikeEvent) -> float:
 
 
 def share_bound(detector: SpikeDetector, share: float) -> float:
-    """The smallest loss whose :meth:`~SpikeDetector.progress_share` is at least ``share``; inf where none is; -inf
-    while the loss is :attr:`~SpikeDetector.stalled` (the judge then lets every loss confirm: verdict.py)."""
-    if detector.stalled:
-        return -math.inf
-
+    """The smallest loss whose :meth:`~SpikeDetector.progress_share` is at least ``share``; inf where none is."""
     def below(value: float) -> bool:
         got = detector.progress_share(value)
         return got is None or not got >= share
@@ -179,7 +175,7 @@ def keep_factor(table: torch.Tensor, bounds: torch.Tensor, *, has_norm: bool, sc
     :class:`~stable_attn.monitor.verdict.RankReading` row ``[world, 4]``; ``bounds``: ``[world, len(COLUMNS)]``;
     ``act``: a spike drops the update (``on_spike="skip"`` below its cap). The judge's rules (verdict.py) on tensors:
     a NaN or inf drops always; a loss flag on any rank is a spike; a gradient-norm flag is one when its rule confirms
-    itself, or the loss is flagged on some rank, or the rank's loss undoes half the progress (or is stalled)."""
+    itself, or the loss is flagged on some rank, or the rank's loss undoes half the progress."""
     loss, norm, has_loss, bad = table.reshape(-1, RankReading.WIDTH).unbind(1)
     lo, hi, share, glo, ghi, gcond = bounds.reshape(-1, len(COLUMNS)).unbind(1)
     has_loss = has_loss > 0.5
