@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
@@ -37,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from stable_attn import rules  # noqa: E402
 from stable_attn.kernels import decode_plan  # noqa: E402
 from stable_attn.kernels import triton_decode as td  # noqa: E402
-from stable_attn.kernels.triton_aot import CUOBJDUMP, parse_sass, sass_of, steady_loop  # noqa: E402
+from stable_attn.kernels.triton_aot import parse_sass, resource_usage, sass_of, steady_loop  # noqa: E402
 from stable_attn.options import BLOCK_N, MODE_NAMES  # noqa: E402
 
 _FP32_PTRS = {"Acc", "Lsum", "Roff", "Mmax"}
@@ -72,16 +69,10 @@ def compile_row(cc: int, d: int, mode: int, causal: bool, groups: int, nq: int, 
     kernel = triton.compile(ASTSource(fn=td.attn_decode_kernel, signature=sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", cc, 32), options=opts)
     cubin = kernel.asm["cubin"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "decode.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        dump = subprocess.run([CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True,
-                              check=True).stdout
-    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump))
+    usage = resource_usage(cubin)
     loop = steady_loop(parse_sass(sass_of(cubin)))
     return dict(cc=cc, d=d, mode=MODE_NAMES[mode], causal=causal, rows=consts["BLOCK_M"], block_n=block_n,
-                warps=opts["num_warps"], regs=int(fields["REG"]), spill=int(fields["STACK"]) + int(fields["LOCAL"]),
+                warps=opts["num_warps"], regs=usage["regs"], spill=usage["stack"] + usage["local"],
                 shared=kernel.metadata.shared, loop_sass=loop.sass, loop_mma=loop.mma,
                 issue_per_key=opts["num_warps"] * loop.sass / block_n)
 

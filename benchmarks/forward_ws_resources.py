@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -60,19 +58,13 @@ def compile_one(kernel: str, cc: int, d: int, mode: int, causal: bool) -> dict:
         return row
     row["compile_s"] = time.perf_counter() - t0
     cubin = compiled.asm["cubin"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        dump = subprocess.run([triton_aot.CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True,
-                              check=True).stdout
-    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump))
+    usage = triton_aot.resource_usage(cubin)
     sass = triton_aot.sass_of(cubin)
     try:
         loop = triton_aot.steady_loop(triton_aot.parse_sass(sass))
     except ValueError:  # no loop issues matrix instructions itself (a partition's loop waits on another's)
         loop = None
-    row.update(regs=int(fields["REG"]), spill=int(fields["STACK"]) + int(fields["LOCAL"]),
+    row.update(regs=usage["regs"], spill=usage["stack"] + usage["local"],
                shared=compiled.metadata.shared, loop_sass=loop and loop.sass, loop_mma=loop and loop.mma,
                **{name: bool(re.search(pattern, sass)) for name, pattern in MARKERS.items()})
     return row

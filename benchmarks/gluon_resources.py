@@ -23,7 +23,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -73,20 +72,14 @@ def error_line(err: Exception) -> str:
 def describe(compiled) -> dict:
     """Registers, spills, shared memory, steady loop and the pipeline markers of a compiled kernel."""
     cubin = compiled.asm["cubin"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        dump = subprocess.run([triton_aot.CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True,
-                              check=True).stdout
-    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump))
+    usage = triton_aot.resource_usage(cubin)
     sass = triton_aot.sass_of(cubin)
     try:
         loop = triton_aot.steady_loop(triton_aot.parse_sass(sass))
     except ValueError:  # no loop issues matrix instructions
         loop = None
     setmaxnreg = sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\S+\s+(?:\w+,\s*)?(0x[0-9a-f]+)", sass)})
-    return dict(regs=int(fields["REG"]), spill=int(fields["STACK"]) + int(fields["LOCAL"]),
+    return dict(regs=usage["regs"], spill=usage["stack"] + usage["local"],
                 shared=compiled.metadata.shared, loop_sass=loop and loop.sass, loop_mma=loop and loop.mma,
                 setmaxnreg_values=setmaxnreg,
                 **{name: bool(re.search(pattern, sass)) for name, pattern in MARKERS.items()})

@@ -351,10 +351,12 @@ def score_series(score: CorpusScore, series: Series, flags: np.ndarray) -> None:
     score.benign_at += [(series.run, int(series.steps[a]), b - a + 1) for a, b in benign]
 
 
-def score_corpus(series: list[Series]) -> dict[str, dict[str, CorpusScore]]:
-    """Every rule's scores per signal, and right after ours the engine's (ENGINE_ROW)."""
+def score_corpus(series: list[Series], engine: dict[tuple[str, str], np.ndarray] | None = None
+                 ) -> dict[str, dict[str, CorpusScore]]:
+    """Every rule's scores per signal, and right after ours the engine's (ENGINE_ROW; ``engine``: its flags, from
+    :func:`engine_flags` of these series or more, computed here without)."""
     out: dict[str, dict[str, CorpusScore]] = {}
-    engine = engine_flags(series)
+    engine = engine_flags(series) if engine is None else engine
     for name, rule in RULES.items():
         for s in series:
             flags = rule(s.values, s.signal, s.lrs)
@@ -656,9 +658,9 @@ def kind_table(results: dict[str, dict[str, SyntheticScore | None]]) -> list[str
     return lines
 
 
-def event_table(series: list[Series]) -> list[str]:
-    """Per labelled event and signal: the step of each rule's first flag inside the window ('-': missed)."""
-    engine = engine_flags(series)
+def event_table(series: list[Series], engine: dict[tuple[str, str], np.ndarray]) -> list[str]:
+    """Per labelled event and signal: the step of each rule's first flag inside the window ('-': missed);
+    ``engine``: :func:`engine_flags` of the series."""
     heads = [h for name in RULES for h in ((name, ENGINE_ROW) if name == "ours" else (name,))]
     lines = ["| run | event | signal | steps | " + " | ".join(heads) + " |", "|---|---|---|---|" + "---|" * len(heads)]
     for s in series:
@@ -720,9 +722,10 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     verified = sd.verify_lightning_reimplementation(args.verify_steps) if args.verify_steps else 0
     series = load_series()
-    corpus = score_corpus(series)
+    engine = engine_flags(series)  # per run: the blind runs' flags are theirs
+    corpus = score_corpus(series, engine)
     blind = [s for s in series if s.blind]
-    corpus_blind = score_corpus(blind)
+    corpus_blind = score_corpus(blind, engine)
     synthetic: dict[str, dict[str, SyntheticScore | None]] = {name: {} for name in RULES}
     for family, traces in synthetic_families(args.traces, args.steps).items():
         for name, rule in RULES.items():
@@ -737,7 +740,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "before any detector ran on them: data no rule was tuned on)", ""]
         lines += corpus_table(corpus_blind, signal) + [""]
     lines += ["**Labelled events: the step of each rule's first flag in the event's window**", ""]
-    lines += event_table(series) + [""]
+    lines += event_table(series, engine) + [""]
     lines += [f"**Loss, synthetic families** ({args.traces} traces x {args.steps} steps each; "
               "benign episodes per 10k clean steps, recall of spikes >= 8 sigma, mean delay in steps)", ""]
     lines += synthetic_table(synthetic) + [""]

@@ -302,6 +302,19 @@ def tiling(v: Variant) -> tuple[int, int, int]:
     return consts["BLOCK_M"], consts.get("TILE_N", consts.get("BLOCK_N", 0)), opts["num_warps"]
 
 
+def resource_usage(cubin: bytes, path: str | None = None) -> dict[str, int]:
+    """``{"regs", "stack", "local"}`` of a compiled kernel, read by ``cuobjdump --dump-resource-usage`` from its
+    cubin (written to ``path``, kept there; a temporary file without one)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = path or os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        dump = subprocess.run([CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True,
+                              check=True).stdout
+    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump))
+    return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"])}
+
+
 def describe(v: Variant, cubin_dir: str | None = None) -> dict:
     """Compile ``v`` and report shared memory, registers, spills (cubin via cuobjdump), wgmma use and,
     for the gradient and forward kernels, the steady-state loop and its issue/tensor ratio ``R``.
@@ -312,20 +325,15 @@ def describe(v: Variant, cubin_dir: str | None = None) -> dict:
     kernel = compile_variant(v)
     seconds = time.perf_counter() - t0
     cubin = kernel.asm["cubin"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(cubin_dir or tmp, v.name + ".cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        dump = subprocess.run([CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True,
-                              check=True).stdout
-    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump))
+    path = os.path.join(cubin_dir, v.name + ".cubin") if cubin_dir else None
+    usage = resource_usage(cubin, path)
     block_m, block_n, warps = tiling(v)
     row = dict(variant=v.name, kernel=v.kind, d=v.head_dim, dv=v.value_dim or v.head_dim, dtype=_encode(v)["dtype"],
                causal=v.causal,
                mode=v.mode_name if v.kind in ("fwd", "decode") else None, stats=v.stats, cc=v.cc, block_m=block_m,
                block_n=block_n, warps=warps, shared=kernel.metadata.shared, limit=SHARED_LIMIT[v.cc],
-               regs=int(fields["REG"]), stack=int(fields["STACK"]), local=int(fields["LOCAL"]),
-               spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]), wgmma="wgmma" in kernel.asm["ptx"],
+               regs=usage["regs"], stack=usage["stack"], local=usage["local"],
+               spill_bytes=usage["stack"] + usage["local"], wgmma="wgmma" in kernel.asm["ptx"],
                cubin_bytes=len(cubin), cubin=os.path.abspath(path) if cubin_dir else None, compile_s=seconds,
                loop_sass=None, loop_mma=None, mma_clk=None, issue_clk=None, R=None)
     looped = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "bwd_fused_atomic", "decode")

@@ -1,8 +1,9 @@
 """``spike_confirm_steps``: ``"rollback"``, ``"stop"`` and ``"recover"`` wait for a spike that lasts.
 
 Acting on a spike's first step, a healthy run's single hard batch stopped 7 of the 18 healthy runs of
-benchmarks/healthy_traces.py's replay when this rule was made; a run that is lost spikes step after step. The spike's first steps have their
-update dropped as under ``"skip"``, so the weights the rollback or stop keeps are those it would have kept at once.
+benchmarks/healthy_traces.py's replay when this rule was made; a run that is lost spikes step after step.
+The spike's first steps have their update dropped as under ``"skip"``, so the weights the rollback or stop
+keeps are those it would have kept at once.
 """
 
 from __future__ import annotations
